@@ -1,0 +1,101 @@
+"""Devices: how a pool's bytes are mapped and made durable (DESIGN §5).
+
+One backend per file, behind the interface in base.py, chosen once when a pool is opened:
+
+  pmem      PMDK's libpmem (devices/pmem.py): DAX devices, fsdax files, any file libpmem maps
+  msync     mmap + msync (devices/msync.py): plain files when libpmem is missing
+  emulated  a memory-backed file standing in for CXL memory (cxltrain.emulation)
+
+`auto` picks: a character device (device DAX) → pmem; a file on tmpfs/hugetlbfs → emulated;
+anything else → pmem when libpmem is installed, else msync.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from ..errors import DeviceError
+from ..knobs import KNOBS
+from .base import Device
+from .libpmem import load as load_libpmem
+from .mounts import mount_of
+from .msync import MsyncDevice
+
+BACKENDS = ("auto", "pmem", "msync", "emulated")
+
+
+def resolve_backend(path: str, requested: str | None = None) -> str:
+    """The backend `auto` (or the `device` knob) maps `path` with."""
+    kind = requested or KNOBS.device
+    if kind not in BACKENDS:
+        raise DeviceError(f"unknown device backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+    if kind != "auto":
+        return kind
+    if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
+        return "pmem"
+    mount = mount_of(path)
+    if mount is not None and mount.is_memory_backed:
+        return "emulated"
+    return "pmem" if load_libpmem() is not None else "msync"
+
+
+def device_size(fd: int, path: str) -> int:
+    """Size in bytes of a regular file, or of a device DAX character device (from sysfs)."""
+    st = os.fstat(fd)
+    if stat.S_ISCHR(st.st_mode):
+        sysfs = f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/size"
+        try:
+            with open(sysfs) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            raise DeviceError(f"{path}: character device, but its size is not in {sysfs}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DeviceError(f"{path}: neither a regular file nor a DAX character device")
+    return st.st_size
+
+
+def create_file(path: str, size: int) -> int:
+    """Create `path` with `size` bytes allocated up front; returns an O_RDWR fd.
+
+    posix_fallocate reserves every block now, so a full disk fails here with a clear message
+    instead of as SIGBUS in the middle of training.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise DeviceError(f"{path}: already exists") from None
+    except OSError as e:
+        raise DeviceError(f"{path}: cannot create: {e.strerror}") from None
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DeviceError(f"{path}: not enough space for a {size}-byte pool") from None
+        raise DeviceError(f"{path}: cannot allocate {size} bytes: {e.strerror}") from None
+    return fd
+
+
+def map_device(path: str, fd: int, size: int, *, writable: bool, backend: str | None = None) -> Device:
+    """Map an open pool file or device. Read-only mappings always use plain mmap."""
+    if not writable:
+        return MsyncDevice(path, fd, size, writable=False)
+    kind = resolve_backend(path, backend)
+    if kind == "pmem":
+        pmem = load_libpmem()
+        if pmem is None:
+            raise DeviceError(f"{path}: the pmem backend needs PMDK's libpmem (package libpmem1)")
+        from .pmem import PmemDevice
+
+        return PmemDevice(pmem, path, size)
+    if kind == "emulated":
+        from ..emulation import EmulatedCXLDevice
+
+        return EmulatedCXLDevice(path, fd, size)
+    return MsyncDevice(path, fd, size, writable=True)
+
+
+__all__ = ["Device", "BACKENDS", "create_file", "device_size", "map_device", "resolve_backend"]

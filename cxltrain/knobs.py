@@ -1,0 +1,68 @@
+"""All tunables in one place.
+
+Each knob has a default, an environment override (`CXLTRAIN_<NAME>`), and can be changed for a
+block of code with `override(...)`, which restores the old values even when the block raises:
+
+    with knobs.override(device="msync"):
+        pool = Pool.create(path, size)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator
+
+
+@dataclasses.dataclass
+class Knobs:
+    # Which device backend maps a pool: auto | pmem | msync | emulated (see cxltrain.devices).
+    device: str = "auto"
+    # Where `cxltrain train` puts its emulated CXL pool when no --pool is given; "" = /dev/shm,
+    # or the temp folder where there is no /dev/shm.
+    pool_dir: str = ""
+    # Region alignment in bytes: at least a page, so a region can be mapped and msync'ed alone.
+    region_align: int = 4096
+    # Table rows start on this byte boundary, so flushing a row never splits a cache line with its
+    # neighbour (DESIGN §3).
+    row_align: int = 64
+    # Directory entries reserved when a pool is created (one per region).
+    dir_capacity: int = 256
+    # Threads torch uses for training; fixed so reductions are reproducible (DESIGN §4).
+    threads: int = 2
+
+
+def _from_env(defaults: Knobs) -> Knobs:
+    values = {}
+    for field in dataclasses.fields(Knobs):
+        raw = os.environ.get(f"CXLTRAIN_{field.name.upper()}")
+        if raw is None:
+            continue
+        if field.type != "int":
+            values[field.name] = raw
+            continue
+        try:
+            values[field.name] = int(raw)
+        except ValueError:
+            raise ValueError(f"CXLTRAIN_{field.name.upper()}={raw!r} is not an integer") from None
+    return dataclasses.replace(defaults, **values)
+
+
+KNOBS = _from_env(Knobs())
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Knobs]:
+    """Change knobs for the duration of a `with` block; always restores them."""
+    unknown = set(changes) - {f.name for f in dataclasses.fields(Knobs)}
+    if unknown:
+        raise TypeError(f"unknown knob(s): {', '.join(sorted(unknown))}")
+    saved = {name: getattr(KNOBS, name) for name in changes}
+    try:
+        for name, value in changes.items():
+            setattr(KNOBS, name, value)
+        yield KNOBS
+    finally:
+        for name, value in saved.items():
+            setattr(KNOBS, name, value)

@@ -1,0 +1,68 @@
+"""Fused sparse optimizers for PersistentEmbeddingBag: applied inside backward, on unique rows only.
+
+Each optimizer says how many state columns a table row needs (stored in the pool next to the
+weights, region `<table>.optim`, shape [rows, K]) and applies one update to a set of unique rows.
+
+    table = PersistentEmbeddingBag(1000, 16, name="t0", optimizer=RowWiseAdagrad(lr=0.05))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .errors import ConfigError
+from .kernels import rows as row_kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """Plain SGD: w -= lr * g. No state (K = 0)."""
+
+    lr: float = 0.01
+    state_columns = 0
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+
+    def initial_state(self) -> float:
+        return 0.0
+
+    def update(self, weight: torch.Tensor, state: torch.Tensor | None, rows: torch.Tensor,
+               grads: torch.Tensor) -> None:
+        """weight [R, P], rows [U] unique, grads [U, D] (D <= P)."""
+        row_kernels.sgd_update(weight, rows, grads, self.lr)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWiseAdagrad:
+    """Row-wise Adagrad: one accumulator per row (K = 1), the standard for DLRM embedding tables."""
+
+    lr: float = 0.01
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    state_columns = 1
+
+    def __post_init__(self) -> None:
+        _check_positive("lr", self.lr)
+        _check_positive("eps", self.eps)
+        if not math.isfinite(self.initial_accumulator_value) or self.initial_accumulator_value < 0:
+            raise ConfigError(f"initial_accumulator_value must be >= 0, got {self.initial_accumulator_value}")
+
+    def initial_state(self) -> float:
+        return self.initial_accumulator_value
+
+    def update(self, weight: torch.Tensor, state: torch.Tensor | None, rows: torch.Tensor,
+               grads: torch.Tensor) -> None:
+        """weight [R, P], state [R, 1], rows [U] unique, grads [U, D] (D <= P)."""
+        row_kernels.rowwise_adagrad_update(weight, state, rows, grads, self.lr, self.eps)
+
+
+SparseOptimizer = SGD | RowWiseAdagrad
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")

@@ -1,0 +1,242 @@
+"""The pool's on-media format, v1 — defined here and nowhere else (DESIGN §3).
+
+All structures are fixed-size, little-endian, packed (`struct` '<', no implicit padding), with
+reserved bytes that must be zero. tests/test_pool_format.py pins every size and offset.
+
+Layout (offsets in bytes):
+
+    0         superblock          512 used, page-padded        written once, at creation
+    4096      root slot A         256 used, page-padded        alternate commits, LMDB-style:
+    8192      root slot B         256 used, page-padded        the valid slot with higher seq wins
+    12288     region directory    dir_capacity × 128           entry i valid iff i < root.dir_count
+    data_off  regions             each aligned to region_align (≥ 4 KiB), rows to 64 bytes
+
+Checksums are zlib CRC-32 over the structure's bytes before its checksum field, seeded
+with the pool UUID (and the entry index for directory entries), so a structure copied from another
+pool or another slot never validates.
+
+Magic: the u64 0x4C4F4F5054584343 ("CCXTPOOL" as little-endian bytes); read with the wrong byte
+order it becomes a distinct value we name in the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+import zlib
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MAGIC = 0x4C4F4F5054584343
+MAGIC_SWAPPED = int.from_bytes(MAGIC.to_bytes(8, "little"), "big")
+PAGE = 4096
+
+SUPERBLOCK_OFFSET = 0
+ROOT_OFFSETS = (4096, 8192)
+DIR_OFFSET = 12288
+
+# Incompatible feature bits: a pool with a bit this build does not know is refused.
+KNOWN_INCOMPAT_FEATURES = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Superblock: what the pool is and where everything else is. Written once, at creation.
+# ---------------------------------------------------------------------------------------------
+SUPERBLOCK = struct.Struct(
+    "<"
+    "Q"    # magic
+    "I"    # format version
+    "I"    # incompat feature bits (unknown bit: refuse)
+    "I"    # compat feature bits (unknown bit: ignore)
+    "I"    # superblock struct size (512)
+    "16s"  # pool UUID
+    "Q"    # pool size in bytes (the whole file or device)
+    "Q"    # created, ns since the epoch
+    "Q"    # root slot A offset
+    "Q"    # root slot B offset
+    "Q"    # directory offset
+    "I"    # directory capacity (entries)
+    "I"    # directory entry size (128)
+    "Q"    # data area offset (first byte regions may use)
+    "I"    # region alignment
+    "I"    # row alignment
+    "404s" # reserved, zero
+    "I"    # checksum of all bytes above
+)
+assert SUPERBLOCK.size == 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Superblock:
+    version: int
+    incompat: int
+    compat: int
+    uuid: bytes
+    pool_size: int
+    created_ns: int
+    root_offsets: tuple[int, int]
+    dir_offset: int
+    dir_capacity: int
+    data_offset: int
+    region_align: int
+    row_align: int
+
+    def pack(self) -> bytes:
+        body = SUPERBLOCK.pack(MAGIC, self.version, self.incompat, self.compat, SUPERBLOCK.size,
+                               self.uuid, self.pool_size, self.created_ns, *self.root_offsets,
+                               self.dir_offset, self.dir_capacity, DIR_ENTRY.size, self.data_offset,
+                               self.region_align, self.row_align, bytes(404), 0)
+        return body[:-4] + struct.pack("<I", checksum(body[:-4]))
+
+
+def unpack_superblock(raw: bytes) -> tuple[Superblock, int, int, int, bytes, int]:
+    """Decode without validating. Returns (superblock, magic, struct_size, entry_size, reserved, checksum)."""
+    (magic, version, incompat, compat, sb_size, uuid, pool_size, created, root_a, root_b, dir_off,
+     dir_cap, entry_size, data_off, region_align, row_align, reserved, csum) = SUPERBLOCK.unpack(raw)
+    sb = Superblock(version, incompat, compat, uuid, pool_size, created, (root_a, root_b), dir_off,
+                    dir_cap, data_off, region_align, row_align)
+    return sb, magic, sb_size, entry_size, reserved, csum
+
+
+# ---------------------------------------------------------------------------------------------
+# Root: the commit record. Two slots; commit n goes to slot n % 2; the valid one with the higher
+# seq wins. A torn or corrupt slot fails its checksum and is ignored, never half-used.
+# ---------------------------------------------------------------------------------------------
+ROOT = struct.Struct(
+    "<"
+    "Q"    # seq: 1 for the first root, +1 per commit; 0 = slot never written
+    "I"    # dir_count: directory entries [0, dir_count) are live
+    "I"    # flags, zero in v1
+    "q"    # batch: batches whose updates the pool holds (0 = freshly initialised)
+    "224s" # reserved for the checkpointer's commit fields (DESIGN §4), zero in v1
+    "I"    # checksum
+    "4s"   # padding to 256, zero
+)
+assert ROOT.size == 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Root:
+    seq: int
+    dir_count: int
+    batch: int
+    flags: int = 0
+
+    def pack(self, uuid: bytes, slot: int) -> bytes:
+        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, bytes(224), 0, bytes(4))
+        return body[:-8] + struct.pack("<I", checksum(body[:-8], uuid, slot)) + bytes(4)
+
+
+def unpack_root(raw: bytes) -> tuple[Root, bytes, int, bytes]:
+    """Decode without validating. Returns (root, reserved, checksum, padding)."""
+    seq, dir_count, flags, batch, reserved, csum, pad = ROOT.unpack(raw)
+    return Root(seq, dir_count, batch, flags), reserved, csum, pad
+
+
+def root_checksum(raw: bytes, uuid: bytes, slot: int) -> int:
+    return checksum(raw[: ROOT.size - 8], uuid, slot)
+
+
+# ---------------------------------------------------------------------------------------------
+# Region directory: one entry per named region.
+# ---------------------------------------------------------------------------------------------
+class RegionKind(enum.IntEnum):
+    TABLE_WEIGHTS = 1       # [rows, dim], rows on row_align boundaries
+    TABLE_OPTIM_STATE = 2   # [rows, k] optimizer state of a table (k = 1: row-wise Adagrad)
+    UNDO_RING = 3           # the checkpointer's undo log
+    DENSE_SLOT = 4          # one of the two dense snapshot slots
+    BLOB = 5                # any other named bytes
+
+
+class DType(enum.IntEnum):
+    UINT8 = 1
+    INT32 = 2
+    INT64 = 3
+    FLOAT16 = 4
+    FLOAT32 = 5
+    FLOAT64 = 6
+
+    @property
+    def numpy(self) -> np.dtype:
+        return np.dtype(_NUMPY_OF[self])
+
+    @classmethod
+    def of(cls, dtype) -> "DType":
+        name = np.dtype(dtype).name
+        for member, np_name in _NUMPY_OF.items():
+            if np_name == name:
+                return member
+        raise ValueError(f"dtype {name} cannot be stored in a pool")
+
+
+_NUMPY_OF = {DType.UINT8: "uint8", DType.INT32: "int32", DType.INT64: "int64",
+             DType.FLOAT16: "float16", DType.FLOAT32: "float32", DType.FLOAT64: "float64"}
+
+NAME_BYTES = 48
+MAX_NDIM = 4
+DIR_ENTRY = struct.Struct(
+    "<"
+    "48s"  # name, UTF-8, NUL-padded
+    "H"    # kind (RegionKind)
+    "H"    # dtype (DType)
+    "H"    # ndim, 1..4
+    "H"    # flags, zero in v1
+    "Q"    # offset from the start of the pool
+    "Q"    # size in bytes
+    "Q"    # row stride in bytes (distance between rows of dimension 0)
+    "4Q"   # shape, unused dimensions zero
+    "12s"  # reserved, zero
+    "I"    # checksum (seeded with pool UUID and entry index)
+)
+assert DIR_ENTRY.size == 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A named, typed span of the pool: `shape` rows of `row_stride` bytes starting at `offset`."""
+
+    index: int
+    name: str
+    kind: RegionKind
+    dtype: DType
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+    row_stride: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+    def pack(self, uuid: bytes) -> bytes:
+        shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
+        body = DIR_ENTRY.pack(self.name.encode(), self.kind, self.dtype, len(self.shape), 0,
+                              self.offset, self.size, self.row_stride, *shape, bytes(12), 0)
+        return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, self.index))
+
+
+def unpack_entry(raw: bytes) -> tuple:
+    """Decode without validating: (name_bytes, kind, dtype, ndim, flags, offset, size, row_stride,
+    shape4, reserved, checksum)."""
+    name, kind, dtype, ndim, flags, offset, size, stride, s0, s1, s2, s3, reserved, csum = DIR_ENTRY.unpack(raw)
+    return name, kind, dtype, ndim, flags, offset, size, stride, (s0, s1, s2, s3), reserved, csum
+
+
+def entry_checksum(raw: bytes, uuid: bytes, index: int) -> int:
+    return checksum(raw[: DIR_ENTRY.size - 4], uuid, index)
+
+
+def checksum(data: bytes, uuid: bytes = b"", index: int = 0) -> int:
+    """CRC-32 of `data`, seeded with the pool UUID and a slot/entry index."""
+    seed = zlib.crc32(uuid + index.to_bytes(4, "little"))
+    return zlib.crc32(data, seed)
+
+
+def align_up(value: int, alignment: int) -> int:
+    return -(-value // alignment) * alignment
+
+
+def data_offset(dir_capacity: int, region_align: int) -> int:
+    return align_up(DIR_OFFSET + dir_capacity * DIR_ENTRY.size, region_align)

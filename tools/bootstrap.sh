@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Sets up everything `make train` and `make test` need, from a fresh clone, idempotently:
+#   1. PMDK's libpmem (OS package) when running as root; otherwise one warning line, and the pool
+#      falls back to the msync backend.
+#   2. A virtual environment in .venv. If the system Python already has torch (the GPU machine, which
+#      has no network), the venv sees it through --system-site-packages and torch is not installed
+#      again; otherwise torch comes from `pip install torch==2.13.0`, which this machine kind serves
+#      from a local CPU wheel. torch is installed *before* the package, so pip never resolves torch
+#      from an index (that would pull the multi-GB CUDA build).
+#   3. This package, editable, with its test extra.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=.venv
+PY=${PYTHON:-python3}
+STAMP=$VENV/.bootstrap-done
+
+ensure_libpmem() {
+    if ldconfig -p 2>/dev/null | grep -q 'libpmem\.so\.1'; then
+        return
+    fi
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        if { apt-get install -y -qq libpmem1 || { apt-get update -qq && apt-get install -y -qq libpmem1; }; } \
+            >/dev/null 2>&1; then
+            return
+        fi
+    fi
+    echo "warning: PMDK's libpmem is not installed (needs root and apt); continuing with the msync backend" >&2
+}
+
+ensure_venv() {
+    if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
+        return
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        if "$PY" -c 'import torch' >/dev/null 2>&1; then
+            "$PY" -m venv --system-site-packages "$VENV"
+        else
+            "$PY" -m venv "$VENV"
+        fi
+    fi
+    local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+    if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        "${pip[@]}" install torch==2.13.0
+    fi
+    "${pip[@]}" install -e '.[test]'
+    touch "$STAMP"
+}
+
+ensure_libpmem
+ensure_venv
