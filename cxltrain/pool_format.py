@@ -240,3 +240,8 @@ def align_up(value: int, alignment: int) -> int:
 
 def data_offset(dir_capacity: int, region_align: int) -> int:
     return align_up(DIR_OFFSET + dir_capacity * DIR_ENTRY.size, region_align)
+
+
+def pool_size_for(region_bytes: list[int], dir_capacity: int, region_align: int) -> int:
+    """Smallest pool that holds regions of these sizes, each aligned, after the metadata."""
+    return data_offset(dir_capacity, region_align) + sum(align_up(n, region_align) for n in region_bytes)

@@ -24,6 +24,8 @@ written.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 import zlib
 
 import torch
@@ -33,11 +35,21 @@ from torch import nn
 from .knobs import KNOBS
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 from .pool import Pool
-from .pool_format import RegionKind
+from .pool_format import RegionKind, align_up
 from .errors import ConfigError, PoolError
 from .kernels import rows as row_kernels
 
 MODES = ("sum", "mean")
+
+
+@dataclasses.dataclass
+class TableStats:
+    """Running totals of a table's sparse updates (what a batch dirties, and what it costs)."""
+
+    updates: int = 0          # backward passes that updated rows
+    lookups: int = 0          # N, summed over updates
+    rows_updated: int = 0     # U, summed over updates
+    update_seconds: float = 0.0
 
 
 class PersistentEmbeddingBag(nn.Module):
@@ -78,6 +90,7 @@ class PersistentEmbeddingBag(nn.Module):
         # [R, P] contiguous row storage (P >= D: row padding included), and [R, K] optimizer state.
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
+        self.stats = TableStats()
 
     # -- storage ----------------------------------------------------------------------------
     @property
@@ -87,6 +100,14 @@ class PersistentEmbeddingBag(nn.Module):
     @property
     def state_region(self) -> str:
         return f"{self.name}.optim"
+
+    def region_bytes(self) -> list[int]:
+        """Bytes of the pool regions this table needs: weights (rows padded), then optimizer state."""
+        row = align_up(self.embedding_dim * 4, KNOBS.row_align)
+        sizes = [self.num_embeddings * row]
+        if self.optimizer.state_columns:
+            sizes.append(self.num_embeddings * self.optimizer.state_columns * 4)
+        return sizes
 
     def attach(self, pool: Pool) -> bool:
         """Map this table's regions from `pool`, creating and initialising them if absent.
@@ -272,8 +293,14 @@ class _BagLookup(torch.autograd.Function):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
         if indices.numel():
+            started = time.perf_counter()
             unique_rows, grads = table.sparse_gradient(indices, offsets, per_sample_weights, grad_out)
             table.apply_update(unique_rows, grads)
+            stats = table.stats
+            stats.updates += 1
+            stats.lookups += indices.numel()
+            stats.rows_updated += unique_rows.numel()
+            stats.update_seconds += time.perf_counter() - started
         return None, None, None, None, None, None
 
 

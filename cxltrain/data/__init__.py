@@ -1,9 +1,13 @@
 """Data sources: deterministic synthetic Criteo-like batches and raw Criteo readers.
 
 Every source can jump to batch b: `source.batch(b)` depends only on the source's configuration
-and b, so a run resumed at batch b sees exactly the batches an uninterrupted run saw.
+and b, so a run resumed at batch b sees exactly the batches an uninterrupted run saw. Each has
+`batch(b)`, `batches(start, stop)`, `num_batches` (None = endless), `num_dense`, `num_tables`,
+`rows` (a tuple, one entry per table) and `pooling`.
 """
 
 from .batch import Batch
+from .criteo import CriteoFile
+from .synthetic import SyntheticCriteo
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "CriteoFile", "SyntheticCriteo"]

@@ -1,0 +1,28 @@
+"""cxltrain: train recommendation models whose embedding tables live in persistent memory.
+
+Layers (DESIGN §2), each calling only the one below: cli → trainer → models/tables/optim →
+pool → devices (cxltrain.devices, cxltrain.emulation) → kernels.
+
+The public names are imported lazily, so `cxltrain pool info` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "CxlTrainError": "cxltrain.errors",
+    "Pool": "cxltrain.pool",
+    "PersistentEmbeddingBag": "cxltrain.tables",
+    "SGD": "cxltrain.optim",
+    "RowWiseAdagrad": "cxltrain.optim",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'cxltrain' has no attribute {name!r}")

@@ -1,0 +1,7 @@
+"""`python -m cxltrain` is the `cxltrain` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

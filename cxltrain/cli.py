@@ -1,0 +1,255 @@
+"""The `cxltrain` command line.
+
+Every command has --help, prints a machine-readable summary as its last stdout line with --json,
+and on bad input prints one line, `cxltrain: error: ...`, to stderr and exits non-zero (2 for
+usage errors, 1 for everything else) — never a traceback for an error it can name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Callable, Sequence
+
+from .errors import CxlTrainError
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command, not a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive finite number")
+    return value
+
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64M', '2G', '4096' → bytes (binary multiples)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 64M, 2G)")
+    number, unit = int(match.group(1)), match.group(2).upper()
+    return number << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[unit]
+
+
+# ---------------------------------------------------------------------------------------------
+# train
+# ---------------------------------------------------------------------------------------------
+def _add_train(sub) -> None:
+    from .config import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train DLRM with its tables in a persistent pool (the main job)",
+                       description="Train DLRM on deterministic synthetic Criteo-like data, embedding tables in a "
+                                   "persistent pool (by default an emulated CXL pool on /dev/shm).")
+    p.add_argument("--pool", metavar="PATH", help="pool file or DAX device (default: an emulated CXL pool in "
+                                                 "/dev/shm, or the temp folder)")
+    p.add_argument("--data", metavar="FILE", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
+                                                 "Kaggle train.txt, Terabyte day_N) instead of synthetic data; "
+                                                 "--rows is then the hash buckets per categorical feature")
+    p.add_argument("--steps", type=_positive_int, default=d.steps, help=f"total batches of the run (default {d.steps})")
+    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help=f"default {d.batch_size}")
+    p.add_argument("--num-tables", type=_positive_int, default=d.num_tables, help=f"default {d.num_tables}")
+    p.add_argument("--rows", type=_positive_int, default=d.rows, help=f"rows per table (default {d.rows:,})")
+    p.add_argument("--dim", type=_positive_int, default=d.dim, help=f"embedding dim (default {d.dim})")
+    p.add_argument("--seed", type=_non_negative_int, default=d.seed, help=f"default {d.seed}")
+    p.add_argument("--pooling", type=_positive_int, default=d.pooling,
+                   help=f"ids per table per sample (default {d.pooling})")
+    p.add_argument("--zipf", type=_positive_float, default=d.zipf_exponent, dest="zipf_exponent",
+                   help=f"Zipf exponent of the id distribution (default {d.zipf_exponent})")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_train)
+
+
+def _run_train(args) -> int:
+    from .emulation import default_pool_path
+    from .config import TrainConfig
+    from .trainer import train
+
+    config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
+                         rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
+                         zipf_exponent=args.zipf_exponent)
+    config.validate()
+    path = args.pool or default_pool_path()
+    table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
+    print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
+          f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)
+    result = train(config, pool_path=path, progress=not args.no_progress)
+    if result.restarted:
+        print(f"note: {path} existed; there is no checkpointer yet to resume from, so training restarted "
+              "at batch 0", file=sys.stderr)
+    s = result.split_ms
+    print(f"trained {result.steps} batches in {result.seconds:.1f} s ({result.steps_per_s:.1f} steps/s) "
+          f"on {result.device}; loss {result.first_loss:.4f} -> {result.final_loss:.4f}")
+    print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
+          f"+ embedding backward/update {s.embedding_backward_update:.1f} + MLP {s.mlp:.1f}; "
+          f"{result.rows_updated_per_batch:,.0f} rows updated per batch")
+    if result.eval_auc is None:
+        print(f"final AUC {result.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
+    else:
+        print(f"final AUC {result.eval_auc:.4f} (held-out), {result.train_auc:.4f} (last batches); "
+              f"eval logloss {result.eval_logloss:.4f}")
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# pool create | info | check
+# ---------------------------------------------------------------------------------------------
+def _add_pool(sub) -> None:
+    p = sub.add_parser("pool", help="create, inspect and check pools",
+                       description="Create, inspect and check pools.")
+    psub = p.add_subparsers(dest="pool_command", metavar="{create,info,check}", parser_class=_Parser)
+    psub.required = True
+    c = psub.add_parser("create", help="create an empty pool", description="Create an empty pool.")
+    c.add_argument("path")
+    c.add_argument("--size", type=parse_size, default=parse_size("64M"), help="pool size, e.g. 64M, 2G (default 64M)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(run=_run_pool_create)
+    for name, run, text in (("info", _run_pool_info, "show the superblock, both roots and every region"),
+                            ("check", _run_pool_check, "validate every checksum and bound; exit 1 on a problem")):
+        q = psub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ". Never writes.")
+        q.add_argument("path")
+        q.add_argument("--json", action="store_true")
+        q.set_defaults(run=run)
+
+
+def _run_pool_create(args) -> int:
+    from .pool import Pool
+
+    with Pool.create(args.path, args.size) as pool:
+        summary = {"path": pool.path, "size": pool.superblock.pool_size, "device": pool.device.kind,
+                   "uuid": pool.superblock.uuid.hex()}
+    print(f"created {args.path}: {args.size:,} bytes on {summary['device']}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _report_json(report) -> dict:
+    sb = report.superblock
+    return {
+        "path": report.path,
+        "ok": report.ok,
+        "problems": report.problems,
+        "file_size": report.file_size,
+        "superblock": None if sb is None else {
+            "version": sb.version, "uuid": sb.uuid.hex(), "pool_size": sb.pool_size, "created_ns": sb.created_ns,
+            "dir_capacity": sb.dir_capacity, "data_offset": sb.data_offset, "region_align": sb.region_align,
+            "row_align": sb.row_align},
+        "roots": [{"slot": "AB"[s.slot], "state": s.state, "reason": s.reason,
+                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batch} if s.root else {})}
+                  for s in report.slots],
+        "batch": None if report.root is None else report.root.batch,
+        "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
+                     "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
+    }
+
+
+def _inspect_or_fail(path: str):
+    from .pool import inspect
+
+    report = inspect(path)
+    if report.superblock is None or report.root is None:
+        raise CxlTrainError(f"{path}: {report.problems[0]}")
+    return report
+
+
+def _run_pool_info(args) -> int:
+    report = _inspect_or_fail(args.path)
+    sb = report.superblock
+    print(f"pool {report.path}: format v{sb.version}, {sb.pool_size:,} bytes, uuid {sb.uuid.hex()}")
+    for s in report.slots:
+        detail = (f"seq {s.root.seq}, batch {s.root.batch}, {s.root.dir_count} regions" if s.root
+                  else s.reason or "never written")
+        winner = " (current)" if s.root is not None and s.root == report.root else ""
+        print(f"root {'AB'[s.slot]}: {s.state}{winner}: {detail}")
+    print(f"{'region':<24} {'kind':<18} {'dtype':<8} {'shape':<18} {'offset':>14} {'bytes':>14}")
+    for r in report.regions:
+        shape = "x".join(str(d) for d in r.shape)
+        print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
+    for problem in report.problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(_report_json(report)))
+    return 0 if report.ok else EXIT_ERROR
+
+
+def _run_pool_check(args) -> int:
+    from .pool import inspect
+
+    report = inspect(args.path)
+    if report.ok:
+        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, batch {report.root.batch}")
+    for problem in report.problems:
+        print(f"{args.path}: {problem}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(_report_json(report)))
+    return 0 if report.ok else EXIT_ERROR
+
+
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="cxltrain", description="Train recommendation models whose embedding tables live in "
+                                                  "persistent memory (PMEM, CXL, or an emulated CXL pool).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    _add_train(sub)
+    _add_pool(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except CxlTrainError as e:
+        print(f"cxltrain: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("cxltrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

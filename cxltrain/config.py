@@ -1,0 +1,39 @@
+"""The main job's configuration: torch-free, so the command line starts fast."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    pool: str | None = None            # pool path; None = the emulated CXL default (/dev/shm)
+    data: str | None = None            # raw Criteo file; None = synthetic Criteo-like batches
+    steps: int = 400                   # total batches of the run
+    batch_size: int = 2048
+    num_tables: int = 8
+    rows: int = 1_000_000              # rows per table
+    dim: int = 64
+    seed: int = 0
+    pooling: int = 1                   # ids per table per sample
+    zipf_exponent: float = 1.05
+    sparse_lr: float = 0.05            # row-wise Adagrad on the tables
+    dense_lr: float = 1e-3             # Adam on the MLPs
+    bottom_mlp: tuple[int, ...] = (512, 256)
+    top_mlp: tuple[int, ...] = (512, 256)
+
+    def validate(self) -> None:
+        positive = {"steps": self.steps, "batch_size": self.batch_size, "num_tables": self.num_tables,
+                    "rows": self.rows, "dim": self.dim, "pooling": self.pooling}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if not self.zipf_exponent > 0:
+            raise ConfigError(f"zipf exponent must be > 0, got {self.zipf_exponent}")
+        for name in ("sparse_lr", "dense_lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0")

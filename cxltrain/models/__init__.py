@@ -1,0 +1,5 @@
+"""Reference models whose embedding tables are PersistentEmbeddingBag modules."""
+
+from .dlrm import DLRM
+
+__all__ = ["DLRM"]

@@ -1,0 +1,170 @@
+"""The command line, run as a real process: summaries, and one clear line for every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cxltrain.pool import Pool
+
+SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", "--batch-size", "256",
+         "--no-progress"]
+
+
+def cxltrain(*args, env=None):
+    script = Path(sys.executable).with_name("cxltrain")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def assert_one_line_error(result, code=1, match=""):
+    assert result.returncode == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert match in lines[0], lines[0]
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_pool_create_info_check(shm_dir):
+    path = shm_dir / "c.pool"
+    created = cxltrain("pool", "create", path, "--size", "2M", "--json")
+    assert created.returncode == 0, created.stderr
+    assert last_json(created.stdout)["size"] == 2 << 20
+    info = last_json(cxltrain("pool", "info", path, "--json").stdout)
+    assert info["ok"] and info["superblock"]["pool_size"] == 2 << 20 and info["regions"] == []
+    check = cxltrain("pool", "check", path)
+    assert check.returncode == 0 and check.stdout.startswith("ok:")
+
+
+def test_train_json_summary_and_pool_contents(shm_dir):
+    path = shm_dir / "t.pool"
+    result = cxltrain("train", "--pool", path, *SMALL, "--json")
+    assert result.returncode == 0, result.stderr
+    summary = last_json(result.stdout)
+    assert summary["batch"] == 30 and summary["steps"] == 30
+    assert summary["seconds"] > 0 and summary["steps_per_s"] > 0
+    assert "final AUC" in result.stdout
+    info = last_json(cxltrain("pool", "info", path, "--json").stdout)
+    assert info["batch"] == 30
+    names = {r["name"]: r for r in info["regions"]}
+    assert set(names) == {f"t{i}.{kind}" for i in range(3) for kind in ("weight", "optim")}
+    assert names["t0.weight"]["shape"] == [2000, 16] and names["t0.optim"]["shape"] == [2000, 1]
+
+
+def test_train_is_deterministic_and_restarts_on_an_existing_pool(shm_dir):
+    a, b = shm_dir / "a.pool", shm_dir / "b.pool"
+    assert cxltrain("train", "--pool", a, *SMALL).returncode == 0
+    assert cxltrain("train", "--pool", b, *SMALL).returncode == 0
+    again = cxltrain("train", "--pool", a, *SMALL)
+    assert again.returncode == 0 and "restarted at batch 0" in again.stderr
+    with Pool.open(str(a), writable=False) as pa, Pool.open(str(b), writable=False) as pb:
+        for name in pa.regions:
+            assert (pa.array(name) == pb.array(name)).all(), name
+
+
+def test_train_learns(shm_dir):
+    result = cxltrain("train", "--pool", shm_dir / "l.pool", "--steps", "80", "--rows", "5000", "--num-tables", "4",
+                      "--dim", "16", "--batch-size", "512", "--no-progress", "--json")
+    summary = last_json(result.stdout)
+    assert summary["final_loss"] < summary["first_loss"] - 0.05
+    assert summary["eval_auc"] > 0.65
+
+
+@pytest.mark.parametrize("args,match", [
+    (["train", "--steps", "0"], "--steps: 0 must be at least 1"),
+    (["train", "--rows", "many"], "'many' is not an integer"),
+    (["train", "--zipf", "-1"], "positive finite"),
+    (["train", "--bogus"], "unrecognized arguments"),
+    (["pool", "create", "/tmp/x.pool", "--size", "lots"], "is not a size"),
+    (["pool"], "required"),
+    ([], "required"),
+])
+def test_usage_errors(args, match):
+    assert_one_line_error(cxltrain(*args), code=2, match=match)
+
+
+def test_pool_errors_are_one_line(shm_dir):
+    foreign = shm_dir / "foreign.pool"
+    foreign.write_bytes(b"hello, not a pool" * 1000)
+    before = foreign.read_bytes()
+    for command in ("info", "check"):
+        assert_one_line_error(cxltrain("pool", command, foreign), match="not a cxltrain pool")
+    assert_one_line_error(cxltrain("train", "--pool", foreign, *SMALL), match="not a cxltrain pool")
+    assert foreign.read_bytes() == before
+    assert_one_line_error(cxltrain("pool", "info", shm_dir / "missing.pool"), match="no such pool")
+    assert_one_line_error(cxltrain("pool", "create", foreign, "--size", "1M"), match="already exists")
+    assert foreign.read_bytes() == before
+    assert_one_line_error(cxltrain("pool", "create", shm_dir / "tiny.pool", "--size", "4K"), match="too small")
+    assert not (shm_dir / "tiny.pool").exists()
+
+
+def test_train_on_a_pool_of_another_model_is_refused_untouched(shm_dir):
+    path = shm_dir / "m.pool"
+    assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
+    before = path.read_bytes()
+    other = [a if a != "16" else "8" for a in SMALL]  # --dim 8
+    assert_one_line_error(cxltrain("train", "--pool", path, *other), match="expects float32 [2000, 8]")
+    assert path.read_bytes() == before
+
+
+def test_second_opener_gets_a_clear_error(shm_dir):
+    path = shm_dir / "busy.pool"
+    assert cxltrain("pool", "create", path, "--size", "1M").returncode == 0
+    with Pool.open(str(path)):
+        assert_one_line_error(cxltrain("pool", "info", path), match="in use by another process")
+        assert_one_line_error(cxltrain("train", "--pool", path, *SMALL), match="in use by another process")
+
+
+def test_failed_train_leaves_no_half_built_pool(shm_dir):
+    path = shm_dir / "nospace.pool"
+    # 1e9 rows x 64 dims does not fit: creation must fail cleanly and leave no file behind
+    result = cxltrain("train", "--pool", path, "--rows", "1000000000", "--num-tables", "64", "--no-progress")
+    assert_one_line_error(result, match="space")
+    assert not path.exists()
+
+
+def test_help_for_every_command():
+    for args in (["--help"], ["train", "--help"], ["pool", "--help"], ["pool", "create", "--help"],
+                 ["pool", "info", "--help"], ["pool", "check", "--help"]):
+        result = cxltrain(*args)
+        assert result.returncode == 0 and "usage:" in result.stdout
+
+
+def raw_criteo_file(path: Path, lines: int) -> Path:
+    """The shared Criteo sample rewritten in the raw layout users have (TSV, integers, no header)."""
+    sample = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo_sample.csv"
+    if not sample.exists():
+        pytest.skip(f"shared Criteo sample not found at {sample}")
+    rows = sample.read_text().splitlines()[1 : lines + 1]
+    out = []
+    for row in rows:
+        fields = row.split(",")
+        ints = [str(int(float(x))) if x else "" for x in fields[1:14]]
+        out.append("\t".join([fields[0], *ints, *fields[14:]]))
+    path.write_text("\n".join(out) + "\n")
+    return path
+
+
+def test_train_on_a_raw_criteo_file(shm_dir):
+    data = raw_criteo_file(shm_dir / "day_0", 160)
+    common = ["--data", data, "--batch-size", "32", "--num-tables", "26", "--rows", "1000", "--dim", "16",
+              "--no-progress"]
+    result = cxltrain("train", "--pool", shm_dir / "c.pool", "--steps", "3", *common, "--json")
+    assert result.returncode == 0, result.stderr
+    summary = last_json(result.stdout)
+    assert summary["batch"] == 3 and summary["eval_auc"] is not None  # batches 3 and 4 held out
+    too_many = cxltrain("train", "--pool", shm_dir / "d.pool", "--steps", "30", *common)
+    assert_one_line_error(too_many, match="holds 5 batches of 32, fewer than --steps 30")
+    assert not (shm_dir / "d.pool").exists()
+    assert_one_line_error(cxltrain("train", "--data", shm_dir / "nope", "--pool", shm_dir / "e.pool"),
+                          match="nope")

@@ -1,0 +1,337 @@
+"""Pool v1: create, open, check, commit; every refusal is one clear error and leaves the file as it was."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cxltrain import pool_format as fmt
+from cxltrain.errors import (ConfigError, CxlTrainError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
+                             PoolLockedError, PoolVersionError)
+from cxltrain.pool import Pool, inspect
+from cxltrain.pool_format import RegionKind
+
+
+def small_pool(path, regions=2):
+    """A closed pool with `regions` regions filled with a known pattern; returns their names."""
+    names = []
+    with Pool.create(str(path), 1 << 20, dir_capacity=8) as pool:
+        for i in range(regions):
+            name = f"t{i}.weight"
+            pool.add_region(name, RegionKind.TABLE_WEIGHTS, "float32", (50, 10), row_align=64)
+            pool.array(name)[:] = np.arange(10, dtype=np.float32) + i
+            pool.persist_region(name)
+            names.append(name)
+        pool.commit(batch=7)
+    return names
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def patch(path, offset, data: bytes):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_round_trip(pool_path):
+    names = small_pool(pool_path)
+    with Pool.open(pool_path) as pool:
+        assert list(pool.regions) == names
+        assert pool.root.batch == 7
+        assert np.array_equal(pool.array("t1.weight")[49], np.arange(10, dtype=np.float32) + 1)
+        region = pool.region("t0.weight")
+        assert region.row_stride == 64 and region.offset % 4096 == 0
+    report = inspect(pool_path)
+    assert report.ok and report.root.batch == 7 and len(report.regions) == 2
+
+
+def test_commits_alternate_slots_and_the_newest_valid_wins(pool_path):
+    small_pool(pool_path, regions=0)
+    with Pool.open(pool_path) as pool:
+        seq = pool.root.seq
+        for batch in (8, 9, 10):
+            pool.commit(batch=batch)
+        assert pool.root.seq == seq + 3
+    report = inspect(pool_path)
+    assert {s.root.batch for s in report.slots} == {9, 10}
+    assert report.root.batch == 10
+    # tear the newest slot: the older one wins, never a half-used record
+    newest = report.root.seq % 2
+    patch(pool_path, fmt.ROOT_OFFSETS[newest] + 16, b"\xff" * 8)
+    with Pool.open(pool_path) as pool:
+        assert pool.root.batch == 9
+
+
+def test_padded_view_is_contiguous_and_covers_row_padding(shm_dir):
+    path = shm_dir / "p.pool"
+    small_pool(path, regions=1)
+    with Pool.open(str(path)) as pool:
+        padded = pool.array("t0.weight", padded=True)
+        assert padded.shape == (50, 16) and padded.flags["C_CONTIGUOUS"]
+        assert np.array_equal(padded[:, :10], pool.array("t0.weight"))
+
+
+def test_region_errors(shm_dir):
+    with Pool.create(str(shm_dir / "r.pool"), 1 << 20, dir_capacity=2) as pool:
+        pool.add_region("a", RegionKind.BLOB, "uint8", (1000,))
+        with pytest.raises(PoolError, match="already exists"):
+            pool.add_region("a", RegionKind.BLOB, "uint8", (10,))
+        with pytest.raises(PoolFullError, match="needs"):
+            pool.add_region("big", RegionKind.BLOB, "uint8", (1 << 21,))
+        with pytest.raises(ConfigError):
+            pool.add_region("x" * 49, RegionKind.BLOB, "uint8", (10,))
+        with pytest.raises(ConfigError):
+            pool.add_region("neg", RegionKind.BLOB, "uint8", (0,))
+        pool.add_region("b", RegionKind.BLOB, "uint8", (10,))
+        with pytest.raises(PoolFullError, match="directory is full"):
+            pool.add_region("c", RegionKind.BLOB, "uint8", (10,))
+        with pytest.raises(PoolError, match="no region"):
+            pool.region("zzz")
+
+
+def test_create_refuses_existing_file_and_tiny_size(shm_dir):
+    path = str(shm_dir / "e.pool")
+    open(path, "wb").write(b"precious")
+    with pytest.raises(CxlTrainError, match="already exists"):
+        Pool.create(path, 1 << 20)
+    assert open(path, "rb").read() == b"precious"
+    with pytest.raises(ConfigError, match="too small"):
+        Pool.create(str(shm_dir / "tiny.pool"), 4096)
+    assert not os.path.exists(shm_dir / "tiny.pool")
+
+
+def test_full_disk_at_creation_leaves_nothing(shm_dir):
+    # a 1 MiB tmpfs would need root to mount; an impossible size on the real /dev/shm does the same
+    path = str(shm_dir / "huge.pool")
+    with pytest.raises(CxlTrainError, match="space|allocate"):
+        Pool.create(path, 1 << 50)
+    assert not os.path.exists(path)
+
+
+def _open_and_report(path, queue):
+    try:
+        Pool.open(path).close()
+        queue.put("opened")
+    except PoolLockedError as e:
+        queue.put(f"locked: {e}")
+
+
+def test_second_opener_is_refused(shm_dir):
+    path = str(shm_dir / "l.pool")
+    small_pool(path)
+    with Pool.open(path):
+        with pytest.raises(PoolLockedError, match="in use by another process"):
+            Pool.open(path)
+        queue = multiprocessing.get_context("spawn").Queue()
+        child = multiprocessing.get_context("spawn").Process(target=_open_and_report, args=(path, queue))
+        child.start()
+        child.join(60)
+        assert queue.get(timeout=5).startswith("locked")
+    Pool.open(path).close()  # released on close
+
+
+def test_lock_is_released_on_close_even_while_views_live(shm_dir):
+    path = str(shm_dir / "v.pool")
+    small_pool(path)
+    pool = Pool.open(path)
+    view = pool.array("t0.weight")
+    pool.close()
+    Pool.open(path).close()
+    assert view[0, 1] == 1.0  # the mapping outlives the pool handle while a view holds it
+
+
+def _open_in_child(path: str, uid: int | None) -> str:
+    """Try both opens in a forked child, as `uid` when given; returns what it saw."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: everything it needs is already imported
+        os.close(read_end)
+        lines = []
+        try:
+            if uid is not None:
+                os.setuid(uid)
+            try:
+                Pool.open(path).close()
+                lines.append("opened read-write")
+            except PoolError as e:
+                lines.append(str(e))
+            with Pool.open(path, writable=False) as pool:
+                lines.append(f"read-only batch {pool.root.batch}")
+        except BaseException as e:  # report, never raise out of a forked pytest
+            lines.append(f"child failed: {e!r}")
+        os.write(write_end, "\n".join(lines).encode())
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_read_only_file(shm_dir):
+    path = str(shm_dir / "ro.pool")
+    small_pool(path)
+    os.chmod(path, 0o444)
+    os.chmod(shm_dir, 0o755)
+    before = digest(path)
+    # root ignores permission bits: the opener runs as an unprivileged user then
+    out = _open_in_child(path, 65534 if os.geteuid() == 0 else None)
+    assert "permission denied opening for read-write" in out, out
+    assert "read-only batch 7" in out, out
+    assert digest(path) == before
+
+
+def test_read_only_open_cannot_write(shm_dir):
+    path = str(shm_dir / "ro2.pool")
+    small_pool(path)
+    before = digest(path)
+    with Pool.open(path, writable=False) as pool:
+        with pytest.raises(PoolError, match="read-only"):
+            pool.commit(batch=1)
+        with pytest.raises(ValueError):
+            pool.array("t0.weight")[0, 0] = 5.0
+    assert digest(path) == before
+
+
+# -- refusals: distinct error, file untouched ------------------------------------------------
+def _newer_version(path):
+    raw = bytearray(open(path, "rb").read(512))
+    struct.pack_into("<I", raw, 8, 2)
+    struct.pack_into("<I", raw, 508, fmt.checksum(bytes(raw[:508])))
+    patch(path, 0, bytes(raw))
+
+
+def _swapped_magic(path):
+    patch(path, 0, fmt.MAGIC.to_bytes(8, "big"))
+
+
+def _unknown_feature(path):
+    raw = bytearray(open(path, "rb").read(512))
+    struct.pack_into("<I", raw, 12, 1 << 7)
+    struct.pack_into("<I", raw, 508, fmt.checksum(bytes(raw[:508])))
+    patch(path, 0, bytes(raw))
+
+
+def _truncate(path):
+    os.truncate(path, os.path.getsize(path) - 4096)
+
+
+def _foreign(path):
+    with open(path, "wb") as f:
+        f.write(b"\x7fELF" + bytes(100_000))
+
+
+REFUSALS = [
+    ("wrong magic", lambda p: patch(p, 0, b"NOTAPOOL"), NotAPoolError, "bad magic"),
+    ("other byte order", _swapped_magic, NotAPoolError, "byte order"),
+    ("newer version", _newer_version, PoolVersionError, "newer than this cxltrain"),
+    ("unknown feature", _unknown_feature, PoolVersionError, "features"),
+    ("superblock checksum", lambda p: patch(p, 40, b"\x01"), PoolCorruptError, "superblock checksum"),
+    ("truncated", _truncate, PoolCorruptError, "truncated"),
+    ("both roots", lambda p: (patch(p, 4096 + 30, b"\x01"), patch(p, 8192 + 30, b"\x01")), PoolCorruptError,
+     "no valid root"),
+    ("directory entry", lambda p: patch(p, fmt.DIR_OFFSET + 128 + 60, b"\x09"), PoolCorruptError,
+     "directory entry 1"),
+    ("foreign file", _foreign, NotAPoolError, "not a cxltrain pool"),
+    ("empty file", lambda p: os.truncate(p, 0), NotAPoolError, "too small"),
+]
+
+
+@pytest.mark.parametrize("label,damage,error,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusal_is_clear_and_leaves_the_file_untouched(shm_dir, label, damage, error, message):
+    path = str(shm_dir / "bad.pool")
+    small_pool(path)
+    damage(path)
+    before = digest(path)
+    with pytest.raises(error, match=message):
+        Pool.open(path)
+    report = inspect(path)
+    assert not report.ok and any(message in p for p in report.problems)
+    assert digest(path) == before
+
+
+def test_missing_pool_and_directory(shm_dir):
+    with pytest.raises(PoolError, match="no such pool"):
+        Pool.open(str(shm_dir / "nope.pool"))
+    with pytest.raises(NotAPoolError, match="directory"):
+        Pool.open(str(shm_dir))
+
+
+def test_torn_directory_entry_past_dir_count_is_ignored(shm_dir):
+    """A crash inside add_region leaves an entry the root does not count: harmless."""
+    path = str(shm_dir / "t.pool")
+    small_pool(path)
+    patch(path, fmt.DIR_OFFSET + 2 * 128, b"garbage, half an entry")
+    with Pool.open(path) as pool:
+        assert len(pool.regions) == 2
+        pool.add_region("t2.weight", RegionKind.TABLE_WEIGHTS, "float32", (5, 4))  # overwrites it
+    assert inspect(path).ok
+
+
+# -- hypothesis: corrupt images never crash, never open silently wrong ----------------------
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    path = tmp_path_factory.mktemp("golden") / "golden.pool"
+    small_pool(path)
+    with Pool.open(str(path), writable=False) as pool:
+        regions = pool.regions
+    return str(path), regions
+
+
+METADATA_END = fmt.data_offset(8, 4096)
+
+mutation = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, METADATA_END * 8 - 1)),
+    st.tuples(st.just("bytes"), st.integers(0, METADATA_END - 1), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("truncate"), st.integers(0, 1 << 20)),
+)
+
+
+def apply(path, m):
+    if m[0] == "flip":
+        if m[1] // 8 >= os.path.getsize(path):
+            return
+        with open(path, "r+b") as f:
+            f.seek(m[1] // 8)
+            byte = f.read(1)[0]
+            f.seek(m[1] // 8)
+            f.write(bytes([byte ^ (1 << (m[1] % 8))]))
+    elif m[0] == "bytes":
+        patch(path, m[1], m[2])
+    else:
+        os.truncate(path, m[1])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutations=st.lists(mutation, min_size=1, max_size=4))
+def test_corrupt_images_are_refused_or_opened_correctly(golden, tmp_path, mutations):
+    source, regions = golden
+    path = str(tmp_path / "fuzz.pool")
+    shutil.copyfile(source, path)
+    for m in mutations:
+        apply(path, m)
+    report = inspect(path)  # never raises for a readable file
+    try:
+        pool = Pool.open(path, writable=False)
+    except PoolError as e:
+        assert str(e) and "\n" not in str(e)
+        assert not report.ok
+        return
+    with pool:
+        # an older root may win (fewer regions), but every region it names is the real one
+        opened = pool.regions
+        assert set(opened) <= set(regions)
+        for name, region in opened.items():
+            assert region == regions[name]
+    assert report.ok
