@@ -26,24 +26,23 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
-    return value
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
 
 
 def _positive_float(text: str) -> float:
@@ -206,9 +205,14 @@ def _run_pool_info(args) -> int:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
+    return _finish_report(report, args.json)
+
+
+def _finish_report(report, as_json: bool) -> int:
+    """Problems to stderr, one line each; the JSON summary last; exit 1 if anything is wrong."""
     for problem in report.problems:
-        print(f"problem: {problem}", file=sys.stderr)
-    if args.json:
+        print(f"{report.path}: {problem}", file=sys.stderr)
+    if as_json:
         print(json.dumps(_report_json(report)))
     return 0 if report.ok else EXIT_ERROR
 
@@ -219,11 +223,7 @@ def _run_pool_check(args) -> int:
     report = inspect(args.path)
     if report.ok:
         print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, batch {report.root.batch}")
-    for problem in report.problems:
-        print(f"{args.path}: {problem}", file=sys.stderr)
-    if args.json:
-        print(json.dumps(_report_json(report)))
-    return 0 if report.ok else EXIT_ERROR
+    return _finish_report(report, args.json)
 
 
 # ---------------------------------------------------------------------------------------------
