@@ -147,8 +147,9 @@ def _run(config, model, source, dense_opt, pool, restarted, progress) -> TrainRe
     losses: list[float] = []
     tail_logits, tail_labels = [], []
     timing = {"data": 0.0, "emb_fwd": 0.0, "emb_upd": 0.0, "total": 0.0}
-    bar = tqdm(total=config.steps, desc="train", unit="batch", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
+    # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
+    bar = tqdm(total=config.steps, desc="train", unit="batch", disable=None if progress else True, file=sys.stderr,
+               dynamic_ncols=True, mininterval=0.5)
     loop_start = time.perf_counter()
     for b in range(config.steps):
         step_start = time.perf_counter()
