@@ -313,9 +313,8 @@ def apply(path, m):
         os.truncate(path, m[1])
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(mutations=st.lists(mutation, min_size=1, max_size=4))
-def test_corrupt_images_are_refused_or_opened_correctly(golden, tmp_path, mutations):
+def check_corrupt_image(golden, tmp_path, mutations):
+    """A damaged pool is refused with one clean line, or opens with exactly the original regions."""
     source, regions = golden
     path = str(tmp_path / "fuzz.pool")
     shutil.copyfile(source, path)
@@ -335,3 +334,16 @@ def test_corrupt_images_are_refused_or_opened_correctly(golden, tmp_path, mutati
         for name, region in opened.items():
             assert region == regions[name]
     assert report.ok
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutations=st.lists(mutation, min_size=1, max_size=4))
+def test_corrupt_images_are_refused_or_opened_correctly(golden, tmp_path, mutations):
+    check_corrupt_image(golden, tmp_path, mutations)
+
+
+@pytest.mark.slow
+@settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mutations=st.lists(mutation, min_size=1, max_size=4))
+def test_many_corrupt_images(golden, tmp_path, mutations):
+    check_corrupt_image(golden, tmp_path, mutations)
