@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import stat
 import sys
 from typing import Callable, Sequence
 
 from .errors import CxlTrainError
+from .knobs import KNOBS
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -140,7 +143,8 @@ def _add_pool(sub) -> None:
     psub.required = True
     c = psub.add_parser("create", help="create an empty pool", description="Create an empty pool.")
     c.add_argument("path")
-    c.add_argument("--size", type=parse_size, default=parse_size("64M"), help="pool size, e.g. 64M, 2G (default 64M)")
+    c.add_argument("--size", type=parse_size, help="pool size, e.g. 64M, 2G (default 64M for a file, the whole "
+                                                    "device for a DAX device)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_run_pool_create)
     for name, run, text in (("info", _run_pool_info, "show the superblock, both roots and every region"),
@@ -154,10 +158,13 @@ def _add_pool(sub) -> None:
 def _run_pool_create(args) -> int:
     from .pool import Pool
 
-    with Pool.create(args.path, args.size) as pool:
+    size = args.size
+    if size is None and not (os.path.exists(args.path) and stat.S_ISCHR(os.stat(args.path).st_mode)):
+        size = parse_size("64M")
+    with Pool.create(args.path, size) as pool:
         summary = {"path": pool.path, "size": pool.superblock.pool_size, "device": pool.device.kind,
                    "uuid": pool.superblock.uuid.hex()}
-    print(f"created {args.path}: {args.size:,} bytes on {summary['device']}")
+    print(f"created {args.path}: {summary['size']:,} bytes on {summary['device']}")
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -242,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        KNOBS.validate()
         return run(args)
     except CxlTrainError as e:
         print(f"cxltrain: error: {e}", file=sys.stderr)

@@ -33,6 +33,28 @@ class Knobs:
     threads: int = 2
 
 
+    def validate(self) -> None:
+        """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
+        from .errors import ConfigError
+
+        if _ENV_ERRORS:
+            raise ConfigError(_ENV_ERRORS[0])
+        if self.device not in ("auto", "pmem", "msync", "emulated"):
+            raise ConfigError(f"device {self.device!r} must be auto, pmem, msync or emulated")
+        if self.region_align < 4096 or self.region_align & (self.region_align - 1):
+            raise ConfigError(f"region_align {self.region_align} must be a power of two >= 4096")
+        if not 8 <= self.row_align <= 4096 or self.row_align & (self.row_align - 1):
+            raise ConfigError(f"row_align {self.row_align} must be a power of two in [8, 4096]")
+        if not 1 <= self.dir_capacity <= 65536:
+            raise ConfigError(f"dir_capacity {self.dir_capacity} must be in [1, 65536]")
+        if self.threads < 1:
+            raise ConfigError(f"threads {self.threads} must be at least 1")
+
+
+# Malformed CXLTRAIN_* variables: reported by validate(), never as an exception at import time.
+_ENV_ERRORS: list[str] = []
+
+
 def _from_env(defaults: Knobs) -> Knobs:
     values = {}
     for field in dataclasses.fields(Knobs):
@@ -45,7 +67,7 @@ def _from_env(defaults: Knobs) -> Knobs:
         try:
             values[field.name] = int(raw)
         except ValueError:
-            raise ValueError(f"CXLTRAIN_{field.name.upper()}={raw!r} is not an integer") from None
+            _ENV_ERRORS.append(f"CXLTRAIN_{field.name.upper()}={raw!r} is not an integer")
     return dataclasses.replace(defaults, **values)
 
 

@@ -1,7 +1,7 @@
 """The pool: one file or DAX device, mapped whole, holding named regions (DESIGN §3).
 
     pool = Pool.create("/dev/shm/ctr.pool", size=1 << 30)
-    w = pool.add_region("t0.weight", RegionKind.TABLE_WEIGHTS, "float32", (1000, 64), row_align=64)
+    w = pool.add_region("t0.weight", RegionKind.TABLE_WEIGHTS, "float32", (1000, 64), aligned_rows=True)
     pool.array("t0.weight")[:] = 0.0                  # zero-copy numpy view, shape [1000, 64]
     pool.persist_region("t0.weight")
     pool.commit(batch=0)
@@ -24,6 +24,7 @@ import errno
 import fcntl
 import math
 import os
+import stat
 import time
 import uuid as uuidlib
 from typing import Callable
@@ -31,13 +32,36 @@ from typing import Callable
 import numpy as np
 
 from . import pool_format as fmt
-from .devices import Device, create_file, device_size, map_device
+from .devices import Device, device_size, map_device, open_target
 from .errors import (ConfigError, DeviceError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                      PoolLockedError, PoolVersionError)
 from .knobs import KNOBS
 from .pool_format import DType, Region, RegionKind, Root, Superblock
 
 Reader = Callable[[int, int], bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionSpec:
+    """A region to allocate: `shape` of `dtype`; aligned_rows starts each row (dimension 0) on the
+    pool's row alignment (64 bytes), so flushing one row never touches a neighbour's cache line."""
+
+    name: str
+    kind: RegionKind
+    dtype: object
+    shape: tuple[int, ...]
+    aligned_rows: bool = False
+
+    def validate(self) -> None:
+        if not self.name or len(self.name.encode()) > fmt.NAME_BYTES or not self.name.isprintable():
+            raise ConfigError(f"region name {self.name!r} must be 1..{fmt.NAME_BYTES} printable UTF-8 bytes")
+        if not 1 <= len(self.shape) <= fmt.MAX_NDIM or any(int(d) <= 0 for d in self.shape):
+            raise ConfigError(f"region {self.name!r}: shape {self.shape} must have 1..{fmt.MAX_NDIM} "
+                              "positive dimensions")
+        try:
+            DType.of(self.dtype)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"region {self.name!r}: {e}") from None
 SLOT_NAMES = ("A", "B")
 
 
@@ -52,6 +76,9 @@ def validate_superblock(read: Reader, file_size: int) -> Superblock:
     magic = int.from_bytes(raw[:8], "little")
     if magic == fmt.MAGIC_SWAPPED:
         raise NotAPoolError("pool was written with the other byte order; it cannot be used on this machine")
+    if magic == 0:
+        raise NotAPoolError("not a cxltrain pool (no superblock: an empty file, or a `pool create` "
+                            "that was interrupted; delete it to start over)")
     if magic != fmt.MAGIC:
         raise NotAPoolError("not a cxltrain pool (bad magic)")
     if len(raw) < fmt.SUPERBLOCK.size or file_size < fmt.DIR_OFFSET:
@@ -94,6 +121,20 @@ def _check_superblock_bounds(sb: Superblock, sb_size: int, entry_size: int, rese
         raise bad(f"pool size {sb.pool_size} is smaller than its metadata")
     if file_size < sb.pool_size:
         raise PoolCorruptError(f"pool is truncated: superblock says {sb.pool_size} bytes, file has {file_size}")
+
+
+def new_superblock(size: int, dir_capacity: int, region_align: int, row_align: int) -> Superblock:
+    """The superblock of a new pool, held to the same bounds `open` checks (as a ConfigError)."""
+    data_off = fmt.data_offset(max(dir_capacity, 1), max(region_align, 1))
+    sb = Superblock(fmt.FORMAT_VERSION, 0, 0, uuidlib.uuid4().bytes, size, time.time_ns(), fmt.ROOT_OFFSETS,
+                    fmt.DIR_OFFSET, dir_capacity, data_off, region_align, row_align)
+    if size < data_off:
+        raise ConfigError(f"pool size {size} is too small: the metadata alone takes {data_off} bytes")
+    try:
+        _check_superblock_bounds(sb, fmt.SUPERBLOCK.size, fmt.DIR_ENTRY.size, bytes(1), size)
+    except PoolCorruptError as e:
+        raise ConfigError(str(e).replace("superblock is inconsistent", "cannot create a pool with")) from None
+    return sb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +235,8 @@ class PoolReport:
 
 
 def inspect(path: str) -> PoolReport:
-    """Check a pool without mapping or changing it. Raises only for files that cannot be read at all."""
+    """Check a pool without mapping or changing it. Raises PoolError only when the file cannot be
+    read at all or a writer holds it (PoolLockedError); every other problem goes in the report."""
     with _open_fd(path, writable=False) as (fd, file_size):
         lock_fd = _lock(path, writable=False)
         try:
@@ -242,38 +284,36 @@ class Pool:
         self._regions = {r.name: r for r in regions}
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
+        self._failed: str | None = None  # set when a commit failed part-way: the handle refuses all use
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str, size: int, *, backend: str | None = None, dir_capacity: int | None = None,
-               region_align: int | None = None) -> "Pool":
-        """Create a new pool of `size` bytes at `path` (which must not exist).
+    def create(cls, path: str, size: int | None = None, *, backend: str | None = None,
+               dir_capacity: int | None = None, region_align: int | None = None) -> "Pool":
+        """Create a new pool at `path`: a new file of `size` bytes, or a DAX character device
+        (all of it when size is None) that holds no cxltrain pool yet.
 
         The superblock is written last: a crash during creation leaves a file that is refused as
         "not a cxltrain pool", never one that looks valid and is not.
         """
-        dir_capacity = dir_capacity or KNOBS.dir_capacity
-        region_align = region_align or KNOBS.region_align
-        if region_align < fmt.PAGE or region_align & (region_align - 1):
-            raise ConfigError(f"region alignment {region_align} is not a power of two >= {fmt.PAGE}")
-        data_off = fmt.data_offset(dir_capacity, region_align)
-        if size < data_off:
-            raise ConfigError(f"pool size {size} is too small: the metadata alone takes {data_off} bytes")
-        fd = create_file(path, size)
+        target = open_target(path, size)
         lock_fd = -1
         try:
             lock_fd = _lock(path, writable=True)
-            sb = Superblock(fmt.FORMAT_VERSION, 0, 0, uuidlib.uuid4().bytes, size, time.time_ns(),
-                            fmt.ROOT_OFFSETS, fmt.DIR_OFFSET, dir_capacity, data_off, region_align, KNOBS.row_align)
-            device = map_device(path, fd, size, writable=True, backend=backend)
-            pool = cls(path, fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batch=-1), [])
+            if target.existing and int.from_bytes(os.pread(target.fd, 8, 0), "little") == fmt.MAGIC:
+                raise PoolError(f"{path}: already holds a cxltrain pool")
+            sb = new_superblock(target.size, dir_capacity or KNOBS.dir_capacity,
+                                region_align or KNOBS.region_align, KNOBS.row_align)
+            device = map_device(path, target.fd, target.size, writable=True, backend=backend)
+            pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batch=-1), [])
             pool._write_root(Root(seq=1, dir_count=0, batch=-1))
             # ORDERING: root durable before the superblock that makes the file a pool.
             device.copy_persist(fmt.SUPERBLOCK_OFFSET, sb.pack())
             return pool
         except BaseException:
-            os.unlink(path)
-            os.close(fd)
+            if not target.existing:
+                os.unlink(path)  # never leave a half-made pool file behind
+            os.close(target.fd)
             if lock_fd >= 0:
                 os.close(lock_fd)
             raise
@@ -316,38 +356,49 @@ class Pool:
         return fmt.align_up(end, self.superblock.region_align)
 
     def add_region(self, name: str, kind: RegionKind, dtype, shape: tuple[int, ...], *,
-                   row_align: int | None = None) -> Region:
-        """Allocate a zero-filled region; durable (directory entry + root) when this returns.
+                   aligned_rows: bool = False) -> Region:
+        """Allocate one zero-filled region; see add_regions."""
+        return self.add_regions([RegionSpec(name, kind, dtype, tuple(shape), aligned_rows)])[0]
 
-        row_align: start every row (dimension 0) on this byte boundary; None packs rows.
+    def add_regions(self, specs: list["RegionSpec"]) -> list[Region]:
+        """Allocate zero-filled regions, all or none: one root commit makes every one of them live.
+
+        Everything is checked (names, shapes, directory room, space) before anything is written, so
+        a refused request leaves the pool as it was. Durable when this returns.
         """
         self._check_open(writable=True)
-        if name in self._regions:
-            raise PoolError(f"{self.path}: region {name!r} already exists")
-        if not name or len(name.encode()) > fmt.NAME_BYTES or not name.isprintable():
-            raise ConfigError(f"region name {name!r} must be 1..{fmt.NAME_BYTES} printable UTF-8 bytes")
-        shape = tuple(int(d) for d in shape)
-        if not 1 <= len(shape) <= fmt.MAX_NDIM or any(d <= 0 for d in shape):
-            raise ConfigError(f"region {name!r}: shape {shape} must have 1..{fmt.MAX_NDIM} positive dimensions")
-        index = self.root.dir_count
-        if index >= self.superblock.dir_capacity:
-            raise PoolFullError(f"{self.path}: region directory is full ({index} entries)")
-        dtype = DType.of(dtype)
-        packed_row = math.prod(shape[1:]) * dtype.numpy.itemsize
-        stride = fmt.align_up(packed_row, row_align) if row_align else packed_row
-        size = shape[0] * stride
-        offset = self._next_offset()
-        if offset + size > self.superblock.pool_size:
-            raise PoolFullError(f"{self.path}: region {name!r} needs {size} bytes, "
-                                f"{max(0, self.superblock.pool_size - offset)} are free")
-        region = Region(index, name, kind, dtype, shape, offset, size, stride)
-        # ORDERING: the directory entry is durable before the root that counts it, so a crash in
-        # between leaves an unused (ignored) entry, never a live entry with garbage in it.
-        self.device.copy_persist(self.superblock.dir_offset + index * fmt.DIR_ENTRY.size,
-                                 region.pack(self.superblock.uuid))
-        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1, dir_count=index + 1))
-        self._regions[name] = region
-        return region
+        sb = self.superblock
+        names = set(self._regions)
+        if self.root.dir_count + len(specs) > sb.dir_capacity:
+            raise PoolFullError(f"{self.path}: region directory has room for "
+                                f"{sb.dir_capacity - self.root.dir_count} more regions, {len(specs)} asked for")
+        regions, offset = [], self._next_offset()
+        for i, spec in enumerate(specs):
+            spec.validate()
+            if spec.name in names:
+                raise PoolError(f"{self.path}: region {spec.name!r} already exists")
+            names.add(spec.name)
+            dtype = DType.of(spec.dtype)
+            packed_row = math.prod(spec.shape[1:]) * dtype.numpy.itemsize
+            stride = fmt.align_up(packed_row, sb.row_align) if spec.aligned_rows else packed_row
+            region = Region(self.root.dir_count + i, spec.name, spec.kind, dtype, spec.shape, offset,
+                            spec.shape[0] * stride, stride)
+            regions.append(region)
+            offset = fmt.align_up(region.end, sb.region_align)
+        if regions and regions[-1].end > sb.pool_size:
+            needed = regions[-1].end - regions[0].offset
+            raise PoolFullError(f"{self.path}: {len(regions)} region(s) need {needed:,} bytes, "
+                                f"{max(0, sb.pool_size - regions[0].offset):,} are free")
+        first = sb.dir_offset + self.root.dir_count * fmt.DIR_ENTRY.size
+        self.device.array[first : first + len(regions) * fmt.DIR_ENTRY.size] = np.frombuffer(
+            b"".join(r.pack(sb.uuid) for r in regions), dtype=np.uint8)
+        # ORDERING: directory entries durable before the root that counts them, so a crash in
+        # between leaves unused (ignored) entries, never live entries with garbage in them.
+        self.device.persist(first, len(regions) * fmt.DIR_ENTRY.size)
+        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1,
+                                             dir_count=self.root.dir_count + len(regions)))
+        self._regions.update((r.name, r) for r in regions)
+        return regions
 
     def array(self, name: str, *, padded: bool = False) -> np.ndarray:
         """Zero-copy numpy view of a region.
@@ -382,7 +433,13 @@ class Pool:
 
     def _write_root(self, root: Root) -> None:
         slot = root.seq % 2  # transaction n writes slot n % 2 (LMDB); the other slot stays valid
-        self.device.copy_persist(self.superblock.root_offsets[slot], root.pack(self.superblock.uuid, slot))
+        try:
+            self.device.copy_persist(self.superblock.root_offsets[slot], root.pack(self.superblock.uuid, slot))
+        except BaseException as e:
+            # the slot may be half-written: poison the handle (LMDB's MDB_PANIC); reopening picks
+            # the newest valid root again
+            self._failed = f"a commit failed ({e!r}); reopen the pool"
+            raise
         self.root = root
 
     # -- closing ----------------------------------------------------------------------------
@@ -397,6 +454,8 @@ class Pool:
     def _check_open(self, writable: bool = False) -> None:
         if self._closed:
             raise PoolError(f"{self.path}: pool is closed")
+        if self._failed:
+            raise PoolError(f"{self.path}: {self._failed}")
         if writable and not self.device.writable:
             raise PoolError(f"{self.path}: pool is open read-only")
 
@@ -435,6 +494,12 @@ class _open_fd:
     def __enter__(self) -> tuple[int, int]:
         flags = os.O_RDWR if self.writable else os.O_RDONLY
         try:
+            st = os.stat(self.path)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+                # opening a FIFO or socket would block or fail obscurely
+                raise NotAPoolError(f"{self.path}: not a regular file or DAX device")
             self.fd = os.open(self.path, flags)
         except FileNotFoundError:
             raise PoolError(f"{self.path}: no such pool") from None

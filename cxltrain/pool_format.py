@@ -109,7 +109,8 @@ ROOT = struct.Struct(
     "Q"    # seq: 1 for the first root, +1 per commit; 0 = slot never written
     "I"    # dir_count: directory entries [0, dir_count) are live
     "I"    # flags, zero in v1
-    "q"    # batch: batches whose updates the pool holds (0 = freshly initialised)
+    "q"    # batch: batches whose updates the pool holds (0 = freshly initialised); -1 = no
+           # consistent state (being created, or tables changing with nothing to roll them back)
     "224s" # reserved for the checkpointer's commit fields (DESIGN §4), zero in v1
     "I"    # checksum
     "4s"   # padding to 256, zero

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .knobs import KNOBS
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
-from .pool import Pool
+from .pool import Pool, RegionSpec
 from .pool_format import RegionKind, align_up
 from .errors import ConfigError, PoolError
 from .kernels import rows as row_kernels
@@ -90,7 +89,7 @@ class PersistentEmbeddingBag(nn.Module):
         # [R, P] contiguous row storage (P >= D: row padding included), and [R, K] optimizer state.
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
-        self.stats = TableStats()
+        self.stats = TableStats()  # totals over the table's lifetime
 
     # -- storage ----------------------------------------------------------------------------
     @property
@@ -101,54 +100,63 @@ class PersistentEmbeddingBag(nn.Module):
     def state_region(self) -> str:
         return f"{self.name}.optim"
 
-    def region_bytes(self) -> list[int]:
-        """Bytes of the pool regions this table needs: weights (rows padded), then optimizer state."""
-        row = align_up(self.embedding_dim * 4, KNOBS.row_align)
-        sizes = [self.num_embeddings * row]
+    def region_specs(self) -> list[RegionSpec]:
+        """The pool regions this table needs: weights (rows aligned), then optimizer state if any."""
+        specs = [RegionSpec(self.weight_region, RegionKind.TABLE_WEIGHTS, "float32",
+                            (self.num_embeddings, self.embedding_dim), aligned_rows=True)]
+        if self.optimizer.state_columns:
+            specs.append(RegionSpec(self.state_region, RegionKind.TABLE_OPTIM_STATE, "float32",
+                                    (self.num_embeddings, self.optimizer.state_columns)))
+        return specs
+
+    def region_bytes(self, row_align: int) -> list[int]:
+        """Bytes of each region in region_specs(), with weight rows aligned to `row_align`."""
+        sizes = [self.num_embeddings * align_up(self.embedding_dim * 4, row_align)]
         if self.optimizer.state_columns:
             sizes.append(self.num_embeddings * self.optimizer.state_columns * 4)
         return sizes
 
-    def attach(self, pool: Pool) -> bool:
-        """Map this table's regions from `pool`, creating and initialising them if absent.
+    def attach(self, pool: Pool, *, initialize: bool | None = None) -> bool:
+        """Map this table's regions from `pool`, creating them (all or none) if absent.
 
-        Returns True when the regions were created (and initialised from `seed`), False when
-        existing regions were adopted as they are. A newly created table is persisted before this
-        returns; committing it (pool.commit) is the caller's step.
+        New regions are initialised from `seed` and persisted; existing ones are checked against
+        this table (kind, dtype, shape) and adopted as they are, unless initialize=True.
+        Returns True when the regions were created. Committing (pool.commit) is the caller's step.
         """
         created = self.weight_region not in pool.regions
         if created:
-            pool.add_region(self.weight_region, RegionKind.TABLE_WEIGHTS, "float32",
-                            (self.num_embeddings, self.embedding_dim), row_align=KNOBS.row_align)
-            if self.optimizer.state_columns:
-                pool.add_region(self.state_region, RegionKind.TABLE_OPTIM_STATE, "float32",
-                                (self.num_embeddings, self.optimizer.state_columns))
+            pool.add_regions(self.region_specs())
         else:
-            self._check_existing(pool)
+            self.check_regions(pool)
         rows = torch.from_numpy(pool.array(self.weight_region, padded=True))
         state = (torch.from_numpy(pool.array(self.state_region))
                  if self.optimizer.state_columns else None)
         self._set_storage(rows, state)
         self.pool = pool
         pool.on_close(self.release_storage)
-        if created:
+        if created if initialize is None else initialize:
             self.reset_parameters()
-            pool.persist_region(self.weight_region)
-            if state is not None:
-                pool.persist_region(self.state_region)
+            self.persist()
         return created
 
-    def _check_existing(self, pool: Pool) -> None:
-        weight = pool.region(self.weight_region)
-        expected = (self.num_embeddings, self.embedding_dim)
-        if weight.shape != expected or weight.dtype.numpy.name != "float32":
-            raise PoolError(f"{pool.path}: region {weight.name!r} is {weight.dtype.numpy.name} {list(weight.shape)}, "
-                            f"table {self.name!r} expects float32 {list(expected)}")
-        k = self.optimizer.state_columns
-        if k and (self.state_region not in pool.regions or
-                  pool.region(self.state_region).shape != (self.num_embeddings, k)):
-            raise PoolError(f"{pool.path}: table {self.name!r} needs optimizer state "
-                            f"{self.state_region!r} of shape [{self.num_embeddings}, {k}]")
+    def check_regions(self, pool: Pool) -> None:
+        """Raise PoolError unless `pool` holds regions that match this table exactly. Writes nothing."""
+        for spec in self.region_specs():
+            if spec.name not in pool.regions:
+                raise PoolError(f"{pool.path}: table {self.name!r} needs region {spec.name!r}, which is missing")
+            region = pool.region(spec.name)
+            if (region.kind != spec.kind or region.dtype.numpy.name != spec.dtype or region.shape != spec.shape
+                    or region.row_stride % 4):
+                raise PoolError(f"{pool.path}: region {region.name!r} is {region.kind.name.lower()} "
+                                f"{region.dtype.numpy.name} {list(region.shape)}, table {self.name!r} expects "
+                                f"{spec.kind.name.lower()} {spec.dtype} {list(spec.shape)}")
+
+    def persist(self) -> None:
+        """Make every row and the optimizer state durable (whole regions)."""
+        if self.pool is None:
+            raise RuntimeError(f"table {self.name!r} is not attached to a pool")
+        for spec in self.region_specs():
+            self.pool.persist_region(spec.name)
 
     def materialize(self) -> None:
         """Give the table volatile DRAM storage, initialised from `seed` (no pool, no durability)."""

@@ -107,15 +107,13 @@ def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
             model.attach(pool)
             for table in model.tables:  # no dense state to resume from: start over
                 table.reset_parameters()
-                pool.persist_region(table.weight_region)
-                if table.optimizer.state_columns:
-                    pool.persist_region(table.state_region)
+                table.persist()
             pool.commit(batch=0)
         except BaseException:
             pool.close()
             raise
         return pool, True
-    sizes = [n for table in model.tables for n in table.region_bytes()]
+    sizes = [n for table in model.tables for n in table.region_bytes(KNOBS.row_align)]
     size = pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align) + POOL_HEADROOM
     pool = Pool.create(path, size)
     try:
@@ -131,6 +129,7 @@ def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
 def train(config: TrainConfig, *, pool_path: str, progress: bool = True) -> TrainResult:
     """Run `config.steps` batches; returns what the run did and measured."""
     config.validate()
+    KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
     source = build_source(config)  # first: a bad data file is refused before any pool is touched
     model = build_model(config)
@@ -147,6 +146,8 @@ def _run(config, model, source, dense_opt, pool, restarted, progress) -> TrainRe
     losses: list[float] = []
     tail_logits, tail_labels = [], []
     timing = {"data": 0.0, "emb_fwd": 0.0, "emb_upd": 0.0, "total": 0.0}
+    # rows change in place from here on and nothing can roll them back: say so durably
+    pool.commit(batch=-1)
     # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
     bar = tqdm(total=config.steps, desc="train", unit="batch", disable=None if progress else True, file=sys.stderr,
                dynamic_ncols=True, mininterval=0.5)
@@ -177,11 +178,9 @@ def _run(config, model, source, dense_opt, pool, restarted, progress) -> TrainRe
     seconds = time.perf_counter() - loop_start
     bar.close()
 
-    for table in model.tables:  # the run's final state is durable before the root says so
-        pool.persist_region(table.weight_region)
-        if table.optimizer.state_columns:
-            pool.persist_region(table.state_region)
-    pool.commit(batch=config.steps)
+    for table in model.tables:
+        table.persist()
+    pool.commit(batch=config.steps)  # ORDERING: the final tables are durable before the root says so
 
     eval_auc, eval_loss = evaluate(model, source, heldout_batches(source, config.steps))
     timed = config.steps - WARMUP_STEPS if config.steps > WARMUP_STEPS else config.steps

@@ -113,8 +113,35 @@ def test_train_on_a_pool_of_another_model_is_refused_untouched(shm_dir):
     assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
     before = path.read_bytes()
     other = [a if a != "16" else "8" for a in SMALL]  # --dim 8
-    assert_one_line_error(cxltrain("train", "--pool", path, *other), match="expects float32 [2000, 8]")
+    assert_one_line_error(cxltrain("train", "--pool", path, *other), match="expects table_weights float32 [2000, 8]")
     assert path.read_bytes() == before
+
+
+def test_a_pool_with_part_of_the_model_is_refused_untouched(shm_dir):
+    path = shm_dir / "part.pool"
+    one_table = [a if a != "3" else "1" for a in SMALL]  # --num-tables 1
+    assert cxltrain("train", "--pool", path, *one_table).returncode == 0
+    before = path.read_bytes()
+    assert_one_line_error(cxltrain("train", "--pool", path, *SMALL), match="but not t1, t2")
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"CXLTRAIN_THREADS": "abc"}, "CXLTRAIN_THREADS='abc' is not an integer"),
+    ({"CXLTRAIN_THREADS": "0"}, "threads 0 must be at least 1"),
+    ({"CXLTRAIN_ROW_ALIGN": "0"}, "row_align 0"),
+    ({"CXLTRAIN_DEVICE": "floppy"}, "device 'floppy'"),
+])
+def test_bad_settings_are_one_line(shm_dir, env, match):
+    result = cxltrain("train", "--pool", shm_dir / "s.pool", *SMALL, env=env)
+    assert_one_line_error(result, match=match)
+    assert not (shm_dir / "s.pool").exists()
+
+
+def test_absurd_pool_size_is_refused_cleanly(shm_dir):
+    path = shm_dir / "huge.pool"
+    assert_one_line_error(cxltrain("pool", "create", path, "--size", "99999999999T"), match="out of range")
+    assert not path.exists()
 
 
 def test_second_opener_gets_a_clear_error(shm_dir):

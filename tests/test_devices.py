@@ -25,7 +25,7 @@ def test_backend_round_trip(shm_dir, tmp_path, backend):
     path = str(folder / f"{backend}.pool")
     with Pool.create(path, 1 << 20, backend=backend) as pool:
         assert pool.device.kind == {"emulated": "emulated-cxl"}.get(backend, backend)
-        pool.add_region("r", RegionKind.BLOB, "float64", (100, 3), row_align=64)
+        pool.add_region("r", RegionKind.BLOB, "float64", (100, 3), aligned_rows=True)
         pool.array("r")[:] = np.arange(300, dtype=np.float64).reshape(100, 3)
         pool.device.flush(pool.region("r").offset, 100)
         pool.device.drain()

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from cxltrain import pool_format as fmt
 from cxltrain.errors import (ConfigError, CxlTrainError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                              PoolLockedError, PoolVersionError)
-from cxltrain.pool import Pool, inspect
+from cxltrain.knobs import override
+from cxltrain.pool import Pool, RegionSpec, inspect
 from cxltrain.pool_format import RegionKind
 
 
@@ -26,7 +27,7 @@ def small_pool(path, regions=2):
     with Pool.create(str(path), 1 << 20, dir_capacity=8) as pool:
         for i in range(regions):
             name = f"t{i}.weight"
-            pool.add_region(name, RegionKind.TABLE_WEIGHTS, "float32", (50, 10), row_align=64)
+            pool.add_region(name, RegionKind.TABLE_WEIGHTS, "float32", (50, 10), aligned_rows=True)
             pool.array(name)[:] = np.arange(10, dtype=np.float32) + i
             pool.persist_region(name)
             names.append(name)
@@ -87,17 +88,87 @@ def test_region_errors(shm_dir):
         pool.add_region("a", RegionKind.BLOB, "uint8", (1000,))
         with pytest.raises(PoolError, match="already exists"):
             pool.add_region("a", RegionKind.BLOB, "uint8", (10,))
-        with pytest.raises(PoolFullError, match="needs"):
+        with pytest.raises(PoolFullError, match="need 2,097,152 bytes"):
             pool.add_region("big", RegionKind.BLOB, "uint8", (1 << 21,))
         with pytest.raises(ConfigError):
             pool.add_region("x" * 49, RegionKind.BLOB, "uint8", (10,))
         with pytest.raises(ConfigError):
             pool.add_region("neg", RegionKind.BLOB, "uint8", (0,))
         pool.add_region("b", RegionKind.BLOB, "uint8", (10,))
-        with pytest.raises(PoolFullError, match="directory is full"):
+        with pytest.raises(PoolFullError, match="room for 0 more regions"):
             pool.add_region("c", RegionKind.BLOB, "uint8", (10,))
         with pytest.raises(PoolError, match="no region"):
             pool.region("zzz")
+
+
+def test_add_regions_is_all_or_nothing(shm_dir):
+    path = str(shm_dir / "atomic.pool")
+    with Pool.create(path, 1 << 20) as pool:
+        root = pool.root
+        with pytest.raises(PoolFullError):
+            pool.add_regions([RegionSpec("fits", RegionKind.BLOB, "uint8", (1000,)),
+                              RegionSpec("too-big", RegionKind.BLOB, "uint8", (1 << 21,))])
+        with pytest.raises(ConfigError):
+            pool.add_regions([RegionSpec("ok", RegionKind.BLOB, "uint8", (10,)),
+                              RegionSpec("bad", RegionKind.BLOB, "uint8", (0,))])
+        assert pool.regions == {} and pool.root == root
+        made = pool.add_regions([RegionSpec("a", RegionKind.BLOB, "uint8", (10,)),
+                                 RegionSpec("b", RegionKind.BLOB, "float32", (3, 5), aligned_rows=True)])
+        assert pool.root.seq == root.seq + 1  # one commit for both
+        assert [r.name for r in made] == ["a", "b"] and made[1].row_stride == 64
+    assert [r.name for r in inspect(path).regions] == ["a", "b"]
+
+
+@pytest.mark.parametrize("knob,value,message", [
+    ("row_align", 48, "row alignment 48"),
+    ("dir_capacity", 0, "directory capacity 0"),
+    ("dir_capacity", 70000, "directory capacity 70000"),
+    ("region_align", 1000, "region alignment 1000"),
+])
+def test_create_refuses_a_layout_open_would_reject(shm_dir, knob, value, message):
+    path = shm_dir / "k.pool"
+    with override(**{knob: value}), pytest.raises(ConfigError, match=message):
+        Pool.create(str(path), 16 << 20)
+    assert not path.exists()
+
+
+def test_a_commit_that_fails_poisons_the_handle(shm_dir):
+    path = str(shm_dir / "poison.pool")
+    small_pool(path)
+    pool = Pool.open(path)
+
+    def failing_copy(offset, data):
+        raise OSError("media error")
+
+    pool.device.copy_persist = failing_copy
+    with pytest.raises(OSError):
+        pool.commit(batch=8)
+    with pytest.raises(PoolError, match="a commit failed"):
+        pool.commit(batch=9)
+    with pytest.raises(PoolError, match="a commit failed"):
+        pool.array("t0.weight")
+    pool.close()
+    with Pool.open(path) as again:
+        assert again.root.batch == 7
+
+
+def test_fifo_and_empty_file_are_refused_without_blocking(shm_dir):
+    fifo = str(shm_dir / "fifo")
+    os.mkfifo(fifo)
+    with pytest.raises(NotAPoolError, match="not a regular file"):
+        Pool.open(fifo)
+    assert "not a regular file" in inspect_problem(fifo)
+    zeros = shm_dir / "zeros.pool"
+    zeros.write_bytes(bytes(1 << 16))
+    with pytest.raises(NotAPoolError, match="interrupted"):
+        Pool.open(str(zeros))
+
+
+def inspect_problem(path) -> str:
+    try:
+        return "; ".join(inspect(path).problems)
+    except PoolError as e:
+        return str(e)
 
 
 def test_create_refuses_existing_file_and_tiny_size(shm_dir):

@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from cxltrain.optim import SGD, RowWiseAdagrad
+from cxltrain.errors import PoolError
 from cxltrain.pool import Pool
+from cxltrain.pool_format import RegionKind
 from cxltrain.tables import PersistentEmbeddingBag
 
 ROWS, DIM = 500, 10  # DIM 10: rows are padded to 64 bytes, so the padded-storage path is exercised
@@ -179,12 +181,21 @@ def test_initialisation_is_deterministic_and_seeded(shm_dir):
     pool.close()
 
 
-def test_mismatched_existing_region_is_refused(shm_dir):
+def test_mismatched_existing_regions_are_refused(shm_dir):
     path = str(shm_dir / "m.pool")
     pool, _ = make_table(path, SGD())
     wrong = PersistentEmbeddingBag(ROWS, DIM + 1, name="t0", optimizer=SGD())
-    with pytest.raises(Exception, match="expects float32"):
+    with pytest.raises(PoolError, match="expects table_weights float32"):
         wrong.attach(pool)
+    needs_state = PersistentEmbeddingBag(ROWS, DIM, name="t0", optimizer=RowWiseAdagrad())
+    with pytest.raises(PoolError, match="'t0.optim', which is missing"):
+        needs_state.attach(pool)
+    pool.add_region("t1.weight", RegionKind.BLOB, "float32", (ROWS, DIM))
+    pool.add_region("t2.weight", RegionKind.TABLE_WEIGHTS, "float32", (ROWS, DIM))
+    pool.add_region("t2.optim", RegionKind.TABLE_OPTIM_STATE, "int32", (ROWS, 1))
+    for name in ("t1", "t2"):
+        with pytest.raises(PoolError, match="expects"):
+            PersistentEmbeddingBag(ROWS, DIM, name=name, optimizer=RowWiseAdagrad()).attach(pool)
     pool.close()
 
 

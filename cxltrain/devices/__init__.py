@@ -12,6 +12,7 @@ anything else → pmem when libpmem is installed, else msync.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -56,12 +57,42 @@ def device_size(fd: int, path: str) -> int:
     return st.st_size
 
 
-def create_file(path: str, size: int) -> int:
-    """Create `path` with `size` bytes allocated up front; returns an O_RDWR fd.
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a new pool goes: an open descriptor, its size, and whether it existed before."""
 
-    posix_fallocate reserves every block now, so a full disk fails here with a clear message
-    instead of as SIGBUS in the middle of training.
+    fd: int
+    size: int
+    existing: bool  # a DAX character device: never unlinked on failure
+
+
+# The largest pool we accept: offsets are stored as u64, and posix_fallocate takes an off_t.
+MAX_POOL_SIZE = (1 << 63) - 1
+
+
+def open_target(path: str, size: int | None) -> Target:
+    """Open the place for a new pool: a DAX character device as it is, or a new file of `size` bytes.
+
+    A new file gets every block reserved up front (posix_fallocate), so a full disk fails here
+    with a clear message instead of as SIGBUS in the middle of training.
     """
+    if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            raise DeviceError(f"{path}: cannot open: {e.strerror}") from None
+        try:
+            available = device_size(fd, path)
+            if size is not None and size > available:
+                raise DeviceError(f"{path}: device holds {available:,} bytes, {size:,} asked for")
+        except BaseException:
+            os.close(fd)
+            raise
+        return Target(fd, size or available, existing=True)
+    if size is None:
+        raise DeviceError(f"{path}: a new pool file needs a size")
+    if not 0 < size <= MAX_POOL_SIZE:
+        raise DeviceError(f"{path}: pool size {size} is out of range")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
@@ -70,13 +101,13 @@ def create_file(path: str, size: int) -> int:
         raise DeviceError(f"{path}: cannot create: {e.strerror}") from None
     try:
         os.posix_fallocate(fd, 0, size)
-    except OSError as e:
+    except (OSError, OverflowError) as e:
         os.close(fd)
         os.unlink(path)
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DeviceError(f"{path}: not enough space for a {size}-byte pool") from None
-        raise DeviceError(f"{path}: cannot allocate {size} bytes: {e.strerror}") from None
-    return fd
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise DeviceError(f"{path}: not enough space for a {size:,}-byte pool") from None
+        raise DeviceError(f"{path}: cannot allocate {size:,} bytes: {getattr(e, 'strerror', e)}") from None
+    return Target(fd, size, existing=False)
 
 
 def map_device(path: str, fd: int, size: int, *, writable: bool, backend: str | None = None) -> Device:
@@ -98,4 +129,4 @@ def map_device(path: str, fd: int, size: int, *, writable: bool, backend: str | 
     return MsyncDevice(path, fd, size, writable=True)
 
 
-__all__ = ["Device", "BACKENDS", "create_file", "device_size", "map_device", "resolve_backend"]
+__all__ = ["Device", "BACKENDS", "Target", "device_size", "map_device", "open_target", "resolve_backend"]

@@ -78,11 +78,25 @@ class DLRM(nn.Module):
         return [*self.bottom.parameters(), *self.top.parameters()]
 
     def attach(self, pool: Pool) -> bool:
-        """Attach every table to `pool`. Returns True if the tables were created (fresh pool)."""
-        created = [table.attach(pool) for table in self.tables]
-        if any(created) and not all(created):
-            raise ConfigError(f"{pool.path}: holds some of this model's tables but not all")
-        return all(created)
+        """Attach every table to `pool`: all created (one atomic allocation) or all adopted.
+
+        Every table is checked before anything is written, so a pool that holds another model is
+        refused untouched. Returns True if the tables were created (and initialised).
+        """
+        present = [table.weight_region in pool.regions for table in self.tables]
+        if any(present) and not all(present):
+            missing = [t.name for t, here in zip(self.tables, present) if not here]
+            raise ConfigError(f"{pool.path}: holds some of this model's tables but not {', '.join(missing)}")
+        if all(present):
+            for table in self.tables:
+                table.check_regions(pool)
+            for table in self.tables:
+                table.attach(pool)
+            return False
+        pool.add_regions([spec for table in self.tables for spec in table.region_specs()])
+        for table in self.tables:
+            table.attach(pool, initialize=True)
+        return True
 
     def materialize(self) -> None:
         """Volatile DRAM tables (no pool): for tests and comparisons."""
