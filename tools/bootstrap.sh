@@ -43,7 +43,14 @@ ensure_venv() {
     if ! "$VENV/bin/python" -c 'import torch' >/dev/null 2>&1; then
         "${pip[@]}" install torch==2.13.0
     fi
-    "${pip[@]}" install -e '.[test]'
+    # An isolated build fetches setuptools from the index; where the venv already has a setuptools
+    # that builds editable wheels (>= 64, plus wheel), use it, so a machine without network works.
+    local isolation=()
+    if "$VENV/bin/python" -c 'import setuptools, wheel, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 64)' \
+        >/dev/null 2>&1; then
+        isolation=(--no-build-isolation)
+    fi
+    "${pip[@]}" install "${isolation[@]}" -e '.[test]'
     touch "$STAMP"
 }
 
