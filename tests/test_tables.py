@@ -256,3 +256,28 @@ def test_empty_bags_and_empty_batch(shm_dir):
     out.sum().backward()
     assert torch.equal(table.weight, before)
     pool.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's own Adagrad says this
+def test_rowwise_adagrad_with_one_column_matches_torch_adagrad(pool_path):
+    """With D = 1 the row-wise accumulator is torch's element-wise one: torch.optim.Adagrad is then
+    a reference written by someone else. Bit for bit, since no row repeats within a batch."""
+    pool = Pool.create(pool_path, 8 << 20)
+    table = PersistentEmbeddingBag(ROWS, 1, name="t0", optimizer=RowWiseAdagrad(lr=0.2, eps=1e-10,
+                                                                                 initial_accumulator_value=0.1))
+    table.attach(pool)
+    reference = nn.EmbeddingBag(ROWS, 1, mode="sum", sparse=True)
+    with torch.no_grad():
+        reference.weight.copy_(table.weight)
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.2, eps=1e-10, initial_accumulator_value=0.1)
+    for step in range(5):
+        print(f"seed={400 + step}")
+        indices, offsets, g = unique_bags(400 + step)
+        upstream = torch.randn(offsets.numel(), 1, generator=g)
+        (table(indices, offsets) * upstream).sum().backward()
+        (reference(indices, offsets) * upstream).sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert torch.equal(table.weight, reference.weight)
+        assert torch.equal(table.optimizer_state, ref_opt.state[reference.weight]["sum"])
+    pool.close()
