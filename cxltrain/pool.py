@@ -296,14 +296,16 @@ class Pool:
         The superblock is written last: a crash during creation leaves a file that is refused as
         "not a cxltrain pool", never one that looks valid and is not.
         """
+        layout = (dir_capacity or KNOBS.dir_capacity, region_align or KNOBS.region_align, KNOBS.row_align)
+        if size is not None:
+            new_superblock(size, *layout)  # refuse a bad layout before a file exists
         target = open_target(path, size)
         lock_fd = -1
         try:
             lock_fd = _lock(path, writable=True)
             if target.existing and int.from_bytes(os.pread(target.fd, 8, 0), "little") == fmt.MAGIC:
                 raise PoolError(f"{path}: already holds a cxltrain pool")
-            sb = new_superblock(target.size, dir_capacity or KNOBS.dir_capacity,
-                                region_align or KNOBS.region_align, KNOBS.row_align)
+            sb = new_superblock(target.size, *layout)
             device = map_device(path, target.fd, target.size, writable=True, backend=backend)
             pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batch=-1), [])
             pool._write_root(Root(seq=1, dir_count=0, batch=-1))

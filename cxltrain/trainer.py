@@ -66,7 +66,7 @@ class TrainResult:
     eval_logloss: float | None
     rows_updated_per_batch: float      # unique rows written per batch, all tables
     split_ms: StepSplit
-    restarted: bool                    # the pool existed and training started over
+    restarted: bool                    # the pool held these tables already, and training started over
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -100,19 +100,21 @@ def heldout_batches(source: BatchSource, steps: int) -> range:
 
 
 def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
-    """(pool with the model's tables attached and initialised, whether the pool already existed)."""
+    """(pool with the model's tables attached and initialised, whether it held them already)."""
     if os.path.exists(path):
         pool = Pool.open(path)
         try:
-            model.attach(pool)
-            for table in model.tables:  # no dense state to resume from: start over
-                table.reset_parameters()
-                table.persist()
-            pool.commit(batch=0)
+            restarted = not model.attach(pool)
+            if restarted:  # the tables were there, but no dense state to resume from: start over
+                pool.commit(batch=-1)  # ORDERING: the root stops vouching for the tables before they change
+                for table in model.tables:
+                    table.reset_parameters()
+                    table.persist()
+            pool.commit(batch=0)  # ORDERING: initial tables durable before the root says batch 0
         except BaseException:
             pool.close()
             raise
-        return pool, True
+        return pool, restarted
     sizes = [n for table in model.tables for n in table.region_bytes(KNOBS.row_align)]
     size = pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align) + POOL_HEADROOM
     pool = Pool.create(path, size)
@@ -146,7 +148,8 @@ def _run(config, model, source, dense_opt, pool, restarted, progress) -> TrainRe
     losses: list[float] = []
     tail_logits, tail_labels = [], []
     timing = {"data": 0.0, "emb_fwd": 0.0, "emb_upd": 0.0, "total": 0.0}
-    # rows change in place from here on and nothing can roll them back: say so durably
+    # ORDERING: the root stops vouching for the tables before the first in-place update (nothing
+    # could roll the rows back to batch 0 after a crash)
     pool.commit(batch=-1)
     # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
     bar = tqdm(total=config.steps, desc="train", unit="batch", disable=None if progress else True, file=sys.stderr,

@@ -195,3 +195,12 @@ def test_train_on_a_raw_criteo_file(shm_dir):
     assert not (shm_dir / "d.pool").exists()
     assert_one_line_error(cxltrain("train", "--data", shm_dir / "nope", "--pool", shm_dir / "e.pool"),
                           match="nope")
+
+
+def test_train_fills_an_empty_pool_made_by_pool_create(shm_dir):
+    path = shm_dir / "empty.pool"
+    assert cxltrain("pool", "create", path, "--size", "8M").returncode == 0
+    result = cxltrain("train", "--pool", path, *SMALL, "--json")
+    assert result.returncode == 0, result.stderr
+    assert not last_json(result.stdout)["restarted"] and "restarted" not in result.stderr
+    assert last_json(cxltrain("pool", "info", path, "--json").stdout)["batch"] == 30
