@@ -33,12 +33,15 @@ import numpy as np
 
 from . import pool_format as fmt
 from .devices import Device, device_size, map_device, open_target
+from .faults import CRASH_ENV, crash_point, planted
 from .errors import (ConfigError, DeviceError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                      PoolLockedError, PoolVersionError)
 from .knobs import KNOBS
 from .pool_format import DType, Region, RegionKind, Root, Superblock
 
 Reader = Callable[[int, int], bytes]
+# Root writes are split in two only when a test asks to crash between the halves.
+_CRASH_IN_ROOT = os.environ.get(CRASH_ENV, "").startswith("commit:torn-root")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +312,7 @@ class Pool:
             device = map_device(path, target.fd, target.size, writable=True, backend=backend)
             pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batch=-1), [])
             pool._write_root(Root(seq=1, dir_count=0, batch=-1))
+            crash_point("create:before-superblock")
             # ORDERING: root durable before the superblock that makes the file a pool.
             device.copy_persist(fmt.SUPERBLOCK_OFFSET, sb.pack())
             return pool
@@ -392,13 +396,19 @@ class Pool:
             raise PoolFullError(f"{self.path}: {len(regions)} region(s) need {needed:,} bytes, "
                                 f"{max(0, sb.pool_size - regions[0].offset):,} are free")
         first = sb.dir_offset + self.root.dir_count * fmt.DIR_ENTRY.size
-        self.device.array[first : first + len(regions) * fmt.DIR_ENTRY.size] = np.frombuffer(
-            b"".join(r.pack(sb.uuid) for r in regions), dtype=np.uint8)
+        entries = np.frombuffer(b"".join(r.pack(sb.uuid) for r in regions), dtype=np.uint8)
+        new_root = dataclasses.replace(self.root, seq=self.root.seq + 1, dir_count=self.root.dir_count + len(regions))
+        root_first = planted("root-before-entries")  # test-only: the ordering below, broken on purpose
+        if root_first:
+            self._write_root(new_root)
+            crash_point("add-regions:between")
+        self.device.array[first : first + entries.size] = entries
         # ORDERING: directory entries durable before the root that counts them, so a crash in
         # between leaves unused (ignored) entries, never live entries with garbage in them.
-        self.device.persist(first, len(regions) * fmt.DIR_ENTRY.size)
-        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1,
-                                             dir_count=self.root.dir_count + len(regions)))
+        self.device.persist(first, entries.size)
+        if not root_first:
+            crash_point("add-regions:between")
+            self._write_root(new_root)
         self._regions.update((r.name, r) for r in regions)
         return regions
 
@@ -435,8 +445,13 @@ class Pool:
 
     def _write_root(self, root: Root) -> None:
         slot = root.seq % 2  # transaction n writes slot n % 2 (LMDB); the other slot stays valid
+        packed = root.pack(self.superblock.uuid, slot)
+        offset = self.superblock.root_offsets[slot]
         try:
-            self.device.copy_persist(self.superblock.root_offsets[slot], root.pack(self.superblock.uuid, slot))
+            if _CRASH_IN_ROOT:  # a crash half-way through the slot: the checksum must catch the tear
+                self.device.copy_persist(offset, packed[: len(packed) // 2])
+                crash_point("commit:torn-root")
+            self.device.copy_persist(offset, packed)
         except BaseException as e:
             # the slot may be half-written: poison the handle (LMDB's MDB_PANIC); reopening picks
             # the newest valid root again
