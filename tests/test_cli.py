@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cxltrain.pool import Pool
+from test_pool import REFUSALS, small_pool
 
 SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", "--batch-size", "256",
          "--no-progress"]
@@ -204,3 +205,14 @@ def test_train_fills_an_empty_pool_made_by_pool_create(shm_dir):
     assert result.returncode == 0, result.stderr
     assert not last_json(result.stdout)["restarted"] and "restarted" not in result.stderr
     assert last_json(cxltrain("pool", "info", path, "--json").stdout)["batch"] == 30
+
+
+@pytest.mark.parametrize("label,damage,error,message", REFUSALS, ids=[r[0] for r in REFUSALS])
+@pytest.mark.parametrize("command", ["info", "check"])
+def test_every_refusal_is_one_line_on_the_command_line(shm_dir, command, label, damage, error, message):
+    path = shm_dir / "bad.pool"
+    small_pool(path)
+    damage(str(path))
+    before = path.read_bytes()
+    assert_one_line_error(cxltrain("pool", command, path), match=message)
+    assert path.read_bytes() == before

@@ -16,6 +16,7 @@ PY=${PYTHON:-python3}
 STAMP=$VENV/.bootstrap-done
 
 ensure_libpmem() {
+    export DEBIAN_FRONTEND=noninteractive
     if ldconfig -p 2>/dev/null | grep -q 'libpmem\.so\.1'; then
         return
     fi
