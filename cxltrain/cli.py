@@ -109,7 +109,14 @@ def _run_train(args) -> int:
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent)
     config.validate()
-    path = args.pool or default_pool_path()
+    path = args.pool
+    if path is None:
+        from .trainer import build_model, pool_bytes
+
+        path = default_pool_path(pool_bytes(build_model(config)))
+        if not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
+            print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
+                  "and not an emulated CXL device)", file=sys.stderr)
     table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
     print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
           f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)

@@ -338,6 +338,9 @@ class Pool:
                 device = map_device(path, fd, sb.pool_size, writable=writable, backend=backend)
             except BaseException as e:
                 os.close(lock_fd)
+                if isinstance(e, NotAPoolError) and stat.S_ISCHR(os.fstat(fd).st_mode):
+                    raise NotAPoolError(f"{path}: not a cxltrain pool; format the device with "
+                                        f"`cxltrain pool create {path}`") from None
                 if isinstance(e, PoolError) and not str(e).startswith(path):
                     raise type(e)(f"{path}: {e}") from None
                 raise

@@ -99,6 +99,12 @@ def heldout_batches(source: BatchSource, steps: int) -> range:
     return range(steps, min(steps + EVAL_BATCHES, source.num_batches))
 
 
+def pool_bytes(model: DLRM) -> int:
+    """Size of the pool `train` creates for `model`: its tables plus headroom."""
+    sizes = [n for table in model.tables for n in table.region_bytes(KNOBS.row_align)]
+    return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align) + POOL_HEADROOM
+
+
 def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
     """(pool with the model's tables attached and initialised, whether it held them already)."""
     if os.path.exists(path):
@@ -115,9 +121,7 @@ def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
             pool.close()
             raise
         return pool, restarted
-    sizes = [n for table in model.tables for n in table.region_bytes(KNOBS.row_align)]
-    size = pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align) + POOL_HEADROOM
-    pool = Pool.create(path, size)
+    pool = Pool.create(path, pool_bytes(model))
     try:
         model.attach(pool)
         pool.commit(batch=0)  # ORDERING: tables initialised and persisted (attach) before the root says so

@@ -24,18 +24,29 @@ from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.knobs import KNOBS
 
 
-def default_pool_dir() -> str:
-    """Where the emulated pool lives by default: the knob, else /dev/shm, else the temp folder."""
+POOL_NAME = f"cxltrain-{os.getuid()}-train.pool"
+
+
+def default_pool_dir(required_bytes: int = 0) -> str:
+    """Where the emulated pool lives by default: the knob, else /dev/shm when it exists and has room
+    for `required_bytes` (or already holds the pool), else the temp folder."""
     if KNOBS.pool_dir:
         return KNOBS.pool_dir
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm"
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        if os.path.exists(os.path.join(shm, POOL_NAME)) or _free_bytes(shm) >= required_bytes:
+            return shm
     return tempfile.gettempdir()
 
 
-def default_pool_path() -> str:
+def default_pool_path(required_bytes: int = 0) -> str:
     """The pool `cxltrain train` uses when no --pool is given: one per user."""
-    return os.path.join(default_pool_dir(), f"cxltrain-{os.getuid()}-train.pool")
+    return os.path.join(default_pool_dir(required_bytes), POOL_NAME)
+
+
+def _free_bytes(folder: str) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 class EmulatedCXLDevice(Device):

@@ -79,3 +79,18 @@ def test_pmem_is_pmem_force_switches_to_cache_line_flushes(tmp_path):
         assert out.returncode == 0, out.stderr
         results[force] = out.stdout.strip()
     assert results == {"0": "False", "1": "True"}
+
+
+def test_default_pool_falls_back_to_the_temp_folder_when_shm_is_too_small(monkeypatch):
+    import tempfile
+
+    from cxltrain import emulation
+    from cxltrain.emulation import cxl
+
+    monkeypatch.setattr(cxl, "POOL_NAME", f"cxltrain-test-{os.getpid()}.pool")
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    assert emulation.default_pool_dir(1 << 20) == "/dev/shm"
+    assert emulation.default_pool_dir(1 << 60) == tempfile.gettempdir()
+    with override(pool_dir="/somewhere"):
+        assert emulation.default_pool_path() == f"/somewhere/{cxl.POOL_NAME}"
