@@ -22,7 +22,7 @@ from tqdm import tqdm
 from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
 from .config import TrainConfig
-from .errors import ConfigError
+from .errors import ConfigError, PoolError
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
@@ -110,7 +110,10 @@ def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
     if os.path.exists(path):
         pool = Pool.open(path)
         try:
-            restarted = not model.attach(pool)
+            try:
+                restarted = not model.attach(pool)
+            except (PoolError, ConfigError) as e:
+                raise type(e)(f"{e} (a pool holds one model: pass another --pool, or delete this one)") from None
             if restarted:  # the tables were there, but no dense state to resume from: start over
                 pool.commit(batch=-1)  # ORDERING: the root stops vouching for the tables before they change
                 for table in model.tables:

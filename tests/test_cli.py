@@ -114,7 +114,9 @@ def test_train_on_a_pool_of_another_model_is_refused_untouched(shm_dir):
     assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
     before = path.read_bytes()
     other = [a if a != "16" else "8" for a in SMALL]  # --dim 8
-    assert_one_line_error(cxltrain("train", "--pool", path, *other), match="expects table_weights float32 [2000, 8]")
+    result = cxltrain("train", "--pool", path, *other)
+    assert_one_line_error(result, match="expects table_weights float32 [2000, 8]")
+    assert "pass another --pool, or delete this one" in result.stderr
     assert path.read_bytes() == before
 
 
