@@ -357,9 +357,6 @@ class Pool:
         except KeyError:
             raise PoolError(f"{self.path}: no region named {name!r}") from None
 
-    def free_bytes(self) -> int:
-        return self.superblock.pool_size - self._next_offset()
-
     def _next_offset(self) -> int:
         end = max((r.end for r in self._regions.values()), default=self.superblock.data_offset)
         return fmt.align_up(end, self.superblock.region_align)

@@ -267,13 +267,6 @@ class PersistentEmbeddingBag(nn.Module):
         with torch.no_grad():
             self.optimizer.update(self._require_storage(), self._state, rows, grads)
 
-    def table_state(self) -> dict[str, torch.Tensor]:
-        """Views of everything this table holds: {"weight": [R, D], "optimizer_state": [R, K]?}."""
-        state = {"weight": self.weight}
-        if self._state is not None:
-            state["optimizer_state"] = self._state
-        return state
-
     def extra_repr(self) -> str:
         where = self.pool.path if self.pool is not None else ("dram" if self._rows is not None else "unattached")
         return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r}, mode={self.mode!r}, "

@@ -1,7 +1,7 @@
 """A thin ctypes binding to PMDK's libpmem (the OS package `libpmem1`).
 
 Why our own binding: no maintained Python package wraps libpmem (the nearest, pynvm 0.3.1, has been
-unmaintained since 2017 and needs five PMDK -dev packages and nose to build). We need nine C calls;
+unmaintained since 2017 and needs five PMDK -dev packages and nose to build). We need eight C calls;
 ctypes reaches them with no build step. Per-row flushing through ctypes costs ~0.5 µs a call, so hot
 loops belong in kernels/ (C), not here.
 
@@ -18,10 +18,6 @@ import ctypes.util
 import functools
 import os
 
-PMEM_FILE_CREATE = 1 << 0
-PMEM_FILE_EXCL = 1 << 1
-
-
 class LibPmem:
     """The libpmem functions cxltrain uses, with argument types declared."""
 
@@ -31,14 +27,12 @@ class LibPmem:
         self._declare("pmem_map_file", vp, [ctypes.c_char_p, sz, ctypes.c_int, ctypes.c_uint,
                                             ctypes.POINTER(sz), ctypes.POINTER(ctypes.c_int)])
         self._declare("pmem_unmap", ctypes.c_int, [vp, sz])
-        self._declare("pmem_is_pmem", ctypes.c_int, [vp, sz])
         self._declare("pmem_flush", None, [vp, sz])
         self._declare("pmem_drain", None, [])
         self._declare("pmem_persist", None, [vp, sz])
         self._declare("pmem_msync", ctypes.c_int, [vp, sz])
         self._declare("pmem_memcpy_persist", vp, [vp, vp, sz])
         self._declare("pmem_errormsg", ctypes.c_char_p, [])
-        self._declare("pmem_check_version", ctypes.c_char_p, [ctypes.c_uint, ctypes.c_uint])
 
     def _declare(self, name: str, restype, argtypes) -> None:
         fn = getattr(self.lib, name)
@@ -48,10 +42,6 @@ class LibPmem:
     def errormsg(self) -> str:
         msg = self.pmem_errormsg()
         return msg.decode(errors="replace") if msg else "unknown libpmem error"
-
-    def version(self) -> str:
-        bad = self.pmem_check_version(1, 0)
-        return "1.x" if bad is None else f"unusable ({bad.decode(errors='replace')})"
 
 
 @functools.lru_cache(maxsize=1)

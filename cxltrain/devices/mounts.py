@@ -16,10 +16,6 @@ class Mount:
     options: tuple[str, ...]
 
     @property
-    def is_dax(self) -> bool:
-        return any(opt == "dax" or opt.startswith("dax=") and opt != "dax=never" for opt in self.options)
-
-    @property
     def is_memory_backed(self) -> bool:
         return self.fs_type in MEMORY_BACKED
 
