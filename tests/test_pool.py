@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -351,33 +352,51 @@ def test_torn_directory_entry_past_dir_count_is_ignored(shm_dir):
 
 
 # -- hypothesis: corrupt images never crash, never open silently wrong ----------------------
+@dataclasses.dataclass(frozen=True)
+class Golden:
+    path: str
+    superblock: object
+    roots: tuple            # the roots of both slots: either may legitimately win after damage
+    regions: list           # in directory order
+
+
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory):
     path = tmp_path_factory.mktemp("golden") / "golden.pool"
     small_pool(path)
-    with Pool.open(str(path), writable=False) as pool:
-        regions = pool.regions
-    return str(path), regions
+    report = inspect(str(path))
+    assert report.ok and all(s.state == "valid" for s in report.slots)
+    return Golden(str(path), report.superblock, tuple(s.root for s in report.slots), report.regions)
 
 
 METADATA_END = fmt.data_offset(8, 4096)
+# Every checksummed structure of the golden pool, so mutations land in each of them often, not
+# only in the much larger padding around them.
+STRUCTURES = [
+    (0, fmt.SUPERBLOCK.size),
+    (fmt.ROOT_OFFSETS[0], fmt.ROOT_OFFSETS[0] + fmt.ROOT.size),
+    (fmt.ROOT_OFFSETS[1], fmt.ROOT_OFFSETS[1] + fmt.ROOT.size),
+    (fmt.DIR_OFFSET, fmt.DIR_OFFSET + 3 * fmt.DIR_ENTRY.size),  # two live entries and one free one
+    (0, METADATA_END),
+]
+byte_offset = st.sampled_from(STRUCTURES).flatmap(lambda span: st.integers(span[0], span[1] - 1))
 
 mutation = st.one_of(
-    st.tuples(st.just("flip"), st.integers(0, METADATA_END * 8 - 1)),
-    st.tuples(st.just("bytes"), st.integers(0, METADATA_END - 1), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("flip"), byte_offset, st.integers(0, 7)),
+    st.tuples(st.just("bytes"), byte_offset, st.binary(min_size=1, max_size=64)),
     st.tuples(st.just("truncate"), st.integers(0, 1 << 20)),
 )
 
 
 def apply(path, m):
     if m[0] == "flip":
-        if m[1] // 8 >= os.path.getsize(path):
+        if m[1] >= os.path.getsize(path):
             return
         with open(path, "r+b") as f:
-            f.seek(m[1] // 8)
+            f.seek(m[1])
             byte = f.read(1)[0]
-            f.seek(m[1] // 8)
-            f.write(bytes([byte ^ (1 << (m[1] % 8))]))
+            f.seek(m[1])
+            f.write(bytes([byte ^ (1 << m[2])]))
     elif m[0] == "bytes":
         patch(path, m[1], m[2])
     else:
@@ -385,10 +404,10 @@ def apply(path, m):
 
 
 def check_corrupt_image(golden, tmp_path, mutations):
-    """A damaged pool is refused with one clean line, or opens with exactly the original regions."""
-    source, regions = golden
+    """A damaged pool is refused with one clean line, or opens in a state it really had: the same
+    superblock, one of its two roots, and exactly the regions that root counts."""
     path = str(tmp_path / "fuzz.pool")
-    shutil.copyfile(source, path)
+    shutil.copyfile(golden.path, path)
     for m in mutations:
         apply(path, m)
     report = inspect(path)  # never raises for a readable file
@@ -399,12 +418,34 @@ def check_corrupt_image(golden, tmp_path, mutations):
         assert not report.ok
         return
     with pool:
-        # an older root may win (fewer regions), but every region it names is the real one
-        opened = pool.regions
-        assert set(opened) <= set(regions)
-        for name, region in opened.items():
-            assert region == regions[name]
+        assert pool.superblock == golden.superblock
+        assert pool.root in golden.roots
+        assert list(pool.regions.values()) == golden.regions[: pool.root.dir_count]
     assert report.ok
+
+
+def test_every_single_bit_flip_in_live_metadata_is_caught(golden, tmp_path):
+    """Exhaustive over the checksummed bytes: a flip in the superblock or a live directory entry is
+    refused; a flip in a root slot makes the other, intact slot win (or is refused)."""
+    # (first byte, end, the root that must win if the pool opens; None: it must be refused)
+    spans = [(0, fmt.SUPERBLOCK.size, None),
+             (fmt.ROOT_OFFSETS[0], fmt.ROOT_OFFSETS[0] + fmt.ROOT.size, golden.roots[1]),
+             (fmt.ROOT_OFFSETS[1], fmt.ROOT_OFFSETS[1] + fmt.ROOT.size, golden.roots[0]),
+             (fmt.DIR_OFFSET, fmt.DIR_OFFSET + 2 * fmt.DIR_ENTRY.size, None)]
+    for start, end, intact_root in spans:
+        for offset in range(start, end):
+            path = tmp_path / "flip.pool"
+            shutil.copyfile(golden.path, path)
+            apply(str(path), ("flip", offset, offset % 8))
+            try:
+                pool = Pool.open(str(path), writable=False)
+            except PoolError:
+                continue
+            with pool:
+                root, regions = pool.root, list(pool.regions.values())
+            assert intact_root is not None, f"a flip at byte {offset} was not caught"
+            assert root == intact_root, f"a flip at byte {offset} let the damaged root win"
+            assert regions == golden.regions[: root.dir_count], offset
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
