@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import re
-import stat
 import sys
 from typing import Callable, Sequence
 
@@ -163,10 +162,11 @@ def _add_pool(sub) -> None:
 
 
 def _run_pool_create(args) -> int:
+    from .devices import is_char_device
     from .pool import Pool
 
     size = args.size
-    if size is None and not (os.path.exists(args.path) and stat.S_ISCHR(os.stat(args.path).st_mode)):
+    if size is None and not is_char_device(args.path):
         size = parse_size("64M")
     with Pool.create(args.path, size) as pool:
         summary = {"path": pool.path, "size": pool.superblock.pool_size, "device": pool.device.kind,

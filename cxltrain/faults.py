@@ -41,6 +41,11 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def crash_armed(name: str) -> bool:
+    """True when CXLTRAIN_CRASH_AT names this point: for a write that must be split to crash inside it."""
+    return _CRASH is not None and _CRASH[0] == name
+
+
 def planted(name: str) -> bool:
     """True when the test-only fault `name` is planted (CXLTRAIN_FAULT)."""
     return name in _FAULTS

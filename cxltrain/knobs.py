@@ -35,12 +35,13 @@ class Knobs:
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
+        from .devices import BACKENDS  # the devices layer imports this module: import late
         from .errors import ConfigError
 
         if _ENV_ERRORS:
             raise ConfigError(_ENV_ERRORS[0])
-        if self.device not in ("auto", "pmem", "msync", "emulated"):
-            raise ConfigError(f"device {self.device!r} must be auto, pmem, msync or emulated")
+        if self.device not in BACKENDS:
+            raise ConfigError(f"device {self.device!r} must be one of {', '.join(BACKENDS)}")
         if self.region_align < 4096 or self.region_align & (self.region_align - 1):
             raise ConfigError(f"region_align {self.region_align} must be a power of two >= 4096")
         if not 8 <= self.row_align <= 4096 or self.row_align & (self.row_align - 1):

@@ -33,15 +33,13 @@ import numpy as np
 
 from . import pool_format as fmt
 from .devices import Device, device_size, map_device, open_target
-from .faults import CRASH_ENV, crash_point, planted
+from .faults import crash_armed, crash_point, planted
 from .errors import (ConfigError, DeviceError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                      PoolLockedError, PoolVersionError)
 from .knobs import KNOBS
 from .pool_format import DType, Region, RegionKind, Root, Superblock
 
 Reader = Callable[[int, int], bytes]
-# Root writes are split in two only when a test asks to crash between the halves.
-_CRASH_IN_ROOT = os.environ.get(CRASH_ENV, "").startswith("commit:torn-root")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +63,16 @@ class RegionSpec:
             DType.of(self.dtype)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"region {self.name!r}: {e}") from None
+
+    def row_stride(self, row_align: int) -> int:
+        """Bytes from one row (dimension 0) to the next, rows aligned to `row_align` if asked."""
+        packed = math.prod(self.shape[1:]) * DType.of(self.dtype).numpy.itemsize
+        return fmt.align_up(packed, row_align) if self.aligned_rows else packed
+
+    def nbytes(self, row_align: int) -> int:
+        return self.shape[0] * self.row_stride(row_align)
+
+
 SLOT_NAMES = ("A", "B")
 
 
@@ -300,15 +308,15 @@ class Pool:
         "not a cxltrain pool", never one that looks valid and is not.
         """
         layout = (dir_capacity or KNOBS.dir_capacity, region_align or KNOBS.region_align, KNOBS.row_align)
-        if size is not None:
-            new_superblock(size, *layout)  # refuse a bad layout before a file exists
+        # a file's size is known: refuse a bad layout before the file exists (a device's, once opened)
+        sb = new_superblock(size, *layout) if size is not None else None
         target = open_target(path, size)
         lock_fd = -1
         try:
             lock_fd = _lock(path, writable=True)
             if target.existing and int.from_bytes(os.pread(target.fd, 8, 0), "little") == fmt.MAGIC:
                 raise PoolError(f"{path}: already holds a cxltrain pool")
-            sb = new_superblock(target.size, *layout)
+            sb = sb or new_superblock(target.size, *layout)
             device = map_device(path, target.fd, target.size, writable=True, backend=backend)
             pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batch=-1), [])
             pool._write_root(Root(seq=1, dir_count=0, batch=-1))
@@ -384,11 +392,8 @@ class Pool:
             if spec.name in names:
                 raise PoolError(f"{self.path}: region {spec.name!r} already exists")
             names.add(spec.name)
-            dtype = DType.of(spec.dtype)
-            packed_row = math.prod(spec.shape[1:]) * dtype.numpy.itemsize
-            stride = fmt.align_up(packed_row, sb.row_align) if spec.aligned_rows else packed_row
-            region = Region(self.root.dir_count + i, spec.name, spec.kind, dtype, spec.shape, offset,
-                            spec.shape[0] * stride, stride)
+            region = Region(self.root.dir_count + i, spec.name, spec.kind, DType.of(spec.dtype), spec.shape,
+                            offset, spec.nbytes(sb.row_align), spec.row_stride(sb.row_align))
             regions.append(region)
             offset = fmt.align_up(region.end, sb.region_align)
         if regions and regions[-1].end > sb.pool_size:
@@ -448,7 +453,7 @@ class Pool:
         packed = root.pack(self.superblock.uuid, slot)
         offset = self.superblock.root_offsets[slot]
         try:
-            if _CRASH_IN_ROOT:  # a crash half-way through the slot: the checksum must catch the tear
+            if crash_armed("commit:torn-root"):  # a crash half-way through the slot: the checksum must catch it
                 self.device.copy_persist(offset, packed[: len(packed) // 2])
                 crash_point("commit:torn-root")
             self.device.copy_persist(offset, packed)

@@ -34,7 +34,7 @@ from torch import nn
 
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 from .pool import Pool, RegionSpec
-from .pool_format import RegionKind, align_up
+from .pool_format import RegionKind
 from .errors import ConfigError, PoolError
 from .kernels import rows as row_kernels
 
@@ -108,13 +108,6 @@ class PersistentEmbeddingBag(nn.Module):
             specs.append(RegionSpec(self.state_region, RegionKind.TABLE_OPTIM_STATE, "float32",
                                     (self.num_embeddings, self.optimizer.state_columns)))
         return specs
-
-    def region_bytes(self, row_align: int) -> list[int]:
-        """Bytes of each region in region_specs(), with weight rows aligned to `row_align`."""
-        sizes = [self.num_embeddings * align_up(self.embedding_dim * 4, row_align)]
-        if self.optimizer.state_columns:
-            sizes.append(self.num_embeddings * self.optimizer.state_columns * 4)
-        return sizes
 
     def attach(self, pool: Pool, *, initialize: bool | None = None) -> bool:
         """Map this table's regions from `pool`, creating them (all or none) if absent.

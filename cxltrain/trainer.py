@@ -101,7 +101,7 @@ def heldout_batches(source: BatchSource, steps: int) -> range:
 
 def pool_bytes(model: DLRM) -> int:
     """Size of the pool `train` creates for `model`: its tables plus headroom."""
-    sizes = [n for table in model.tables for n in table.region_bytes(KNOBS.row_align)]
+    sizes = [spec.nbytes(KNOBS.row_align) for table in model.tables for spec in table.region_specs()]
     return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align) + POOL_HEADROOM
 
 

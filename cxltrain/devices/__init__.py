@@ -27,6 +27,11 @@ from .msync import MsyncDevice
 BACKENDS = ("auto", "pmem", "msync", "emulated")
 
 
+def is_char_device(path: str) -> bool:
+    """True for an existing character device (device DAX, /dev/dax*)."""
+    return os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode)
+
+
 def resolve_backend(path: str, requested: str | None = None) -> str:
     """The backend `auto` (or the `device` knob) maps `path` with."""
     kind = requested or KNOBS.device
@@ -34,7 +39,7 @@ def resolve_backend(path: str, requested: str | None = None) -> str:
         raise DeviceError(f"unknown device backend {kind!r}; choose one of {', '.join(BACKENDS)}")
     if kind != "auto":
         return kind
-    if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
+    if is_char_device(path):
         return "pmem"
     mount = mount_of(path)
     if mount is not None and mount.is_memory_backed:
@@ -76,7 +81,7 @@ def open_target(path: str, size: int | None) -> Target:
     A new file gets every block reserved up front (posix_fallocate), so a full disk fails here
     with a clear message instead of as SIGBUS in the middle of training.
     """
-    if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
+    if is_char_device(path):
         try:
             fd = os.open(path, os.O_RDWR)
         except OSError as e:
@@ -129,4 +134,5 @@ def map_device(path: str, fd: int, size: int, *, writable: bool, backend: str | 
     return MsyncDevice(path, fd, size, writable=True)
 
 
-__all__ = ["Device", "BACKENDS", "Target", "device_size", "map_device", "open_target", "resolve_backend"]
+__all__ = ["Device", "BACKENDS", "Target", "device_size", "is_char_device", "map_device", "open_target",
+           "resolve_backend"]
