@@ -31,6 +31,10 @@ class Knobs:
     dir_capacity: int = 256
     # Threads torch uses for training; fixed so reductions are reproducible (DESIGN §4).
     threads: int = 2
+    # 1 = the emulated CXL device models power loss: the process stores into a private view and only
+    # what it persists reaches the file, so a killed process loses every unpersisted store. 0 = a
+    # kill loses nothing (the page cache is the media). Other backends ignore it (cxltrain.emulation).
+    power_loss: int = 0
 
 
     def validate(self) -> None:
@@ -50,6 +54,8 @@ class Knobs:
             raise ConfigError(f"dir_capacity {self.dir_capacity} must be in [1, 65536]")
         if self.threads < 1:
             raise ConfigError(f"threads {self.threads} must be at least 1")
+        if self.power_loss not in (0, 1):
+            raise ConfigError(f"power_loss {self.power_loss} must be 0 or 1")
 
 
 # Malformed CXLTRAIN_* variables: reported by validate(), never as an exception at import time.

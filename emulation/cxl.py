@@ -7,12 +7,20 @@ pmem_drain = SFENCE) so the cost of the protocol is the cost it has on the hardw
 libpmem, persist does nothing, because the page is already the media.
 
 What this models: process death (SIGKILL) — the page cache survives, exactly as PMEM contents do.
-What it does not (yet): power loss, where unflushed stores vanish and others reach the media early;
-the private copy-on-write view and evictor that model it come with the power-loss device.
+With the `power_loss` knob (CXLTRAIN_POWER_LOSS=1) it also models power loss: `PowerLossCXLDevice`
+lets the process work on a private (copy-on-write) view of the file, and persist copies the persisted
+cache lines to a shared view of it, the media. When the process dies, every store it did not
+persist is gone — what a power failure does to stores still in the CPU caches — and what it did
+persist survives, at 64-byte line granularity, as on the hardware.
+Not modelled yet: early write-back (an evictor that pushes unpersisted lines to the media before
+they are flushed, as cache eviction does, so a crash can also keep stores nobody persisted),
+persistence domains (ADR vs eADR vs a CXL device's own buffers), and bandwidth or latency models
+of the media.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import tempfile
@@ -76,3 +84,82 @@ class EmulatedCXLDevice(Device):
             self._mmap.close()
         except BufferError:
             pass  # views still alive: the mapping goes when the last of them does
+
+
+# Persistence works per cache line: CLWB/CLFLUSHOPT write back whole 64-byte lines, and a line is the
+# unit a power failure keeps or loses.
+CACHE_LINE = 64
+
+
+class PowerLossCXLDevice(EmulatedCXLDevice):
+    """The emulated device with a power-loss model (knob `power_loss` = 1; map_device picks it).
+
+    Two mappings of the memory-backed file:
+
+      array  MAP_PRIVATE (mmap.ACCESS_COPY): the process's view, its "CPU caches". A page it writes
+             becomes a private copy that the file never sees.
+      media  MAP_SHARED: the file itself, which outlives the process.
+
+    flush copies the range, rounded out to whole cache lines, from the private view to the media;
+    drain has nothing to wait for. SIGKILL then does what a power failure does: the private copies
+    die with the process, and the file holds exactly what was persisted (plus whatever shared a
+    cache line with it: real write-back is per line too).
+
+    Reading a page this process never wrote shows the file's current bytes (a private mapping
+    shares unwritten pages with the page cache). That is the right answer here: the pool lock makes
+    this process the file's only writer, and it writes the media only by copying from this very
+    view, so an unwritten page's bytes are the same in both.
+
+    Costs and limits: each page the process writes becomes an anonymous private copy, so the
+    written part of the pool takes twice its size in memory; persist costs a memcpy of the lines
+    (no libpmem flush: the copy is the persistence). A forked child's stores go to its own private
+    copies and are not seen by the parent, persisted or not. Early write-back, persistence domains
+    and bandwidth are not modelled (see the module docstring).
+    """
+
+    kind = "emulated-cxl"
+    power_loss = True
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        # Not EmulatedCXLDevice.__init__: that maps the file shared and flushes through libpmem.
+        Device.__init__(self, path, size, writable=True, is_pmem=True)  # flush is per cache line
+        self._pmem = None
+        self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.address = self._array.ctypes.data
+        self._media_mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        # the only view of the media: close() drops it, then unmaps (nobody else can hold one)
+        self._media: np.ndarray | None = np.frombuffer(self._media_mmap, dtype=np.uint8)
+        self._media_address = self._media.ctypes.data
+
+    def flush(self, offset: int, length: int) -> None:
+        self._check_range(offset, length)
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        if length == 0:
+            return
+        # Whole lines, as CLWB does: unpersisted neighbours in the first and last line go along.
+        start = offset - offset % CACHE_LINE
+        end = min(-(-(offset + length) // CACHE_LINE) * CACHE_LINE, self.size)
+        ctypes.memmove(self._media_address + start, self.address + start, end - start)
+
+    def drain(self) -> None:
+        # Nothing is in flight: flush's copy has landed in the media (the page cache, which outlives
+        # the process) before flush returns, and this thread's stores are seen in program order, so
+        # every flush issued so far is complete and ordered before whatever comes after.
+        pass
+
+    # persist = flush + drain, and copy_persist = store into the private view + persist, are the
+    # inherited ones: the media gets the bytes by the same line copy as any persisted store.
+
+    def close(self) -> None:
+        super().close()  # the private view: unmapped now, or when the last view of it goes
+        self._media = None
+        try:
+            self._media_mmap.close()
+        except BufferError:
+            pass  # cannot happen (no view of the media escapes), but never unmap under a view
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "ro"
+        return f"<{type(self).__name__} {self.kind} power-loss {self.path} {self.size} bytes {mode}>"
