@@ -1,7 +1,7 @@
 """cxltrain: train recommendation models whose embedding tables live in persistent memory.
 
-Layers (DESIGN §2), each calling only the one below: cli → trainer → models/tables/optim →
-pool → devices (cxltrain.devices, cxltrain.emulation) → kernels.
+Layers (DESIGN §2), each calling only the one below: cli → trainer → runtime → models/tables/optim
+→ checkpoint → pool → devices (cxltrain.devices, cxltrain.emulation) → kernels.
 
 The public names are imported lazily, so `cxltrain pool info` does not pay for importing torch.
 """
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CxlTrainError": "cxltrain.errors",
     "Pool": "cxltrain.pool",
+    "Runtime": "cxltrain.runtime",
     "PersistentEmbeddingBag": "cxltrain.tables",
     "SGD": "cxltrain.optim",
     "RowWiseAdagrad": "cxltrain.optim",

@@ -94,6 +94,11 @@ def _add_train(sub) -> None:
                    help=f"ids per table per sample (default {d.pooling})")
     p.add_argument("--zipf", type=_positive_float, default=d.zipf_exponent, dest="zipf_exponent",
                    help=f"Zipf exponent of the id distribution (default {d.zipf_exponent})")
+    p.add_argument("--checkpoint", choices=("undo", "off"), default=d.checkpoint,
+                   help="undo: every batch durable, a crash costs at most the batch in flight (default); "
+                        "off: the pool is consistent only when the run ends")
+    p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
+                   help=f"dense snapshot and commit every K batches (default {d.dense_every})")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_train)
@@ -106,36 +111,110 @@ def _run_train(args) -> int:
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
-                         zipf_exponent=args.zipf_exponent)
+                         zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every)
     config.validate()
     path = args.pool
     if path is None:
-        from .trainer import build_model, pool_bytes
+        from .trainer import pool_bytes
 
-        path = default_pool_path(pool_bytes(build_model(config)))
+        path = default_pool_path(pool_bytes(config))
         if not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
             print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
                   "and not an emulated CXL device)", file=sys.stderr)
     table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
     print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
           f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)
-    result = train(config, pool_path=path, progress=not args.no_progress)
-    if result.restarted:
-        print(f"note: {path} existed; there is no checkpointer yet to resume from, so training restarted "
-              "at batch 0", file=sys.stderr)
-    s = result.split_ms
-    print(f"trained {result.steps} batches in {result.seconds:.1f} s ({result.steps_per_s:.1f} steps/s) "
-          f"on {result.device}; loss {result.first_loss:.4f} -> {result.final_loss:.4f}")
-    print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
-          f"+ embedding backward/update {s.embedding_backward_update:.1f} + MLP {s.mlp:.1f}; "
-          f"{result.rows_updated_per_batch:,.0f} rows updated per batch")
-    if result.eval_auc is None:
+    result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts)
+    if result.steps == 0:
+        print(f"nothing to train: the pool is at batch {result.batch}, --steps is {args.steps}")
+    else:
+        s = result.split_ms
+        print(f"trained {result.steps} batches in {result.seconds:.1f} s ({result.steps_per_s:.1f} steps/s) "
+              f"on {result.device}; loss {result.first_loss:.4f} -> {result.final_loss:.4f}")
+        print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
+              f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint {s.checkpoint:.1f} "
+              f"+ MLP {s.mlp:.1f}; {result.rows_updated_per_batch:,.0f} rows updated per batch")
+    if result.checkpoint == "undo":
+        print(f"checkpoint: every batch durable (undo log + dense snapshot every {args.dense_every}); "
+              f"the pool is committed at batch {result.batch}")
+    if result.train_auc is None:
+        pass
+    elif result.eval_auc is None:
         print(f"final AUC {result.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
     else:
         print(f"final AUC {result.eval_auc:.4f} (held-out), {result.train_auc:.4f} (last batches); "
               f"eval logloss {result.eval_logloss:.4f}")
     if args.json:
         print(json.dumps(result.to_json()))
+    return 0
+
+
+def _say_where_training_starts(rt) -> None:
+    if rt.restarted:
+        print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
+              "interrupted); training restarts at batch 0", file=sys.stderr)
+    if rt.recovered_batch is not None:
+        r = rt.recovery
+        print(f"recovered {rt.path} to batch {r.batch} in {r.seconds * 1000:.1f} ms (rolled back {r.records_restored} "
+              f"undo records of {r.batches_rolled_back} uncommitted batch(es)); resuming at batch {rt.start_batch}",
+              flush=True)
+    else:
+        print(f"training from batch {rt.start_batch}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# recover | export
+# ---------------------------------------------------------------------------------------------
+def _add_recover_export(sub) -> None:
+    r = sub.add_parser("recover", help="roll a pool back to its last committed batch",
+                       description="Roll a pool back to its last committed batch (what `train` does on start), "
+                                   "and report it.")
+    r.add_argument("path")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(run=_run_recover)
+    e = sub.add_parser("export", help="write the recovered model as a plain torch state dict",
+                       description="Recover a pool and write its model as a plain state dict: every table's "
+                                   "weights and optimizer state, the dense parameters and optimizer state, and "
+                                   "the committed batch under \"batch\". Read it with torch.load(OUT, "
+                                   "weights_only=True).")
+    e.add_argument("path")
+    e.add_argument("out", help="output file (.pt); must not exist")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(run=_run_export)
+
+
+def _run_recover(args) -> int:
+    from .runtime import recover_pool
+
+    report = recover_pool(args.path)
+    print(f"recovered {args.path} to batch {report.batch} in {report.seconds * 1000:.1f} ms: rolled back "
+          f"{report.records_restored} undo records ({report.rows_restored:,} rows) of "
+          f"{report.batches_rolled_back} uncommitted batch(es)")
+    if args.json:
+        print(json.dumps(report.to_json()))
+    return 0
+
+
+def _run_export(args) -> int:
+    import torch
+
+    from .runtime import export_state
+
+    if os.path.exists(args.out):
+        raise CxlTrainError(f"{args.out}: already exists; not overwriting it")
+    state = export_state(args.path)
+    partial = f"{args.out}.partial"
+    try:
+        torch.save(state, partial)
+        os.replace(partial, args.out)  # never a half-written export under the asked-for name
+    except OSError as e:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise CxlTrainError(f"{args.out}: cannot write: {e.strerror}") from None
+    tensors = len(state["model"])
+    print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
+    if args.json:
+        print(json.dumps({"path": args.path, "out": args.out, "batch": state["batch"]}))
     return 0
 
 
@@ -189,7 +268,11 @@ def _report_json(report) -> dict:
             "dir_capacity": sb.dir_capacity, "data_offset": sb.data_offset, "region_align": sb.region_align,
             "row_align": sb.row_align},
         "roots": [{"slot": "AB"[s.slot], "state": s.state, "reason": s.reason,
-                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batch} if s.root else {})}
+                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batch,
+                       "ring_generation": s.root.ring_generation, "ring_start": s.root.ring_start,
+                       "ring_start_seq": s.root.ring_start_seq,
+                       "dense_slot": " AB"[s.root.dense_slot].strip() or None, "dense_batch": s.root.dense_batch}
+                      if s.root else {})}
                   for s in report.slots],
         "batch": None if report.root is None else report.root.batch,
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
@@ -213,6 +296,9 @@ def _run_pool_info(args) -> int:
     for s in report.slots:
         detail = (f"seq {s.root.seq}, batch {s.root.batch}, {s.root.dir_count} regions" if s.root
                   else s.reason or "never written")
+        if s.root is not None and s.root.dense_slot:
+            detail += (f", dense snapshot in slot {' AB'[s.root.dense_slot]} (batch {s.root.dense_batch}), undo ring "
+                       f"generation {s.root.ring_generation} from offset {s.root.ring_start}")
         winner = " (current)" if s.root is not None and s.root == report.root else ""
         print(f"root {'AB'[s.slot]}: {s.state}{winner}: {detail}")
     print(f"{'region':<24} {'kind':<18} {'dtype':<8} {'shape':<18} {'offset':>14} {'bytes':>14}")
@@ -247,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_train(sub)
+    _add_recover_export(sub)
     _add_pool(sub)
     return parser
 

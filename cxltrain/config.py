@@ -23,10 +23,20 @@ class TrainConfig:
     dense_lr: float = 1e-3             # Adam on the MLPs
     bottom_mlp: tuple[int, ...] = (512, 256)
     top_mlp: tuple[int, ...] = (512, 256)
+    checkpoint: str = "undo"           # "undo": every batch durable; "off": consistent only at the end
+    dense_every: int = 1               # dense snapshot (and commit) every k batches
+
+    # what a resumed run must share with the run that wrote the pool
+    TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
+                  "sparse_lr", "dense_lr", "bottom_mlp", "top_mlp")
+
+    def run_metadata(self) -> dict:
+        """The settings that decide the training trajectory, stored with every dense snapshot."""
+        return {name: getattr(self, name) for name in self.TRAJECTORY}
 
     def validate(self) -> None:
         positive = {"steps": self.steps, "batch_size": self.batch_size, "num_tables": self.num_tables,
-                    "rows": self.rows, "dim": self.dim, "pooling": self.pooling}
+                    "rows": self.rows, "dim": self.dim, "pooling": self.pooling, "dense_every": self.dense_every}
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -34,6 +44,8 @@ class TrainConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not self.zipf_exponent > 0:
             raise ConfigError(f"zipf exponent must be > 0, got {self.zipf_exponent}")
+        if self.checkpoint not in ("undo", "off"):
+            raise ConfigError(f"checkpoint must be 'undo' or 'off', got {self.checkpoint!r}")
         for name in ("sparse_lr", "dense_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")

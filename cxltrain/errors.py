@@ -39,3 +39,11 @@ class PoolFullError(PoolError):
 
 class ConfigError(CxlTrainError):
     """A user-given setting is out of range or inconsistent."""
+
+
+class CheckpointError(CxlTrainError):
+    """The checkpointer cannot make a batch durable as asked (no room, a state that does not fit)."""
+
+
+class RecoveryError(PoolError):
+    """A pool cannot be recovered into this model (it holds another model, or no committed state)."""

@@ -167,7 +167,9 @@ def read_root_slot(read: Reader, sb: Superblock, slot: int) -> SlotStatus:
                f"seq {root.seq} belongs in slot {SLOT_NAMES[root.seq % 2]}" if root.seq % 2 != slot else
                "reserved bytes are not zero" if any(reserved) or any(pad) or root.flags else
                f"dir_count {root.dir_count} exceeds capacity {sb.dir_capacity}" if root.dir_count > sb.dir_capacity else
-               f"batch {root.batch} is below -1" if root.batch < -1 else "")
+               f"batch {root.batch} is below -1" if root.batch < -1 else
+               f"dense slot {root.dense_slot} is not 0, 1 or 2" if root.dense_slot > 2 else
+               f"dense batch {root.dense_batch} is negative" if root.dense_batch < 0 else "")
     if problem:
         return SlotStatus(slot, "corrupt", None, problem)
     return SlotStatus(slot, "valid", root)
@@ -440,12 +442,16 @@ class Pool:
         self.device.persist(r.offset, r.size)
 
     # -- commits ----------------------------------------------------------------------------
-    def commit(self, *, batch: int) -> Root:
-        """Write the next root (seq + 1) into the other slot and persist it."""
+    def commit(self, *, batch: int, **checkpoint_fields: int) -> Root:
+        """Write the next root (seq + 1) into the other slot and persist it.
+
+        checkpoint_fields: the checkpointer's commit fields of Root (ring_generation, ring_start,
+        ring_start_seq, dense_slot, dense_batch); fields not given keep their current values.
+        """
         self._check_open(writable=True)
         if batch < -1:
             raise ValueError(f"batch {batch} must be >= -1")
-        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1, batch=batch))
+        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1, batch=batch, **checkpoint_fields))
         return self.root
 
     def _write_root(self, root: Root) -> None:
@@ -501,6 +507,28 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<Pool {self.path} {self.device.kind} seq={self.root.seq} regions={len(self._regions)}>"
+
+
+def remove_stale(path: str) -> None:
+    """Delete `path` (a pool a crashed process was building under a side name), unless another
+    process holds it open, which raises PoolLockedError."""
+    if not os.path.exists(path):
+        return
+    os.close(_lock(path, writable=True))  # refuses while its builder is alive
+    os.unlink(path)
+
+
+def publish(pool: Pool, path: str) -> None:
+    """Rename a pool built under a side name to `path`, durably (the directory entry is synced)."""
+    if os.path.exists(path):
+        raise PoolError(f"{path}: appeared while this pool was being created")
+    os.rename(pool.path, path)
+    folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+    pool.path = path
 
 
 # ---------------------------------------------------------------------------------------------

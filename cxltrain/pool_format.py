@@ -111,29 +111,49 @@ ROOT = struct.Struct(
     "I"    # flags, zero in v1
     "q"    # batch: batches whose updates the pool holds (0 = freshly initialised); -1 = no
            # consistent state (being created, or tables changing with nothing to roll them back)
-    "224s" # reserved for the checkpointer's commit fields (DESIGN §4), zero in v1
+    # -- the checkpointer's commit fields (DESIGN §4); all zero in a pool that has none --
+    "Q"    # ring_generation: undo records of any other generation are never live
+    "Q"    # ring_start: byte offset, in the undo ring, of the oldest live record
+    "Q"    # ring_start_seq: the sequence number the record at ring_start must carry
+    "I"    # dense_slot: 0 = no dense snapshot, 1 = slot A, 2 = slot B
+    "I"    # zero
+    "q"    # dense_batch: batches the named dense snapshot has seen
+    "184s" # reserved, zero
     "I"    # checksum
     "4s"   # padding to 256, zero
 )
 assert ROOT.size == 256
+ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layout)
 
 
 @dataclasses.dataclass(frozen=True)
 class Root:
+    """One commit record. With a checkpointer, `batch` is the recovery target: undo records of
+    batches >= batch are rolled back by recovery, those of earlier batches are reclaimable."""
+
     seq: int
     dir_count: int
     batch: int
     flags: int = 0
+    ring_generation: int = 0
+    ring_start: int = 0
+    ring_start_seq: int = 0
+    dense_slot: int = 0
+    dense_batch: int = 0
 
     def pack(self, uuid: bytes, slot: int) -> bytes:
-        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, bytes(224), 0, bytes(4))
+        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, self.ring_generation, self.ring_start,
+                         self.ring_start_seq, self.dense_slot, 0, self.dense_batch, bytes(184), 0, bytes(4))
         return body[:-8] + struct.pack("<I", checksum(body[:-8], uuid, slot)) + bytes(4)
 
 
 def unpack_root(raw: bytes) -> tuple[Root, bytes, int, bytes]:
-    """Decode without validating. Returns (root, reserved, checksum, padding)."""
-    seq, dir_count, flags, batch, reserved, csum, pad = ROOT.unpack(raw)
-    return Root(seq, dir_count, batch, flags), reserved, csum, pad
+    """Decode without validating. Returns (root, reserved, checksum, padding); `reserved` includes
+    the zero word between dense_slot and dense_batch."""
+    (seq, dir_count, flags, batch, generation, ring_start, start_seq, dense_slot, zero, dense_batch, reserved,
+     csum, pad) = ROOT.unpack(raw)
+    root = Root(seq, dir_count, batch, flags, generation, ring_start, start_seq, dense_slot, dense_batch)
+    return root, zero.to_bytes(4, "little") + reserved, csum, pad
 
 
 def root_checksum(raw: bytes, uuid: bytes, slot: int) -> int:

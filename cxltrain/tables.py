@@ -36,6 +36,7 @@ from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 from .pool import Pool, RegionSpec
 from .pool_format import RegionKind
 from .errors import ConfigError, PoolError
+from .faults import crash_armed, crash_point
 from .kernels import rows as row_kernels
 
 MODES = ("sum", "mean")
@@ -90,6 +91,8 @@ class PersistentEmbeddingBag(nn.Module):
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
         self.stats = TableStats()  # totals over the table's lifetime
+        # set by a Runtime: captures the rows a lookup with gradients is about to let backward update
+        self.checkpointer = None
 
     # -- storage ----------------------------------------------------------------------------
     @property
@@ -183,6 +186,10 @@ class PersistentEmbeddingBag(nn.Module):
                                "(or its pool was closed)")
         return self._rows
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows [R, P] contiguous, padding included; optimizer state [R, K] or None)."""
+        return self._require_storage(), self._state
+
     @property
     def weight(self) -> torch.Tensor:
         """[R, D] zero-copy view of the weights (rows may be padded: not necessarily contiguous)."""
@@ -200,6 +207,9 @@ class PersistentEmbeddingBag(nn.Module):
         """Pooled embeddings [B, D] of the bags given by (input [N], offsets [B]) or input [B, L]."""
         rows = self._require_storage()
         indices, offsets, per_sample_weights = self._validate(input, offsets, per_sample_weights)
+        if self.checkpointer is not None and torch.is_grad_enabled() and indices.numel():
+            # U1 needs the undo record durable before backward stores into these rows
+            self.checkpointer.capture(self, torch.unique(indices, sorted=True))
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
         return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights)
 
@@ -257,8 +267,14 @@ class PersistentEmbeddingBag(nn.Module):
 
     def apply_update(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply the fused optimizer to unique `rows` [U] with `grads` [U, D], in place in the pool."""
+        storage = self._require_storage()
         with torch.no_grad():
-            self.optimizer.update(self._require_storage(), self._state, rows, grads)
+            if crash_armed("update:mid"):  # crash tests: die with half the rows updated in place
+                half = rows.numel() // 2
+                self.optimizer.update(storage, self._state, rows[:half], grads[:half])
+                crash_point("update:mid")
+                rows, grads = rows[half:], grads[half:]
+            self.optimizer.update(storage, self._state, rows, grads)
 
     def extra_repr(self) -> str:
         where = self.pool.path if self.pool is not None else ("dram" if self._rows is not None else "unattached")

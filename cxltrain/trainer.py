@@ -3,18 +3,18 @@
     result = train(TrainConfig(steps=200, rows=100_000))
     print(result.steps_per_s, result.eval_auc)
 
-Without the checkpointer, the pool holds the tables as of the last batch once `train` returns
-(every table region persisted, then a root committed with `batch` = batches done); a run that dies
-part-way leaves tables with some batches' updates and no dense state to match. Running again on an
-existing pool of the same shape therefore starts over from batch 0.
+The loop runs inside a `cxltrain.Runtime`: with `checkpoint="undo"` (the default) every batch is
+durable, and running again on the same pool after a crash recovers the last committed batch and
+resumes from there, bit for bit. With `checkpoint="off"` the pool is made consistent only when the
+run ends normally; a run that dies part-way starts over from batch 0 the next time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -22,22 +22,21 @@ from tqdm import tqdm
 from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
 from .config import TrainConfig
-from .errors import ConfigError, PoolError
+from .checkpoint.layout import record_bytes
+from .errors import ConfigError
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
 from .optim import RowWiseAdagrad
-from .pool import Pool
-from .pool_format import pool_size_for
+from .runtime import Runtime
 
 # Held-out evaluation batches are drawn far past any training batch index.
 EVAL_FIRST_BATCH = 1 << 40
 EVAL_BATCHES = 4
 # Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up).
 WARMUP_STEPS = 5
-# Extra pool space beyond the tables, for the regions the checkpointer adds later (undo ring,
-# dense snapshot slots).
-POOL_HEADROOM = 64 << 20
+# The smallest undo ring `train` gives a pool.
+MIN_UNDO_RING_BYTES = 8 << 20
 
 
 @dataclasses.dataclass
@@ -47,6 +46,7 @@ class StepSplit:
     data: float
     embedding_forward: float
     embedding_backward_update: float
+    checkpoint: float                  # undo capture (U1) + persisting rows and snapshot + commit
     mlp: float                         # MLP forward + backward + dense optimizer, and the rest
     total: float
 
@@ -57,16 +57,21 @@ class TrainResult:
     device: str
     batch: int                         # batches whose updates are in the pool's state
     steps: int                         # batches run by this invocation
+    start_batch: int                   # the first of them (0 unless the pool was recovered)
     seconds: float                     # the training loop only
     steps_per_s: float
-    first_loss: float
-    final_loss: float                  # mean over the last 10% of batches
-    train_auc: float                   # over the last 10% of batches
+    first_loss: float | None           # None: nothing left to train (the pool was at --steps already)
+    final_loss: float | None           # mean over the last 10% of batches
+    train_auc: float | None            # over the last 10% of batches
     eval_auc: float | None             # held-out batches, after training (None: a file with none left)
     eval_logloss: float | None
     rows_updated_per_batch: float      # unique rows written per batch, all tables
     split_ms: StepSplit
-    restarted: bool                    # the pool held these tables already, and training started over
+    restarted: bool                    # the pool held the tables but no committed checkpoint: started over
+    checkpoint: str                    # "undo" or "off"
+    recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
+    recovery_seconds: float
+    checkpoint_stats: dict | None      # CheckpointStats of this run (None with checkpoint "off")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,111 +104,125 @@ def heldout_batches(source: BatchSource, steps: int) -> range:
     return range(steps, min(steps + EVAL_BATCHES, source.num_batches))
 
 
-def pool_bytes(model: DLRM) -> int:
-    """Size of the pool `train` creates for `model`: its tables plus headroom."""
-    sizes = [spec.nbytes(KNOBS.row_align) for table in model.tables for spec in table.region_specs()]
-    return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align) + POOL_HEADROOM
+def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
+    """Ring room for a few of the largest batches this config can make (each table's rows: at most
+    batch_size x pooling, at most the table): a commit reclaims them every dense_every batches."""
+    rows = min(config.rows, config.batch_size * config.pooling)
+    largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
+                               table.optimizer.state_columns * 4)
+                  for table in model.tables for spec in table.region_specs()[:1])
+    return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
 
 
-def open_or_create_pool(path: str, model: DLRM) -> tuple[Pool, bool]:
-    """(pool with the model's tables attached and initialised, whether it held them already)."""
-    if os.path.exists(path):
-        pool = Pool.open(path)
-        try:
-            try:
-                restarted = not model.attach(pool)
-            except (PoolError, ConfigError) as e:
-                raise type(e)(f"{e} (a pool holds one model: pass another --pool, or delete this one)") from None
-            if restarted:  # the tables were there, but no dense state to resume from: start over
-                pool.commit(batch=-1)  # ORDERING: the root stops vouching for the tables before they change
-                for table in model.tables:
-                    table.reset_parameters()
-                    table.persist()
-            pool.commit(batch=0)  # ORDERING: initial tables durable before the root says batch 0
-        except BaseException:
-            pool.close()
-            raise
-        return pool, restarted
-    pool = Pool.create(path, pool_bytes(model))
-    try:
-        model.attach(pool)
-        pool.commit(batch=0)  # ORDERING: tables initialised and persisted (attach) before the root says so
-    except BaseException:
-        pool.close()
-        os.unlink(path)  # never leave a half-built pool behind
-        raise
-    return pool, False
+def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str) -> Runtime:
+    return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
+                   metadata=config.run_metadata(), undo_ring_bytes=undo_ring_bytes(config, model))
 
 
-def train(config: TrainConfig, *, pool_path: str, progress: bool = True) -> TrainResult:
-    """Run `config.steps` batches; returns what the run did and measured."""
+def pool_bytes(config: TrainConfig) -> int:
+    """Size of the pool `train` creates for `config`: tables, undo ring, dense snapshot slots."""
+    return make_runtime(config, build_model(config), None, "").pool_bytes()
+
+
+def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
+          on_ready: Callable[[Runtime], None] | None = None) -> TrainResult:
+    """Run batches up to `config.steps` (resuming a pool after its last committed batch); returns
+    what the run did and measured. `on_ready(rt)` is called once the pool is open (and recovered),
+    before the first batch."""
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
     source = build_source(config)  # first: a bad data file is refused before any pool is touched
     model = build_model(config)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
-    pool, restarted = open_or_create_pool(pool_path, model)
-    try:
-        return _run(config, model, source, dense_opt, pool, restarted, progress)
-    finally:
-        pool.close()
+    with make_runtime(config, model, dense_opt, pool_path) as rt:
+        if on_ready is not None:
+            on_ready(rt)
+        return _run(config, model, source, rt, progress)
 
 
-def _run(config, model, source, dense_opt, pool, restarted, progress) -> TrainResult:
-    tail = max(1, config.steps // 10)
+def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool) -> TrainResult:
+    first = rt.start_batch
+    steps = max(0, config.steps - first)
+    tail = max(1, steps // 10)
     losses: list[float] = []
     tail_logits, tail_labels = [], []
-    timing = {"data": 0.0, "emb_fwd": 0.0, "emb_upd": 0.0, "total": 0.0}
-    # ORDERING: the root stops vouching for the tables before the first in-place update (nothing
-    # could roll the rows back to batch 0 after a crash)
-    pool.commit(batch=-1)
-    # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
-    bar = tqdm(total=config.steps, desc="train", unit="batch", disable=None if progress else True, file=sys.stderr,
-               dynamic_ncols=True, mininterval=0.5)
-    loop_start = time.perf_counter()
-    for b in range(config.steps):
-        step_start = time.perf_counter()
+    timed_from = first + (WARMUP_STEPS if steps > WARMUP_STEPS else 0)
+    clock = _StepClock(model, rt)
+
+    def fetch(b: int):
+        started = time.perf_counter()
         batch = source.batch(b)
-        data_done = time.perf_counter()
-        emb_fwd_before = model.embedding_forward_seconds
-        emb_upd_before = sum(t.stats.update_seconds for t in model.tables)
+        if b > timed_from:  # fetched inside the timed window (the window opens at batch timed_from)
+            clock.data += time.perf_counter() - started
+        return batch
+
+    # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
+    bar = tqdm(total=config.steps, initial=first, desc="train", unit="batch", disable=None if progress else True,
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    loop_start = time.perf_counter()
+    for batch in rt.batches(fetch, stop=config.steps):
+        b = rt.batch
+        if b == timed_from:
+            clock.start()
         logits = model(batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
         loss.backward()  # embedding rows are updated in place in the pool here
-        dense_opt.step()
-        dense_opt.zero_grad(set_to_none=True)
-        step_end = time.perf_counter()
-        if b >= WARMUP_STEPS or config.steps <= WARMUP_STEPS:
-            timing["data"] += data_done - step_start
-            timing["emb_fwd"] += model.embedding_forward_seconds - emb_fwd_before
-            timing["emb_upd"] += sum(t.stats.update_seconds for t in model.tables) - emb_upd_before
-            timing["total"] += step_end - step_start
+        for optimizer in rt.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if b >= config.steps - tail:
             tail_logits.append(logits.detach())
             tail_labels.append(batch.labels)
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    split = clock.stop(config.steps - timed_from)  # the generator has committed the last batch
     seconds = time.perf_counter() - loop_start
     bar.close()
 
-    for table in model.tables:
-        table.persist()
-    pool.commit(batch=config.steps)  # ORDERING: the final tables are durable before the root says so
-
     eval_auc, eval_loss = evaluate(model, source, heldout_batches(source, config.steps))
-    timed = config.steps - WARMUP_STEPS if config.steps > WARMUP_STEPS else config.steps
-    ms = {k: v * 1000 / timed for k, v in timing.items()}
-    split = StepSplit(data=ms["data"], embedding_forward=ms["emb_fwd"], embedding_backward_update=ms["emb_upd"],
-                      mlp=ms["total"] - ms["data"] - ms["emb_fwd"] - ms["emb_upd"], total=ms["total"])
-    rows_updated = sum(t.stats.rows_updated for t in model.tables) / config.steps
-    return TrainResult(pool=pool.path, device=pool.device.kind, batch=config.steps, steps=config.steps,
-                       seconds=seconds, steps_per_s=config.steps / seconds, first_loss=losses[0],
-                       final_loss=sum(losses[-tail:]) / tail,
-                       train_auc=roc_auc(torch.cat(tail_logits), torch.cat(tail_labels)),
+    rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
+    stats = rt.stats
+    return TrainResult(pool=rt.path, device=rt.pool.device.kind, batch=rt.batch, steps=steps, start_batch=first,
+                       seconds=seconds, steps_per_s=steps / seconds if steps else 0.0,
+                       first_loss=losses[0] if losses else None,
+                       final_loss=sum(losses[-tail:]) / tail if losses else None,
+                       train_auc=roc_auc(torch.cat(tail_logits), torch.cat(tail_labels)) if losses else None,
                        eval_auc=eval_auc, eval_logloss=eval_loss, rows_updated_per_batch=rows_updated,
-                       split_ms=split, restarted=restarted)
+                       split_ms=split, restarted=rt.restarted, checkpoint=config.checkpoint,
+                       recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
+                       checkpoint_stats=None if stats is None else stats.to_json())
+
+
+class _StepClock:
+    """Splits the wall time of the timed batches: data, embedding lookups, embedding updates,
+    checkpointing (undo capture + commits), and the rest (MLPs, dense optimizer)."""
+
+    def __init__(self, model: DLRM, rt: Runtime) -> None:
+        self.model, self.rt = model, rt
+        self.data = 0.0
+        self.started: float | None = None
+
+    def _totals(self) -> tuple[float, float, float, float]:
+        stats = self.rt.stats
+        return (self.model.embedding_forward_seconds, sum(t.stats.update_seconds for t in self.model.tables),
+                stats.capture_seconds if stats else 0.0, stats.commit_seconds if stats else 0.0)
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self.before = self._totals()
+
+    def stop(self, timed_steps: int) -> StepSplit:
+        if self.started is None or timed_steps <= 0:
+            return StepSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        total = time.perf_counter() - self.started
+        emb_fwd, emb_upd, capture, commit = (a - b for a, b in zip(self._totals(), self.before))
+        ms = 1000.0 / timed_steps
+        # undo capture runs inside the table lookups: counted as checkpointing, not as forward
+        return StepSplit(data=self.data * ms, embedding_forward=(emb_fwd - capture) * ms,
+                         embedding_backward_update=emb_upd * ms, checkpoint=(capture + commit) * ms,
+                         mlp=(total - self.data - emb_fwd - emb_upd - commit) * ms, total=total * ms)
 
 
 def evaluate(model: DLRM, source: BatchSource, indices: range) -> tuple[float | None, float | None]:

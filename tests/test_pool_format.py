@@ -31,9 +31,13 @@ def test_field_offsets():
     assert sb[104:508] == bytes(404)                                 # reserved
     assert struct.unpack_from("<I", sb, 508)[0] == fmt.checksum(sb[:508])
 
-    root = fmt.Root(seq=5, dir_count=3, batch=42).pack(bytes(16), 1)
+    root = fmt.Root(seq=5, dir_count=3, batch=42, ring_generation=7, ring_start=4160, ring_start_seq=9,
+                    dense_slot=2, dense_batch=41).pack(bytes(16), 1)
     assert struct.unpack_from("<QIIq", root, 0) == (5, 3, 0, 42)
-    assert root[24:248] == bytes(224) and root[252:] == bytes(4)
+    assert struct.unpack_from("<QQQIIq", root, 24) == (7, 4160, 9, 2, 0, 41)   # checkpointer fields
+    assert fmt.ROOT_RESERVED_OFFSET == 64
+    assert root[64:248] == bytes(184) and root[252:] == bytes(4)
+    assert fmt.unpack_root(root)[0] == fmt.Root(5, 3, 42, 0, 7, 4160, 9, 2, 41)
 
     region = fmt.Region(2, "t0.weight", fmt.RegionKind.TABLE_WEIGHTS, fmt.DType.FLOAT32, (10, 16), 45056, 640, 64)
     entry = region.pack(bytes(16))

@@ -1,0 +1,14 @@
+"""The checkpointer (DESIGN §4): undo ring, dense snapshot slots, commits, recovery.
+
+    layout.py        on-media structures (undo records, dense slot headers, region names)
+    ring.py          the undo ring: append (U1), reclaim (U3), scan, restore
+    dense.py         dense snapshots: what they hold, the two slots
+    codec.py         the snapshot encoding (no pickle: restorable from untrusted bytes)
+    checkpointer.py  the per-batch protocol, driven by the Runtime
+    recovery.py      rolling a pool back to its last committed batch
+"""
+
+from .checkpointer import Checkpointer, CheckpointStats
+from .recovery import RecoveryReport, has_checkpoint, recover
+
+__all__ = ["Checkpointer", "CheckpointStats", "RecoveryReport", "has_checkpoint", "recover"]

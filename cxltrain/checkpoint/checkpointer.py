@@ -1,0 +1,185 @@
+"""The checkpointer: every batch durable (DESIGN §4, strict mode), driven from the training thread.
+
+Per batch b, for each table it looks up with gradients:
+
+    forward of b    capture: the table's rows R(b) as they are now (after b-1's update, U4) go into
+                    the undo ring, durable before forward returns (U1)
+    backward of b   the fused optimizer updates R(b) in place in the pool
+    end of b        when a dense snapshot is due: persist every row updated since the last commit
+                    and the snapshot (U2), write the root naming batch b+1 as the recovery target,
+                    then reclaim the undo records it covers (U3)
+
+With dense_every = k a snapshot (and so a commit) is due every k batches; records are kept back to
+the last one, so recovery is exact either way. When the ring has no room for another batch like the
+largest seen so far, the snapshot is taken early rather than letting the next capture fail: the
+time that costs is the training thread's wait for the ring, and is counted as such.
+
+The protocol rules are each enforced at one line: U1 in ring.UndoRing.append, U2 and U3 in
+Checkpointer.end_batch, U4 in Checkpointer.capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from ..errors import CheckpointError
+from ..faults import crash_point, planted
+from ..pool import Pool
+from . import codec, dense
+from .ring import RingFull, UndoRing
+
+
+@dataclasses.dataclass
+class CheckpointStats:
+    """Running totals of the checkpointer's work."""
+
+    batches: int = 0                 # batches ended
+    commits: int = 0                 # roots written (one per dense snapshot)
+    capture_seconds: float = 0.0     # U1: gathering old rows into the ring and persisting them
+    commit_seconds: float = 0.0      # U2 + commit: persisting rows and the snapshot, writing the root
+    undo_bytes: int = 0              # ring bytes written
+    dense_bytes: int = 0             # encoded snapshot bytes written
+    rows_persisted: int = 0          # table rows flushed at commits
+    ring_full_commits: int = 0       # snapshots taken early because the ring was nearly full
+    ring_wait_seconds: float = 0.0   # time those early snapshots cost the training thread
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Checkpointer:
+    """Drives the protocol for the tables and dense state of one run over one pool.
+
+    The pool must be recovered (its ring empty, a fresh generation) before this is built; `tables`
+    are PersistentEmbeddingBag modules attached to it.
+    """
+
+    def __init__(self, pool: Pool, tables: list, state: dense.DenseState, *, dense_every: int = 1) -> None:
+        if dense_every < 1:
+            raise CheckpointError(f"dense_every must be >= 1, got {dense_every}")
+        root = pool.root
+        self.pool, self.tables, self.state, self.dense_every = pool, tables, state, dense_every
+        self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
+        self.stats = CheckpointStats()
+        self.committed = root.batch      # batches the durable root vouches for
+        self._slot = root.dense_slot     # the slot that root names
+        self._batch: int | None = None   # the batch in flight
+        self._next = root.batch          # the batch expected next
+        self._dirty: list[tuple[object, torch.Tensor]] = []   # (table, rows) updated since the last commit
+        self._batch_bytes = 0
+        self._largest_batch_bytes = 0
+        self._stale: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # planted U4 bug only
+        for table in tables:
+            table.checkpointer = self
+
+    def detach(self) -> None:
+        for table in self.tables:
+            table.checkpointer = None
+
+    # -- per batch --------------------------------------------------------------------------
+    def begin_batch(self, batch: int) -> None:
+        if batch != self._next:
+            raise CheckpointError(f"batch {batch} out of order: the next batch is {self._next}")
+        self._batch = batch
+        self._batch_bytes = 0
+
+    def capture(self, table, rows: torch.Tensor) -> None:
+        """Called by a table's forward, with gradients on, before its backward can update `rows`
+        (sorted unique int64 [U]): put their current values in the undo ring, durably."""
+        if self._batch is None:
+            raise CheckpointError(f"table {table.name!r} was looked up with gradients outside a batch of "
+                                  "rt.batches(): its update could not be undone after a crash "
+                                  "(use torch.no_grad() for evaluation)")
+        started = time.perf_counter()
+        weights, state = table.storage()
+        if planted("capture-before-update"):  # test-only: U4 broken on purpose (see below)
+            weights, state = self._stale_copy(table, weights, state)
+        weight_region = self.pool.region(table.weight_region)
+        state_region = self.pool.region(table.state_region) if state is not None else None
+        # U4 — capture after the previous update: this runs in b's forward, after b-1's backward
+        # has updated the rows in place, so the record holds the values after b-1.
+        try:
+            size = self.ring.append(self._batch, weight_region, state_region, rows, weights, state)
+        except RingFull as e:
+            raise CheckpointError(f"{e}: batch {self._batch} needs more undo space than the ring has left; "
+                                  "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
+                                  "dense snapshots more often (dense_every)") from None
+        self._dirty.append((table, rows))
+        self._batch_bytes += size
+        self.stats.undo_bytes += size
+        self.stats.capture_seconds += time.perf_counter() - started
+
+    def _stale_copy(self, table, weights, state):
+        """The planted U4 bug: hand capture the rows as they were at the table's previous capture,
+        i.e. before the previous batch's update — what capturing too early records."""
+        previous = self._stale.get(table.name, (weights.clone(), None if state is None else state.clone()))
+        self._stale[table.name] = (weights.clone(), None if state is None else state.clone())
+        return previous
+
+    def end_batch(self, batch: int) -> bool:
+        """Batch `batch` is done (its update applied). Commits when a snapshot is due; returns True then."""
+        if batch != self._batch:
+            raise CheckpointError(f"end of batch {batch}, but batch {self._batch} is in flight")
+        self._batch = None
+        self._next = batch + 1
+        self.stats.batches += 1
+        self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
+        done = batch + 1
+        due = done - self.committed >= self.dense_every
+        ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes
+        if not (due or ring_short):
+            return False
+        started = time.perf_counter()
+        self._commit(done)
+        if ring_short:
+            self.stats.ring_full_commits += 1
+            self.stats.ring_wait_seconds += time.perf_counter() - started
+        self.stats.commit_seconds += time.perf_counter() - started
+        return True
+
+    def commit_now(self, done: int) -> None:
+        """Commit at `done` batches although no snapshot is due (the run is ending)."""
+        if self._batch is not None or done != self._next:
+            raise CheckpointError(f"cannot commit at batch {done}: the pool is at batch {self._next}"
+                                  + (f", batch {self._batch} in flight" if self._batch is not None else ""))
+        started = time.perf_counter()
+        self._commit(done)
+        self.stats.commit_seconds += time.perf_counter() - started
+
+    def _commit(self, done: int) -> None:
+        slot = 2 if self._slot == 1 else 1   # the slot the durable root does not name
+        start, start_seq = self.ring.start_after_reclaim(done)
+        fields = dict(ring_start=start, ring_start_seq=start_seq, dense_slot=slot, dense_batch=done)
+        if planted("commit-before-rows"):  # test-only: U2 broken on purpose
+            self.pool.commit(batch=done, **fields)
+        self._persist_dirty_rows()
+        crash_point("commit:between-rows-and-snapshot")
+        blob = codec.encode(self.state.capture(done))
+        dense.write_snapshot(self.pool, slot, done, blob)
+        self.stats.dense_bytes += len(blob)
+        crash_point("commit:before-root")
+        if not planted("commit-before-rows"):
+            # U2 — rows before commit: every row updated in place since the last commit, and the
+            # dense snapshot of batch `done`, are durable (just above) before this root names `done`.
+            self.pool.commit(batch=done, **fields)
+        # U3 — commit before reclaim: records of batches < done are forgotten (their ring space
+        # reused) only now that a durable root no longer needs them.
+        self.ring.reclaim(done)
+        self.committed, self._slot = done, slot
+        self._dirty.clear()
+        self.stats.commits += 1
+
+    def _persist_dirty_rows(self) -> None:
+        device = self.pool.device
+        for table, rows in self._dirty:
+            indices = rows.numpy()
+            weights = self.pool.region(table.weight_region)
+            device.flush_rows(weights.offset, weights.row_stride, indices)
+            if table.optimizer.state_columns:
+                state = self.pool.region(table.state_region)
+                device.flush_rows(state.offset, state.row_stride, indices)
+            self.stats.rows_persisted += indices.size
+        device.drain()

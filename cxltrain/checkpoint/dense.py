@@ -1,0 +1,126 @@
+"""Dense snapshots: the state that does not live in the tables, in two alternating pool slots.
+
+A snapshot is a tree (encoded by codec.py, no pickle) of:
+
+    "batch"       batches the state has seen; also the data position (the next batch index)
+    "model"       model.state_dict(): the dense parameters and buffers (tables hold none)
+    "optimizers"  [optimizer.state_dict() for each dense optimizer], any torch optimizer
+    "schedulers"  [scheduler.state_dict() for each LR scheduler]
+    "rng"         torch, numpy and python RNG states
+    "tables"      {module path: weight region name}: where each table sits in the model (export)
+    "metadata"    the caller's JSON-like description of the run (e.g. the training config)
+
+A slot is written payload first, header last, both persisted; the root that names the slot is
+written after that (U2), so a slot a root names always holds the snapshot the root describes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, PoolCorruptError, RecoveryError
+from ..pool import Pool
+from . import codec, layout
+
+
+class DenseState:
+    """The dense part of a training run: what a snapshot captures and recovery puts back."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: list, schedulers: list, table_paths: dict[str, str],
+                 metadata: dict | None) -> None:
+        self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
+        self.table_paths = table_paths
+        self.metadata = metadata if metadata is not None else {}
+
+    def capture(self, batch: int) -> dict:
+        return {"batch": batch, "model": dict(self.model.state_dict()),
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers],
+                "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata}
+
+    def restore(self, tree: dict, where: str) -> None:
+        """Load a snapshot into the live model, optimizers, schedulers and RNGs. Everything is checked
+        against them first; a mismatch raises RecoveryError and nothing is loaded."""
+        if len(tree["optimizers"]) != len(self.optimizers) or len(tree["schedulers"]) != len(self.schedulers):
+            raise RecoveryError(f"{where}: the snapshot has {len(tree['optimizers'])} optimizer(s) and "
+                                f"{len(tree['schedulers'])} scheduler(s); this run has {len(self.optimizers)} "
+                                f"and {len(self.schedulers)}")
+        own = self.model.state_dict()
+        theirs = tree["model"]
+        if set(own) != set(theirs) or any(own[k].shape != theirs[k].shape or own[k].dtype != theirs[k].dtype
+                                          for k in own):
+            changed = sorted(set(own) ^ set(theirs)) or [k for k in own if own[k].shape != theirs[k].shape
+                                                         or own[k].dtype != theirs[k].dtype]
+            raise RecoveryError(f"{where}: the snapshot's dense parameters do not match this model "
+                                f"(first difference: {changed[0]!r})")
+        self.model.load_state_dict(theirs)
+        for optimizer, state in zip(self.optimizers, tree["optimizers"]):
+            try:
+                optimizer.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise RecoveryError(f"{where}: the snapshot's optimizer state does not fit "
+                                    f"{type(optimizer).__name__}: {e}") from None
+        for scheduler, state in zip(self.schedulers, tree["schedulers"]):
+            scheduler.load_state_dict(state)
+        codec.restore_rng(tree["rng"])
+        self.metadata = tree["metadata"]
+
+
+def slot_region(pool: Pool, slot: int):
+    return pool.region(layout.DENSE_REGIONS[slot - 1])
+
+
+def write_snapshot(pool: Pool, slot: int, batch: int, blob: bytes) -> None:
+    """Store an encoded snapshot in dense slot `slot` (1 or 2) and make it durable."""
+    region = slot_region(pool, slot)
+    if layout.DENSE_HEADER.size + len(blob) > region.size:
+        raise CheckpointError(f"the dense state ({len(blob):,} bytes encoded) does not fit the pool's dense slots "
+                              f"({region.size - layout.DENSE_HEADER.size:,} bytes); create the pool with larger "
+                              "slots (Runtime(dense_slot_bytes=...))")
+    uuid = pool.superblock.uuid
+    pool.device.copy_persist(region.offset + layout.DENSE_HEADER.size, np.frombuffer(blob, dtype=np.uint8))
+    # ORDERING: the payload is durable before the header that makes the slot valid
+    pool.device.copy_persist(region.offset, layout.pack_dense_header(batch, len(blob),
+                                                                     _payload_checksum(blob, uuid, batch), uuid, slot))
+
+
+def read_snapshot(pool: Pool, slot: int, batch: int) -> dict:
+    """The snapshot in `slot`, checked: header, batch, payload checksum, and the tree's shape."""
+    where = f"{pool.path}: dense slot {'AB'[slot - 1]}"
+    if slot not in (1, 2) or layout.DENSE_REGIONS[slot - 1] not in pool.regions:
+        raise PoolCorruptError(f"{where}: the root names a dense slot the pool does not have")
+    region = slot_region(pool, slot)
+    array = pool.device.array
+    header = layout.unpack_dense_header(array[region.offset : region.offset + layout.DENSE_HEADER.size].tobytes(),
+                                        pool.superblock.uuid, slot)
+    if header is None:
+        raise PoolCorruptError(f"{where}: header is corrupt")
+    found, length, crc = header
+    if found != batch:
+        raise PoolCorruptError(f"{where}: holds batch {found}, the root says {batch}")
+    if layout.DENSE_HEADER.size + length > region.size:
+        raise PoolCorruptError(f"{where}: payload length {length} overruns the slot")
+    start = region.offset + layout.DENSE_HEADER.size
+    blob = array[start : start + length]
+    if _payload_checksum(blob, pool.superblock.uuid, batch) != crc:
+        raise PoolCorruptError(f"{where}: payload checksum mismatch (media corruption)")
+    tree = codec.decode(blob)
+    _check_tree(tree, where, batch)
+    return tree
+
+
+def _check_tree(tree, where: str, batch: int) -> None:
+    """Shape of a decoded snapshot; a well-checksummed slot of another format is refused, not half-used."""
+    kinds = {"batch": int, "model": dict, "optimizers": list, "schedulers": list, "rng": dict, "tables": dict,
+             "metadata": dict}
+    if not isinstance(tree, dict) or set(tree) != set(kinds) or any(
+            not isinstance(tree[k], t) for k, t in kinds.items()):
+        raise PoolCorruptError(f"{where}: not a dense snapshot this cxltrain can read")
+    if tree["batch"] != batch or not all(isinstance(v, torch.Tensor) for v in tree["model"].values()):
+        raise PoolCorruptError(f"{where}: snapshot contents are inconsistent")
+
+
+def _payload_checksum(blob, uuid: bytes, batch: int) -> int:
+    return layout.payload_checksum(blob, uuid, 0, batch)
+

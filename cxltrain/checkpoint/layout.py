@@ -1,0 +1,134 @@
+"""The checkpointer's on-media structures, defined here and nowhere else (DESIGN §4).
+
+The checkpointer owns three pool regions, named below, and the commit fields of the root
+(pool_format.Root: ring_generation, ring_start, ring_start_seq, dense_slot, dense_batch).
+
+Undo ring (`cxltrain.undo`, uint8 [capacity]): a circular log of records, each 64-byte aligned:
+
+    +0     header, 64 bytes           written LAST: a valid header vouches for a durable payload (U1)
+    +64    old weights [U, row_bytes]  the rows' bytes as they were before the batch's update
+           old state   [U, state_bytes]
+           row indices [U] int64       sorted ascending, unique
+    (zero padding to a multiple of 64)
+
+A record is live when its header checksum holds, it carries the root's ring generation, and its
+sequence number is the one the scan expects next (records are numbered 0, 1, 2, ... within a
+generation, so a stale record left over in a reused place never carries the expected number). A
+record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
+Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
+were after b batches. Recovery to target T (= root.batch, batches done) restores every live
+record with batch >= T; records with batch < T are reclaimable.
+
+Dense slots (`cxltrain.dense.A`, `cxltrain.dense.B`, uint8 [capacity]): header (64 bytes, written
+last) + the snapshot encoded by codec.py (dense parameters, optimizer state, RNG states, data
+position). The root names the slot that holds the snapshot of its target.
+
+Checksums are CRC-32 seeded with the pool UUID and, for records, the generation and sequence
+number, so a record or snapshot from another pool, generation or place never validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+from ..pool_format import align_up, checksum
+
+RING_REGION = "cxltrain.undo"
+DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 and 2
+RECORD_ALIGN = 64
+
+UNDO_MAGIC = 0x4F444E55   # b"UNDO" little-endian
+DENSE_MAGIC = 0x534E4544  # b"DENS" little-endian
+
+UNDO_HEADER = struct.Struct(
+    "<"
+    "I"    # magic
+    "I"    # weight region: directory index of the table's weights
+    "Q"    # ring generation
+    "Q"    # sequence number within the generation
+    "q"    # batch index whose update the record undoes
+    "I"    # U: rows in the record
+    "I"    # row_bytes: bytes per weight row (the padded row stride)
+    "I"    # state_bytes: bytes per optimizer-state row (0: none)
+    "I"    # payload checksum
+    "Q"    # payload bytes
+    "I"    # state region: directory index + 1 (0: none)
+    "I"    # header checksum
+)
+assert UNDO_HEADER.size == 64
+
+
+@dataclasses.dataclass(frozen=True)
+class UndoHeader:
+    weight_region: int
+    generation: int
+    seq: int
+    batch: int
+    count: int
+    row_bytes: int
+    state_bytes: int
+    payload_crc: int
+    state_region: int | None
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.count * (self.row_bytes + self.state_bytes + 8)
+
+    @property
+    def record_bytes(self) -> int:
+        return record_bytes(self.count, self.row_bytes, self.state_bytes)
+
+    def pack(self, uuid: bytes) -> bytes:
+        state = 0 if self.state_region is None else self.state_region + 1
+        body = UNDO_HEADER.pack(UNDO_MAGIC, self.weight_region, self.generation, self.seq, self.batch, self.count,
+                                self.row_bytes, self.state_bytes, self.payload_crc, self.payload_bytes, state, 0)
+        return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, self.generation))
+
+
+def unpack_undo_header(raw: bytes, uuid: bytes) -> UndoHeader | None:
+    """The header in `raw`, or None when it is not a well-formed, checksummed header."""
+    (magic, weight_region, generation, seq, batch, count, row_bytes, state_bytes, payload_crc, payload_bytes,
+     state, csum) = UNDO_HEADER.unpack(raw)
+    if magic != UNDO_MAGIC or csum != checksum(raw[:-4], uuid, generation):
+        return None
+    header = UndoHeader(weight_region, generation, seq, batch, count, row_bytes, state_bytes, payload_crc,
+                        None if state == 0 else state - 1)
+    if batch < 0 or payload_bytes != header.payload_bytes:
+        return None
+    return header
+
+
+def record_bytes(count: int, row_bytes: int, state_bytes: int) -> int:
+    """Ring bytes one record of `count` rows takes, header and padding included."""
+    return align_up(UNDO_HEADER.size + count * (row_bytes + state_bytes + 8), RECORD_ALIGN)
+
+
+def payload_checksum(payload, uuid: bytes, generation: int, seq: int) -> int:
+    return checksum(payload, uuid + generation.to_bytes(8, "little"), seq & 0xFFFFFFFF)
+
+
+DENSE_HEADER = struct.Struct(
+    "<"
+    "I"    # magic
+    "I"    # zero
+    "q"    # batch: batches the snapshot has seen
+    "Q"    # payload bytes
+    "I"    # payload checksum
+    "32s"  # reserved, zero
+    "I"    # header checksum
+)
+assert DENSE_HEADER.size == 64
+
+
+def pack_dense_header(batch: int, payload_bytes: int, payload_crc: int, uuid: bytes, slot: int) -> bytes:
+    body = DENSE_HEADER.pack(DENSE_MAGIC, 0, batch, payload_bytes, payload_crc, bytes(32), 0)
+    return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, slot))
+
+
+def unpack_dense_header(raw: bytes, uuid: bytes, slot: int) -> tuple[int, int, int] | None:
+    """(batch, payload bytes, payload checksum), or None when the header is not valid for `slot`."""
+    magic, zero, batch, payload_bytes, payload_crc, reserved, csum = DENSE_HEADER.unpack(raw)
+    if magic != DENSE_MAGIC or zero or any(reserved) or csum != checksum(raw[:-4], uuid, slot):
+        return None
+    return batch, payload_bytes, payload_crc

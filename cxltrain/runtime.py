@@ -1,0 +1,322 @@
+"""`cxltrain.Runtime`: put a model's tables in a pool, make every batch durable, resume after a crash.
+
+    model = DLRM(embedding_rows=[100_000] * 8, embedding_dim=64)
+    dense_opt = torch.optim.Adam(model.dense_parameters())
+    with cxltrain.Runtime("/dev/shm/ctr.pool", model, dense_opt) as rt:
+        print(rt.start_batch)                   # 0 on a fresh pool; after a crash, the batch to redo
+        for batch in rt.batches(source, stop=1000):
+            loss = model.loss(batch)
+            loss.backward()                     # tables update their rows in the pool here
+            dense_opt.step(); dense_opt.zero_grad()
+
+Entering the block creates the pool (or opens it), attaches every PersistentEmbeddingBag of the
+model, and — if the pool holds a committed checkpoint — recovers it: tables rolled back to the last
+committed batch, dense parameters, optimizer and scheduler state and RNG states restored. Each
+batch from `rt.batches` is committed when the loop moves past it (DESIGN §4: undo log, dense
+snapshot, commit record); leaving the block normally commits the last batch and closes the pool;
+an exception leaves the batch in flight uncommitted (the next Runtime rolls it back) and
+propagates. A crash costs at most the batch in flight.
+
+Works for any nn.Module whose embedding tables are PersistentEmbeddingBag modules, with any torch
+optimizers and LR schedulers for its dense parameters.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .checkpoint import Checkpointer, CheckpointStats, has_checkpoint, recover
+from .checkpoint import codec, dense, layout
+from .errors import ConfigError, PoolError, RecoveryError
+from .knobs import KNOBS
+from .pool import Pool, RegionSpec, publish, remove_stale
+from .pool_format import RegionKind, pool_size_for
+from .tables import PersistentEmbeddingBag
+
+CHECKPOINT_MODES = ("undo", "off")
+DEFAULT_UNDO_RING_BYTES = 64 << 20
+
+
+class Runtime:
+    """Context manager binding a model, its dense optimizers and a pool (see the module docstring).
+
+    Args:
+        pool: path of the pool (file or DAX device; created when missing).
+        model: an nn.Module holding one or more PersistentEmbeddingBag modules.
+        optimizers: the torch optimizer(s) of the dense parameters (may be empty).
+        schedulers: LR schedulers whose state belongs in the snapshot.
+        checkpoint: "undo" (every batch durable) or "off" (the pool is made consistent only when the
+            block exits normally; a crash before that means starting over).
+        dense_every: take the dense snapshot (and commit) every k batches; undo records are kept back
+            to the last snapshot, so recovery stays exact and a crash costs at most k batches.
+        metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
+            snapshot; resuming a pool whose metadata differs is refused.
+        pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
+            from the model; a 64 MiB undo ring; 4x the dense state + 1 MiB per snapshot slot).
+        backend: device backend (see cxltrain.devices); default the `device` knob.
+
+    After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
+    `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
+    """
+
+    def __init__(self, pool: str | os.PathLike, model: nn.Module,
+                 optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
+                 schedulers: Sequence = (), checkpoint: str = "undo", dense_every: int = 1,
+                 metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
+                 dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ConfigError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if not isinstance(dense_every, int) or dense_every < 1:
+            raise ConfigError(f"dense_every must be a positive integer, got {dense_every!r}")
+        self.path = os.fspath(pool)
+        self.model = model
+        if optimizers is None:
+            optimizers = []
+        elif isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        self.optimizers = list(optimizers)
+        self.schedulers = list(schedulers)
+        self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
+        self.backend = backend
+        self.tables = _persistent_tables(model)
+        self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
+                       dense_slot_bytes or _default_slot_bytes(model))
+        self.pool: Pool | None = None
+        self.start_batch = 0
+        self.recovered_batch: int | None = None
+        self.recovery_seconds = 0.0
+        self.restarted = False
+        self.recovery = None                # the RecoveryReport, when the pool was recovered
+        self._state = dense.DenseState(model, self.optimizers, self.schedulers,
+                                       {path: t.name for path, t in self.tables.items()}, metadata)
+        self._checkpointer: Checkpointer | None = None
+        self._next = 0                      # the batch rt.batches hands out next
+        self._in_flight: int | None = None
+
+    # -- entering ---------------------------------------------------------------------------
+    def __enter__(self) -> "Runtime":
+        created = not os.path.exists(self.path)
+        if created:
+            # Built under a side name and renamed into place once its first commit is durable, so a
+            # crash while creating never leaves a half-made pool under the name the next run opens.
+            building = self.path + ".creating"
+            remove_stale(building)
+            pool = Pool.create(building, self.pool_bytes(), backend=self.backend)
+        else:
+            pool = Pool.open(self.path, backend=self.backend)
+        try:
+            self._setup(pool)
+            if created:
+                publish(pool, self.path)
+        except BaseException:
+            for table in self.tables.values():
+                table.checkpointer = None
+            pool.close()
+            if created:
+                os.unlink(pool.path)  # never leave a half-built pool behind
+            raise
+        self.pool = pool
+        return self
+
+    def _specs(self) -> list[RegionSpec]:
+        _, ring_bytes, slot_bytes = self._sizes
+        return [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (ring_bytes,)),
+                *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in layout.DENSE_REGIONS)]
+
+    def _table_specs(self) -> list[RegionSpec]:
+        return [spec for table in self.tables.values() for spec in table.region_specs()]
+
+    def pool_bytes(self) -> int:
+        """Size of the pool this Runtime creates when there is none: tables, undo ring, dense slots."""
+        size = self._sizes[0]
+        if size is not None:
+            return size
+        sizes = [spec.nbytes(KNOBS.row_align) for spec in self._table_specs() + self._specs()]
+        return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align)
+
+    def _setup(self, pool: Pool) -> None:
+        tables = list(self.tables.values())
+        present = [t.weight_region in pool.regions for t in tables]
+        if any(present) and not all(present):
+            missing = [t.name for t, here in zip(tables, present) if not here]
+            raise RecoveryError(f"{pool.path}: holds some of this model's tables but not {', '.join(missing)}")
+        ours = {t.weight_region for t in tables}
+        foreign = sorted(r.name for r in pool.regions.values() if r.kind == RegionKind.TABLE_WEIGHTS and r.name not in ours)
+        if foreign:
+            raise RecoveryError(f"{pool.path}: holds tables of another model ({', '.join(foreign[:3])}) (a pool "
+                                "holds one model: use another pool, or delete this one)")
+        for table in tables if all(present) else ():
+            try:
+                table.check_regions(pool)  # writes nothing: a pool holding another model is refused untouched
+            except PoolError as e:
+                raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
+        if all(present) and has_checkpoint(pool):
+            self._resume(pool)
+        else:
+            self.restarted = all(present)
+            self._start_fresh(pool, tables_present=all(present))
+        if self.checkpoint == "undo":
+            self._checkpointer = Checkpointer(pool, tables, self._state, dense_every=self.dense_every)
+
+    def _resume(self, pool: Pool) -> None:
+        stored = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)["metadata"]
+        if self.metadata is not None and stored != self.metadata:
+            differ = sorted(k for k in set(stored) | set(self.metadata) if stored.get(k) != self.metadata.get(k))
+            shown = ", ".join(f"{k} {stored.get(k)!r} vs {self.metadata.get(k)!r}" for k in differ[:3])
+            raise RecoveryError(f"{pool.path}: was written by a run with other settings ({shown}); "
+                                "resume with the same settings, or use another pool")
+        for table in self.tables.values():
+            table.attach(pool, initialize=False)
+        report, snapshot = recover(pool)
+        self._state.restore(snapshot, pool.path)
+        self.recovered_batch = self.start_batch = self._next = report.batch
+        self.recovery_seconds = report.seconds
+        self.recovery = report
+
+    def _start_fresh(self, pool: Pool, tables_present: bool) -> None:
+        missing = [s for s in ([] if tables_present else self._table_specs()) + self._specs()
+                   if s.name not in pool.regions]
+        pool.add_regions(missing)  # first: a pool too small is refused before anything else changes
+        if tables_present and pool.root.batch != -1:
+            # ORDERING: the root stops vouching for the tables before they are re-initialised
+            pool.commit(batch=-1, dense_slot=0)
+        for table in self.tables.values():
+            table.attach(pool, initialize=True)  # initialised from its seed and persisted
+        dense.write_snapshot(pool, 1, 0, codec.encode(self._state.capture(0)))
+        # ORDERING: tables and the batch-0 snapshot are durable before the root names them
+        pool.commit(batch=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
+                    dense_slot=1, dense_batch=0)
+
+    # -- batches ----------------------------------------------------------------------------
+    def batches(self, source, stop: int | None = None) -> Iterator:
+        """Batches start_batch, start_batch+1, ... of `source` (an object with .batch(b), or a
+        callable b -> batch), up to `stop` (default: source.num_batches when it has one, else
+        endless). A batch is committed when the loop asks for the next one, or when the block exits
+        normally."""
+        get: Callable = source.batch if hasattr(source, "batch") else source
+        if stop is None:
+            stop = getattr(source, "num_batches", None)
+        self._end_in_flight()
+        while stop is None or self._next < stop:
+            b = self._next
+            item = get(b)
+            self._begin(b)
+            yield item
+            self._end_in_flight()
+
+    def _begin(self, b: int) -> None:
+        self._require_open()
+        if self._checkpointer is not None:
+            self._checkpointer.begin_batch(b)
+        elif b == self.start_batch:
+            # ORDERING: without undo records nothing can roll the tables back once they change in place
+            self.pool.commit(batch=-1, dense_slot=0)
+        self._in_flight = b
+
+    def _end_in_flight(self) -> None:
+        if self._in_flight is None:
+            return
+        b, self._in_flight = self._in_flight, None
+        if self._checkpointer is not None:
+            self._checkpointer.end_batch(b)
+        self._next = b + 1
+
+    @property
+    def stats(self) -> CheckpointStats | None:
+        return None if self._checkpointer is None else self._checkpointer.stats
+
+    @property
+    def batch(self) -> int:
+        """Batches done (committed or about to be): where the next batch starts."""
+        return self._next
+
+    def _require_open(self) -> None:
+        if self.pool is None:
+            raise RuntimeError("the Runtime is not open: use it as `with Runtime(...) as rt:`")
+
+    # -- leaving ----------------------------------------------------------------------------
+    def __exit__(self, exc_type, exc, tb) -> None:
+        pool, self.pool = self.pool, None
+        if pool is None:
+            return
+        try:
+            if exc_type is None:
+                self._end_in_flight()
+                self._make_final_commit(pool)
+        finally:
+            if self._checkpointer is not None:
+                self._checkpointer.detach()
+            pool.close()
+
+    def _make_final_commit(self, pool: Pool) -> None:
+        """Everything durable and committed at the batch reached (strict mode: if not already)."""
+        if self._checkpointer is not None:
+            if self._checkpointer.committed != self._next:
+                self._checkpointer.commit_now(self._next)
+            return
+        if pool.root.batch == self._next:
+            return
+        for table in self.tables.values():
+            table.persist()
+        slot = 2 if pool.root.dense_slot == 1 else 1
+        dense.write_snapshot(pool, slot, self._next, codec.encode(self._state.capture(self._next)))
+        # ORDERING: every table region and the snapshot are durable before the root names them
+        pool.commit(batch=self._next, dense_slot=slot, dense_batch=self._next)
+
+
+def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
+    """{module path: table} of every PersistentEmbeddingBag in `model`."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    tables = {path: m for path, m in model.named_modules() if isinstance(m, PersistentEmbeddingBag)}
+    if not tables:
+        raise ConfigError("the model has no PersistentEmbeddingBag: nothing for a pool to hold")
+    names = [t.name for t in tables.values()]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"table names must be unique in a model, got {names}")
+    return tables
+
+
+def _default_slot_bytes(model: nn.Module) -> int:
+    """Room for a dense snapshot: the dense state, and optimizer state up to 3x its size (Adam with
+    amsgrad keeps 3 tensors per parameter), plus 1 MiB for RNG states and the manifest."""
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return 4 * state_bytes + (1 << 20)
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a model: `cxltrain recover` and `cxltrain export`.
+# ---------------------------------------------------------------------------------------------
+def recover_pool(path: str):
+    """Recover the pool at `path` in place; returns the RecoveryReport."""
+    with Pool.open(path) as pool:
+        report, _ = recover(pool)
+    return report
+
+
+def export_state(path: str) -> dict:
+    """The recovered model of the pool at `path` as a plain state dict (torch.load(weights_only=True)):
+
+        {"batch": batches done,
+         "model": {dense parameter/buffer name: tensor,
+                   "<table module path>.weight": [R, D], "<table module path>.optimizer_state": [R, K]},
+         "optimizers": [optimizer.state_dict(), ...], "schedulers": [...]}
+
+    The pool is recovered first (that writes to it, as any open for training would).
+    """
+    with Pool.open(path) as pool:
+        report, snapshot = recover(pool)
+        model = dict(snapshot["model"])
+        for module_path, name in snapshot["tables"].items():
+            prefix = f"{module_path}." if module_path else ""
+            weights = pool.array(f"{name}.weight")
+            model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(weights))
+            if f"{name}.optim" in pool.regions:
+                model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(f"{name}.optim")))
+        return {"batch": report.batch, "model": model, "optimizers": snapshot["optimizers"],
+                "schedulers": snapshot["schedulers"]}

@@ -1,0 +1,284 @@
+"""cxltrain.Runtime with a user's own model (not DLRM): the contract of DESIGN §6, in one process.
+
+Crash exactness with real kills is in test_checkpoint_crash.py; here the "crash" is an exception
+(or a pool closed without its final commit), which leaves the pool exactly as a kill at that
+moment would under SIGKILL.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import cxltrain
+from cxltrain.checkpoint import layout, ring
+from cxltrain.errors import CheckpointError, ConfigError, PoolCorruptError, RecoveryError
+from cxltrain.optim import SGD
+from cxltrain.pool import Pool
+from cxltrain.runtime import export_state, recover_pool
+from cxltrain.tables import PersistentEmbeddingBag
+
+ROWS, DIM, BATCH = 500, 4, 16
+
+
+class TwoTower(nn.Module):
+    """A small model of the user's own: two persistent tables (one SGD, one Adagrad), a dense net
+    with dropout (so the RNG state matters), nested inside a container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.towers = nn.ModuleDict({
+            "user": PersistentEmbeddingBag(ROWS, DIM, name="user", optimizer=SGD(lr=0.5), seed=1),
+            "item": PersistentEmbeddingBag(ROWS, DIM, name="item", seed=2, mode="mean")})
+        self.head = nn.Sequential(nn.Linear(2 * DIM, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 1))
+
+    def loss(self, batch) -> torch.Tensor:
+        users, items, labels = batch
+        x = torch.cat([self.towers["user"](users), self.towers["item"](items)], dim=1)
+        return nn.functional.binary_cross_entropy_with_logits(self.head(x).squeeze(1), labels)
+
+
+def make_batch(b: int):
+    g = torch.Generator().manual_seed(1000 + b)
+    users = torch.randint(0, 40, (BATCH, 2), generator=g)       # few rows: consecutive batches overlap
+    items = torch.randint(0, ROWS, (BATCH, 3), generator=g)
+    return users, items, torch.randint(0, 2, (BATCH,), generator=g).float()
+
+
+def make_run():
+    model = TwoTower()
+    optimizer = torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def train_steps(path, stop, *, fail_at=None, dense_every=1, **kwargs):
+    """Train batches up to `stop` on `path`; raise inside batch `fail_at` (after its backward)."""
+    model, optimizer, scheduler = make_run()
+    with cxltrain.Runtime(path, model, optimizer, schedulers=[scheduler], dense_every=dense_every, **kwargs) as rt:
+        start = rt.start_batch
+        for batch in rt.batches(make_batch, stop=stop):
+            model.loss(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            if rt.batch == fail_at:
+                raise KeyboardInterrupt("crash")
+    return rt, start
+
+
+def state_of(path) -> dict:
+    return export_state(str(path))
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["batch"] == b["batch"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert repr(a["optimizers"]) == repr(b["optimizers"]) and a["schedulers"] == b["schedulers"]
+
+
+@pytest.mark.parametrize("dense_every", [1, 3])
+def test_exception_mid_run_then_resume_is_exact(shm_dir, dense_every):
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 10, fail_at=7, dense_every=dense_every)
+    committed = 7 if dense_every == 1 else 6   # batch 7 was in flight; with k=3 commits are at 3, 6
+    recovered = state_of(path)
+    assert recovered["batch"] == committed
+    train_steps(shm_dir / "ref.pool", committed, dense_every=dense_every)
+    assert_same(recovered, state_of(shm_dir / "ref.pool"))
+    rt, start = train_steps(path, 10, dense_every=dense_every)
+    assert start == committed and rt.recovered_batch == committed
+    train_steps(shm_dir / "full.pool", 10, dense_every=dense_every)
+    assert_same(state_of(path), state_of(shm_dir / "full.pool"))
+
+
+def test_export_keys_follow_the_module_tree(shm_dir):
+    train_steps(shm_dir / "p.pool", 2)
+    state = state_of(shm_dir / "p.pool")
+    assert {"towers.user.weight", "towers.item.weight", "towers.item.optimizer_state", "head.0.weight"} <= set(state["model"])
+    assert "towers.user.optimizer_state" not in state["model"]   # SGD keeps no state
+    assert state["model"]["towers.item.weight"].shape == (ROWS, DIM)
+    assert state["optimizers"][0]["param_groups"][0]["momentum"] == 0.9
+    assert state["schedulers"][0]["last_epoch"] == 2
+
+
+def test_leaving_normally_after_break_commits_the_batch_in_flight(shm_dir):
+    model, optimizer, scheduler = make_run()
+    with cxltrain.Runtime(shm_dir / "p.pool", model, optimizer) as rt:
+        for batch in rt.batches(make_batch):     # endless: a callable has no num_batches
+            model.loss(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if rt.batch == 4:
+                break
+    assert state_of(shm_dir / "p.pool")["batch"] == 5
+    with Pool.open(str(shm_dir / "p.pool"), writable=False) as pool:
+        assert pool.root.batch == 5 and pool.root.dense_batch == 5
+
+
+def test_stats_count_the_work(shm_dir):
+    rt, _ = train_steps(shm_dir / "p.pool", 6, dense_every=2)
+    s = rt.stats
+    assert (s.batches, s.commits) == (6, 3)
+    assert s.undo_bytes > 0 and s.dense_bytes > 0 and s.rows_persisted > 0 and s.capture_seconds > 0
+
+
+def test_a_ring_too_small_for_the_interval_commits_early(shm_dir):
+    """dense_every=50 with room for about 4 batches of records: snapshots come early, counted."""
+    record = 2 * layout.record_bytes(BATCH * 3, 64, 4)  # both tables, at most this many rows each
+    rt, _ = train_steps(shm_dir / "p.pool", 20, dense_every=50, undo_ring_bytes=4 * record)
+    assert rt.stats.ring_full_commits >= 3 and rt.stats.ring_wait_seconds > 0
+    train_steps(shm_dir / "ref.pool", 20)
+    assert_same(state_of(shm_dir / "p.pool"), state_of(shm_dir / "ref.pool"))
+
+
+def test_a_ring_smaller_than_one_record_is_a_clear_error(shm_dir):
+    with pytest.raises(CheckpointError, match="cannot fit the 1,024-byte undo ring"):
+        train_steps(shm_dir / "p.pool", 3, undo_ring_bytes=1024)
+    with pytest.raises(CheckpointError, match="batch 0 needs more undo space than the ring has left"):
+        train_steps(shm_dir / "q.pool", 3, undo_ring_bytes=4096)
+
+
+def test_gradient_lookups_outside_a_batch_are_refused(shm_dir):
+    model, optimizer, _ = make_run()
+    with cxltrain.Runtime(shm_dir / "p.pool", model, optimizer) as rt:
+        with pytest.raises(CheckpointError, match="outside a batch"):
+            model.loss(make_batch(0))
+        with torch.no_grad():
+            model.loss(make_batch(0))    # evaluation is fine
+        assert rt.start_batch == 0
+
+
+def test_misuse_is_refused_with_clear_errors(shm_dir):
+    with pytest.raises(ConfigError, match="no PersistentEmbeddingBag"):
+        cxltrain.Runtime(shm_dir / "p.pool", nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match="checkpoint must be"):
+        cxltrain.Runtime(shm_dir / "p.pool", TwoTower(), checkpoint="sometimes")
+    train_steps(shm_dir / "p.pool", 2)
+    other = TwoTower()
+    other.head = nn.Linear(2 * DIM, 1)   # same tables, another dense net
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(RecoveryError, match="this run has 1 and 0"):
+        with cxltrain.Runtime(shm_dir / "p.pool", other, optimizer):
+            pass
+    with pytest.raises(RecoveryError, match="dense parameters do not match this model .first difference: 'head.0.bias'"):
+        with cxltrain.Runtime(shm_dir / "p.pool", other, optimizer,
+                              schedulers=[torch.optim.lr_scheduler.StepLR(optimizer, 3)]):
+            pass
+    with pytest.raises(RecoveryError, match="other settings"):
+        model, optimizer, _ = make_run()
+        with cxltrain.Runtime(shm_dir / "m.pool", model, optimizer, metadata={"lr": 1}):
+            pass
+        with cxltrain.Runtime(shm_dir / "m.pool", model, optimizer, metadata={"lr": 2}):
+            pass
+
+
+def test_checkpoint_off_commits_only_at_the_end(shm_dir):
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 6, fail_at=3, checkpoint="off")
+    with Pool.open(str(path), writable=False) as pool:
+        assert pool.root.batch == -1   # tables changed in place with nothing to roll them back
+    with pytest.raises(RecoveryError, match="no committed checkpoint"):
+        recover_pool(str(path))
+    rt, start = train_steps(path, 6, checkpoint="off")
+    assert rt.restarted and start == 0 and rt.stats is None
+    train_steps(shm_dir / "ref.pool", 6)
+    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
+
+
+def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
+    path = shm_dir / "p.pool"
+    (shm_dir / "p.pool.creating").write_bytes(b"left by a crashed run")
+    train_steps(path, 1)
+    assert path.exists() and not (shm_dir / "p.pool.creating").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The undo ring on its own: wrap-around, the scan, corruption.
+# ---------------------------------------------------------------------------------------------
+def _ring_pool(path, ring_bytes):
+    pool = Pool.create(str(path), 8 << 20)
+    table = PersistentEmbeddingBag(ROWS, DIM, name="t", seed=4)
+    pool.add_regions([*table.region_specs(),
+                      cxltrain.pool.RegionSpec(layout.RING_REGION, cxltrain.pool_format.RegionKind.UNDO_RING,
+                                               "uint8", (ring_bytes,))])
+    table.attach(pool, initialize=True)
+    pool.commit(batch=0, ring_generation=5)
+    return pool, table
+
+
+def test_ring_wraps_and_the_scan_follows(shm_dir):
+    seed = random.randrange(1 << 30)
+    rng = np.random.default_rng(seed)
+    pool, table = _ring_pool(shm_dir / "r.pool", 16 * 1024)
+    writer = ring.UndoRing(pool, 5, 0, 0)
+    weights, state = table.storage()
+    offsets = []
+    for batch in range(40):  # each record 0.4-2 KiB: the ring wraps several times
+        rows = torch.from_numpy(np.unique(rng.integers(0, ROWS, rng.integers(5, 30))))
+        writer.append(batch, pool.region("t.weight"), pool.region("t.optim"), rows, weights, state)
+        offsets.append(writer._live[-1].offset)
+        weights[rows] += 1.0   # the "update" after each capture
+        if batch % 3 == 2:     # commit: all but the newest record reclaimed
+            start, seq = writer.start_after_reclaim(batch)
+            pool.commit(batch=batch, ring_start=start, ring_start_seq=seq)
+            writer.reclaim(batch)
+    live = ring.scan(pool, 5, pool.root.ring_start, pool.root.ring_start_seq)
+    assert [r.header.batch for r in live] == list(range(pool.root.batch, 40)), f"seed {seed}"
+    assert sum(b < a for a, b in zip(offsets, offsets[1:])) >= 2, f"seed {seed}: the ring never wrapped twice"
+    assert ring.scan(pool, 6, pool.root.ring_start, pool.root.ring_start_seq) == []  # another generation
+    pool.close()
+
+
+def test_a_corrupt_record_body_is_refused_before_anything_is_written(shm_dir):
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 5, fail_at=2)
+    before = path.read_bytes()
+    with Pool.open(str(path)) as pool:
+        region = pool.region(layout.RING_REGION)
+        start = pool.root.ring_start
+        pool.device.array[region.offset + start + layout.UNDO_HEADER.size + 3] ^= 0x40  # a payload bit
+        damaged = bytes(pool.device.array)
+    with pytest.raises(PoolCorruptError, match="payload checksum mismatch"):
+        recover_pool(str(path))
+    assert path.read_bytes() == damaged != before
+
+
+def test_a_torn_record_header_ends_the_log(shm_dir):
+    """A header that never became valid: by U1 no store of its batch was issued, so recovery must
+    stop there — shown by tearing the last record's header and recovering to the same batch."""
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 5, fail_at=2)
+    with Pool.open(str(path)) as pool:
+        live = ring.scan(pool, pool.root.ring_generation, pool.root.ring_start, pool.root.ring_start_seq)
+        assert len(live) == 2  # batch 2, both tables
+        region = pool.region(layout.RING_REGION)
+        pool.device.array[region.offset + live[1].offset + 40] ^= 1
+        assert len(ring.scan(pool, pool.root.ring_generation, pool.root.ring_start, pool.root.ring_start_seq)) == 1
+    assert recover_pool(str(path)).records_restored == 1
+
+
+def test_recovery_restores_only_the_live_records(shm_dir):
+    """Whatever the table size, recovery restores the batch in flight's rows and nothing else."""
+    for rows in (1_000, 400_000):
+        model = nn.Module()
+        model.t = PersistentEmbeddingBag(rows, 16, name="t", seed=1)
+        with pytest.raises(KeyboardInterrupt):
+            with cxltrain.Runtime(shm_dir / f"{rows}.pool", model) as rt:
+                for batch in rt.batches(lambda b: torch.arange(b, b + 64) % rows, stop=3):
+                    model.t(batch.view(8, 8)).sum().backward()
+                    if rt.batch == 2:
+                        raise KeyboardInterrupt
+        report = recover_pool(str(shm_dir / f"{rows}.pool"))
+        assert (report.batch, report.records_restored, report.rows_restored) == (2, 1, 64)
