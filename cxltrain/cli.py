@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from typing import Callable, Sequence
 
 from .errors import CxlTrainError
@@ -202,10 +203,14 @@ def _run_export(args) -> int:
 
     if os.path.exists(args.out):
         raise CxlTrainError(f"{args.out}: already exists; not overwriting it")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
+        raise CxlTrainError(f"{args.out}: cannot write into {folder}")
     state = export_state(args.path)
     partial = f"{args.out}.partial"
     try:
-        torch.save(state, partial)
+        with open(partial, "xb") as f:
+            torch.save(state, f)
         os.replace(partial, args.out)  # never a half-written export under the asked-for name
     except OSError as e:
         if os.path.exists(partial):
@@ -338,10 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"cxltrain: warning: {message}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
+    warnings.showwarning = _one_line_warning
     try:
         KNOBS.validate()
         return run(args)

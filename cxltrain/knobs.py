@@ -35,6 +35,9 @@ class Knobs:
     # what it persists reaches the file, so a killed process loses every unpersisted store. 0 = a
     # kill loses nothing (the page cache is the media). Other backends ignore it (cxltrain.emulation).
     power_loss: int = 0
+    # Undo ring bytes of the pools `train` creates; 0 = room for a few of its largest batches
+    # (trainer.undo_ring_bytes). Small rings make the ring wrap and force early commits: for tests.
+    undo_ring_bytes: int = 0
 
 
     def validate(self) -> None:
@@ -54,6 +57,8 @@ class Knobs:
             raise ConfigError(f"dir_capacity {self.dir_capacity} must be in [1, 65536]")
         if self.threads < 1:
             raise ConfigError(f"threads {self.threads} must be at least 1")
+        if self.undo_ring_bytes < 0:
+            raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
         if self.power_loss not in (0, 1):
             raise ConfigError(f"power_loss {self.power_loss} must be 0 or 1")
 

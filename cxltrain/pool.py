@@ -514,15 +514,20 @@ def remove_stale(path: str) -> None:
     process holds it open, which raises PoolLockedError."""
     if not os.path.exists(path):
         return
-    os.close(_lock(path, writable=True))  # refuses while its builder is alive
-    os.unlink(path)
+    lock_fd = _lock(path, writable=True)  # refuses while its builder is alive
+    try:
+        os.unlink(path)  # under the lock: a builder that starts now creates a new file
+    finally:
+        os.close(lock_fd)
 
 
 def publish(pool: Pool, path: str) -> None:
-    """Rename a pool built under a side name to `path`, durably (the directory entry is synced)."""
-    if os.path.exists(path):
-        raise PoolError(f"{path}: appeared while this pool was being created")
-    os.rename(pool.path, path)
+    """Move a pool built under a side name to `path`, durably (the directory entry is synced)."""
+    try:
+        os.link(pool.path, path)  # never replaces: a pool that appeared meanwhile is kept
+    except FileExistsError:
+        raise PoolError(f"{path}: appeared while this pool was being created") from None
+    os.unlink(pool.path)
     folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(folder)

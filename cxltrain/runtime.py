@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import Checkpointer, CheckpointStats, has_checkpoint, recover
+from .checkpoint import BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover
 from .checkpoint import codec, dense, layout
 from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
@@ -71,8 +71,12 @@ class Runtime:
                  dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
-        if not isinstance(dense_every, int) or dense_every < 1:
-            raise ConfigError(f"dense_every must be a positive integer, got {dense_every!r}")
+        for name, value in (("dense_every", dense_every), ("pool_size", pool_size),
+                            ("undo_ring_bytes", undo_ring_bytes), ("dense_slot_bytes", dense_slot_bytes)):
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
         self.path = os.fspath(pool)
         self.model = model
         if optimizers is None:
@@ -80,6 +84,8 @@ class Runtime:
         elif isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
         self.optimizers = list(optimizers)
+        if not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
+            raise ConfigError("optimizers must be torch.optim.Optimizer instances")
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
         self.backend = backend
@@ -94,12 +100,17 @@ class Runtime:
         self.recovery = None                # the RecoveryReport, when the pool was recovered
         self._state = dense.DenseState(model, self.optimizers, self.schedulers,
                                        {path: t.name for path, t in self.tables.items()}, metadata)
-        self._checkpointer: Checkpointer | None = None
+        self._guard: BatchGuard | None = None  # the Checkpointer, or a bare BatchGuard with checkpoint "off"
         self._next = 0                      # the batch rt.batches hands out next
         self._in_flight: int | None = None
 
     # -- entering ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
+        if self.pool is not None:
+            raise RuntimeError("this Runtime is already open")
+        self.start_batch = self._next = 0
+        self.recovered_batch, self.recovery, self.recovery_seconds, self.restarted = None, None, 0.0, False
+        self._in_flight = None
         created = not os.path.exists(self.path)
         if created:
             # Built under a side name and renamed into place once its first commit is durable, so a
@@ -114,8 +125,8 @@ class Runtime:
             if created:
                 publish(pool, self.path)
         except BaseException:
-            for table in self.tables.values():
-                table.checkpointer = None
+            if self._guard is not None:
+                self._guard.detach()
             pool.close()
             if created:
                 os.unlink(pool.path)  # never leave a half-built pool behind
@@ -160,16 +171,18 @@ class Runtime:
         else:
             self.restarted = all(present)
             self._start_fresh(pool, tables_present=all(present))
-        if self.checkpoint == "undo":
-            self._checkpointer = Checkpointer(pool, tables, self._state, dense_every=self.dense_every)
+        self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every)
+                       if self.checkpoint == "undo" else BatchGuard(pool, tables))
 
     def _resume(self, pool: Pool) -> None:
-        stored = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)["metadata"]
+        snapshot = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)
+        stored = snapshot["metadata"]
         if self.metadata is not None and stored != self.metadata:
             differ = sorted(k for k in set(stored) | set(self.metadata) if stored.get(k) != self.metadata.get(k))
             shown = ", ".join(f"{k} {stored.get(k)!r} vs {self.metadata.get(k)!r}" for k in differ[:3])
             raise RecoveryError(f"{pool.path}: was written by a run with other settings ({shown}); "
                                 "resume with the same settings, or use another pool")
+        self._state.check(snapshot, pool.path)  # a snapshot of another model is refused before recovery writes
         for table in self.tables.values():
             table.attach(pool, initialize=False)
         report, snapshot = recover(pool)
@@ -211,24 +224,19 @@ class Runtime:
 
     def _begin(self, b: int) -> None:
         self._require_open()
-        if self._checkpointer is not None:
-            self._checkpointer.begin_batch(b)
-        elif b == self.start_batch:
-            # ORDERING: without undo records nothing can roll the tables back once they change in place
-            self.pool.commit(batch=-1, dense_slot=0)
+        self._guard.begin_batch(b)
         self._in_flight = b
 
     def _end_in_flight(self) -> None:
         if self._in_flight is None:
             return
         b, self._in_flight = self._in_flight, None
-        if self._checkpointer is not None:
-            self._checkpointer.end_batch(b)
+        self._guard.end_batch(b)
         self._next = b + 1
 
     @property
     def stats(self) -> CheckpointStats | None:
-        return None if self._checkpointer is None else self._checkpointer.stats
+        return self._guard.stats if isinstance(self._guard, Checkpointer) else None
 
     @property
     def batch(self) -> int:
@@ -246,18 +254,22 @@ class Runtime:
             return
         try:
             if exc_type is None:
+                if self._in_flight is not None and not self._guard.touched:
+                    # left before the batch did anything (a break at the top of the loop, zip()
+                    # fetching one batch too many): it is not done, the next run starts with it
+                    self._guard.abort_batch()
+                    self._in_flight = None
                 self._end_in_flight()
                 self._make_final_commit(pool)
         finally:
-            if self._checkpointer is not None:
-                self._checkpointer.detach()
+            self._guard.detach()  # kept: rt.stats stays readable after the block
             pool.close()
 
     def _make_final_commit(self, pool: Pool) -> None:
         """Everything durable and committed at the batch reached (strict mode: if not already)."""
-        if self._checkpointer is not None:
-            if self._checkpointer.committed != self._next:
-                self._checkpointer.commit_now(self._next)
+        if isinstance(self._guard, Checkpointer):
+            if self._guard.committed != self._next:
+                self._guard.commit_now(self._next)
             return
         if pool.root.batch == self._next:
             return

@@ -91,7 +91,8 @@ class PersistentEmbeddingBag(nn.Module):
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
         self.stats = TableStats()  # totals over the table's lifetime
-        # set by a Runtime: captures the rows a lookup with gradients is about to let backward update
+        # set by a Runtime (checkpoint.BatchGuard): told of every lookup with gradients (forward) and
+        # every in-place update (backward), so it can log them and keep them inside batches
         self.checkpointer = None
 
     # -- storage ----------------------------------------------------------------------------
@@ -137,6 +138,9 @@ class PersistentEmbeddingBag(nn.Module):
 
     def check_regions(self, pool: Pool) -> None:
         """Raise PoolError unless `pool` holds regions that match this table exactly. Writes nothing."""
+        if not self.optimizer.state_columns and self.state_region in pool.regions:
+            raise PoolError(f"{pool.path}: table {self.name!r} has optimizer state in the pool "
+                            f"({self.state_region!r}); this table's optimizer {self.optimizer} keeps none")
         for spec in self.region_specs():
             if spec.name not in pool.regions:
                 raise PoolError(f"{pool.path}: table {self.name!r} needs region {spec.name!r}, which is missing")
@@ -207,11 +211,12 @@ class PersistentEmbeddingBag(nn.Module):
         """Pooled embeddings [B, D] of the bags given by (input [N], offsets [B]) or input [B, L]."""
         rows = self._require_storage()
         indices, offsets, per_sample_weights = self._validate(input, offsets, per_sample_weights)
+        batch = None
         if self.checkpointer is not None and torch.is_grad_enabled() and indices.numel():
-            # U1 needs the undo record durable before backward stores into these rows
-            self.checkpointer.capture(self, torch.unique(indices, sorted=True))
+            # the rows' undo record must be durable before backward stores into them
+            batch = self.checkpointer.capture(self, indices)
         anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-        return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights)
+        return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch)
 
     def _validate(self, input, offsets, per_sample_weights):
         where = f"table {self.name!r}"
@@ -291,8 +296,8 @@ class _BagLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights):
-        ctx.table = table
+    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch):
+        ctx.table, ctx.batch = table, batch
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         # the contiguous padded rows [R, P]: embedding_bag copies a non-contiguous table whole
         pooled = F.embedding_bag(indices, rows, offsets, mode=table.mode, per_sample_weights=per_sample_weights)
@@ -303,6 +308,8 @@ class _BagLookup(torch.autograd.Function):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
         if indices.numel():
+            if table.checkpointer is not None:
+                table.checkpointer.before_update(table, ctx.batch)
             started = time.perf_counter()
             unique_rows, grads = table.sparse_gradient(indices, offsets, per_sample_weights, grad_out)
             table.apply_update(unique_rows, grads)
@@ -311,7 +318,7 @@ class _BagLookup(torch.autograd.Function):
             stats.lookups += indices.numel()
             stats.rows_updated += unique_rows.numel()
             stats.update_seconds += time.perf_counter() - started
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
 
 
 def _table_seed(seed: int, name: str) -> int:

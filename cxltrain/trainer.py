@@ -106,7 +106,10 @@ def heldout_batches(source: BatchSource, steps: int) -> range:
 
 def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
     """Ring room for a few of the largest batches this config can make (each table's rows: at most
-    batch_size x pooling, at most the table): a commit reclaims them every dense_every batches."""
+    batch_size x pooling, at most the table): a commit reclaims them every dense_every batches.
+    The `undo_ring_bytes` knob, when set, decides instead."""
+    if KNOBS.undo_ring_bytes:
+        return KNOBS.undo_ring_bytes
     rows = min(config.rows, config.batch_size * config.pooling)
     largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
                                table.optimizer.state_columns * 4)

@@ -188,16 +188,18 @@ def test_torn_root_recovers_exactly(shm_dir, ref_dir):
     assert problems == [] and 0 < batch < STEPS
 
 
+@pytest.mark.parametrize("power_loss", ["0", "1"], ids=["sigkill", "power-loss"])
 @pytest.mark.parametrize("point", ["recover:mid", "recover:before-root"])
-def test_kill_during_recovery_then_recover_again(shm_dir, ref_dir, point):
+def test_kill_during_recovery_then_recover_again(shm_dir, ref_dir, point, power_loss):
     """Recovery writes only absolute old values: dying inside it and recovering again is the same."""
     pool = str(shm_dir / "t.pool")
-    assert run_child(pool, env={CRASH_ENV: f"update:mid:{4 * TABLES + 2}"}).returncode == -signal.SIGKILL
+    env = {"CXLTRAIN_POWER_LOSS": power_loss}
+    assert run_child(pool, env={**env, CRASH_ENV: f"update:mid:{4 * TABLES + 2}"}).returncode == -signal.SIGKILL
     again = subprocess.run([sys.executable, "-m", "cxltrain", "recover", pool, "--json"], capture_output=True,
-                           text=True, env={**os.environ, CRASH_ENV: point})
+                           text=True, env={**os.environ, **env, CRASH_ENV: point})
     assert again.returncode == -signal.SIGKILL, again.stderr
     done = subprocess.run([sys.executable, "-m", "cxltrain", "recover", pool, "--json"], capture_output=True,
-                          text=True)
+                          text=True, env={**os.environ, **env})
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["batch"] == 4 and report["records_restored"] == TABLES
@@ -253,9 +255,9 @@ def test_power_loss_at_named_point_recovers_exactly(shm_dir, ref_dir, point, cou
 PLANTED = [
     # U1 skipped: under power loss the rows of batch 6 reach the media, their undo record never does
     ("skip-undo-persist", "commit:before-root:7", "1"),
-    # U2 broken: the root names batch 5 before its rows and snapshot are durable
-    ("commit-before-rows", "commit:between-rows-and-snapshot:5", "0"),
-    ("commit-before-rows", "commit:between-rows-and-snapshot:5", "1"),
+    # U2 broken: the root names batch 5 before its rows are durable (under power loss they are lost;
+    # a SIGKILL keeps them, so that bug is invisible to it)
+    ("commit-before-rows", "commit:after-root:5", "1"),
     # U4 broken: batch 6's record holds rows as they were before batch 5's update
     ("capture-before-update", "commit:before-root:7", "0"),
     ("capture-before-update", "commit:before-root:7", "1"),
@@ -277,6 +279,32 @@ def test_planted_bugs_are_inert_without_a_crash(shm_dir, ref_dir):
     pool = str(shm_dir / "t.pool")
     done = run_child(pool, env={FAULT_ENV: "skip-undo-persist,commit-before-rows,capture-before-update"})
     assert done.returncode == 0, done.stderr
+    assert differences(export_state(pool), reference(STEPS, ref_dir)) == []
+
+
+@pytest.mark.parametrize("power_loss", ["0", "1"], ids=["sigkill", "power-loss"])
+def test_wrapping_ring_and_dense_every_recover_exactly(shm_dir, ref_dir, power_loss):
+    """Batches write ~6.9 KB of undo records here. A 32 KiB ring with --dense-every 5 keeps records
+    of 2-3 batches live (recovery rolls several back), commits early when it runs short (a clean run
+    commits 4 times in 10 batches, all early) and wraps twice; kills land in batches 5 and 8."""
+    env = {"CXLTRAIN_UNDO_RING_BYTES": str(32 << 10), "CXLTRAIN_POWER_LOSS": power_loss}
+    for point, killed_in in ((f"update:mid:{5 * TABLES + 2}", 5),
+                             (f"undo:between-payload-and-header:{8 * TABLES + 1}", 8)):
+        pool = str(shm_dir / "t.pool")
+        killed = run_child(pool, env={**env, CRASH_ENV: point}, extra=("--dense-every", "5"))
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        batch, problems = exactness_problems(pool, ref_dir)
+        assert problems == [] and killed_in - 3 <= batch <= killed_in, (point, batch)
+        os.unlink(pool)
+
+
+def test_kill_while_creating_the_pool_then_start_fresh(shm_dir, ref_dir):
+    pool = str(shm_dir / "t.pool")
+    killed = run_child(pool, env={CRASH_ENV: "create:before-superblock"})
+    assert killed.returncode == -signal.SIGKILL
+    assert not os.path.exists(pool) and os.path.exists(pool + ".creating")
+    result = train(CONFIG, pool_path=pool, progress=False)
+    assert result.recovered_batch is None and not os.path.exists(pool + ".creating")
     assert differences(export_state(pool), reference(STEPS, ref_dir)) == []
 
 

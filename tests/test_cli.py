@@ -241,3 +241,18 @@ def test_every_refusal_is_one_line_on_the_command_line(shm_dir, command, label, 
     before = path.read_bytes()
     assert_one_line_error(cxltrain("pool", command, path), match=message)
     assert path.read_bytes() == before
+
+
+def test_recover_and_export_errors_are_one_line_and_touch_nothing(shm_dir):
+    path = shm_dir / "e.pool"
+    assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
+    before = path.read_bytes()
+    assert_one_line_error(cxltrain("export", path, shm_dir / "missing" / "x.pt"), match="cannot write into")
+    assert path.read_bytes() == before
+    (shm_dir / "there.pt").write_bytes(b"x")
+    assert_one_line_error(cxltrain("export", path, shm_dir / "there.pt"), match="already exists")
+    empty = shm_dir / "empty.pool"
+    assert cxltrain("pool", "create", empty, "--size", "1M").returncode == 0
+    assert_one_line_error(cxltrain("recover", empty), match="holds no committed checkpoint")
+    assert_one_line_error(cxltrain("export", empty, shm_dir / "y.pt"), match="holds no committed checkpoint")
+    assert not (shm_dir / "y.pt").exists() and not (shm_dir / "y.pt.partial").exists()

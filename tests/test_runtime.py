@@ -223,18 +223,23 @@ def test_ring_wraps_and_the_scan_follows(shm_dir):
     writer = ring.UndoRing(pool, 5, 0, 0)
     weights, state = table.storage()
     offsets = []
-    for batch in range(40):  # each record 0.4-2 KiB: the ring wraps several times
+    batch = 0
+    while True:  # each record 0.4-2 KiB: the ring wraps several times
         rows = torch.from_numpy(np.unique(rng.integers(0, ROWS, rng.integers(5, 30))))
         writer.append(batch, pool.region("t.weight"), pool.region("t.optim"), rows, weights, state)
         offsets.append(writer._live[-1].offset)
         weights[rows] += 1.0   # the "update" after each capture
-        if batch % 3 == 2:     # commit: all but the newest record reclaimed
+        wrapped_live = len(writer._live) > 1 and writer._live[-1].offset < writer._live[-2].offset
+        if batch >= 40 and wrapped_live:
+            break              # the live records straddle the end of the ring: the scan must follow
+        if batch % 3 == 2 and batch < 40:  # commit: the batches before `batch` are reclaimed
             start, seq = writer.start_after_reclaim(batch)
             pool.commit(batch=batch, ring_start=start, ring_start_seq=seq)
             writer.reclaim(batch)
+        batch += 1
     live = ring.scan(pool, 5, pool.root.ring_start, pool.root.ring_start_seq)
-    assert [r.header.batch for r in live] == list(range(pool.root.batch, 40)), f"seed {seed}"
-    assert sum(b < a for a, b in zip(offsets, offsets[1:])) >= 2, f"seed {seed}: the ring never wrapped twice"
+    assert [r.header.batch for r in live] == list(range(pool.root.batch, batch + 1)), f"seed {seed}"
+    assert sum(b < a for a, b in zip(offsets, offsets[1:])) >= 3, f"seed {seed}: the ring wrapped too rarely"
     assert ring.scan(pool, 6, pool.root.ring_start, pool.root.ring_start_seq) == []  # another generation
     pool.close()
 
@@ -282,3 +287,91 @@ def test_recovery_restores_only_the_live_records(shm_dir):
                         raise KeyboardInterrupt
         report = recover_pool(str(shm_dir / f"{rows}.pool"))
         assert (report.batch, report.records_restored, report.rows_restored) == (2, 1, 64)
+
+
+def test_resuming_with_another_thread_count_says_exactness_is_not_promised(shm_dir):
+    train_steps(shm_dir / "p.pool", 2)
+    torch.set_num_threads(1)
+    try:
+        with pytest.warns(UserWarning, match="written with 2 torch threads, this run uses 1"):
+            train_steps(shm_dir / "p.pool", 3)
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_backward_outside_the_batch_of_its_forward_is_refused_before_any_store(shm_dir):
+    model, optimizer, _ = make_run()
+    with cxltrain.Runtime(shm_dir / "p.pool", model, optimizer) as rt:
+        losses = []
+        for batch in rt.batches(make_batch, stop=2):
+            losses.append(model.loss(batch))  # accumulated: batch 0's undo records are already reclaimed
+            if rt.batch == 1:
+                with pytest.raises(CheckpointError, match="lookup made in batch 0 ran in batch 1"):
+                    sum(losses).backward(retain_graph=True)
+        before = [t.weight.clone() for t in model.towers.values()]
+        with pytest.raises(CheckpointError, match="lookup made in batch 1 ran in no batch"):
+            losses[1].backward()  # after the loop
+        for table, old in zip(model.towers.values(), before):
+            assert torch.equal(table.weight, old)
+
+
+def test_with_checkpoint_off_updates_outside_a_batch_are_refused_too(shm_dir):
+    model, optimizer, _ = make_run()
+    with cxltrain.Runtime(shm_dir / "p.pool", model, optimizer, checkpoint="off"):
+        with pytest.raises(CheckpointError, match="outside a batch"):
+            model.loss(make_batch(0)).backward()
+
+
+def test_a_batch_left_before_it_did_anything_is_not_counted(shm_dir):
+    model, optimizer, scheduler = make_run()
+    with cxltrain.Runtime(shm_dir / "p.pool", model, optimizer, schedulers=[scheduler]) as rt:
+        for batch, _ in zip(rt.batches(make_batch), range(3)):   # zip fetches a 4th batch, then stops
+            model.loss(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    assert state_of(shm_dir / "p.pool")["batch"] == 3
+    rt, start = train_steps(shm_dir / "p.pool", 4)
+    assert start == 3
+
+
+def test_a_runtime_can_be_entered_again_after_an_exception(shm_dir):
+    model, optimizer, _ = make_run()
+    rt = cxltrain.Runtime(shm_dir / "p.pool", model, optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        with rt:
+            for batch in rt.batches(make_batch, stop=5):
+                model.loss(batch).backward()
+                if rt.batch == 2:
+                    raise KeyboardInterrupt
+    with rt:
+        assert rt.recovered_batch == 2
+        for batch in rt.batches(make_batch, stop=4):
+            model.loss(batch).backward()
+    assert state_of(shm_dir / "p.pool")["batch"] == 4
+
+
+def test_bad_arguments_are_config_errors(shm_dir):
+    for kwargs, match in (({"pool_size": "1G"}, "pool_size must be a positive integer"),
+                          ({"dense_every": True}, "dense_every must be a positive integer"),
+                          ({"metadata": ["x"]}, "metadata must be a dict")):
+        with pytest.raises(ConfigError, match=match):
+            cxltrain.Runtime(shm_dir / "p.pool", TwoTower(), **kwargs)
+    with pytest.raises(ConfigError, match="optimizers must be"):
+        cxltrain.Runtime(shm_dir / "p.pool", TwoTower(), [42])
+
+
+def test_dense_slots_too_small_say_how_big_they_are(shm_dir):
+    with pytest.raises(CheckpointError, match=r"does not fit the pool's dense slots \(4,032 bytes\)"):
+        train_steps(shm_dir / "p.pool", 1, dense_slot_bytes=4096)
+    assert not (shm_dir / "p.pool").exists()
+
+
+def test_a_table_of_another_optimizer_is_refused(shm_dir):
+    train_steps(shm_dir / "p.pool", 1)
+    model = nn.Module()
+    model.item = PersistentEmbeddingBag(ROWS, DIM, name="item", optimizer=SGD(lr=0.1))
+    model.user = PersistentEmbeddingBag(ROWS, DIM, name="user", optimizer=SGD(lr=0.1))
+    with pytest.raises(RecoveryError, match="has optimizer state in the pool"):
+        with cxltrain.Runtime(shm_dir / "p.pool", model):
+            pass

@@ -8,7 +8,7 @@
     recovery.py      rolling a pool back to its last committed batch
 """
 
-from .checkpointer import Checkpointer, CheckpointStats
+from .checkpointer import BatchGuard, Checkpointer, CheckpointStats
 from .recovery import RecoveryReport, has_checkpoint, recover
 
-__all__ = ["Checkpointer", "CheckpointStats", "RecoveryReport", "has_checkpoint", "recover"]
+__all__ = ["BatchGuard", "Checkpointer", "CheckpointStats", "RecoveryReport", "has_checkpoint", "recover"]

@@ -50,7 +50,69 @@ class CheckpointStats:
         return dataclasses.asdict(self)
 
 
-class Checkpointer:
+class BatchGuard:
+    """Keeps in-place table updates inside batches: a table looked up with gradients outside a
+    batch, or updated in a batch other than the one that looked it up, is refused before any store.
+    With the checkpointer off it is all there is: the first in-place change makes the pool's root
+    stop vouching for the tables (batch -1), so a crash before the final commit means starting over.
+    """
+
+    def __init__(self, pool: Pool, tables: list) -> None:
+        self.pool, self.tables = pool, tables
+        self._batch: int | None = None   # the batch in flight
+        self._next = pool.root.batch     # the batch expected next
+        self.touched = False             # the batch in flight has looked up a table with gradients
+        for table in tables:
+            table.checkpointer = self
+
+    def detach(self) -> None:
+        for table in self.tables:
+            table.checkpointer = None
+
+    def begin_batch(self, batch: int) -> None:
+        if batch != self._next:
+            raise CheckpointError(f"batch {batch} out of order: the next batch is {self._next}")
+        self._batch = batch
+        self.touched = False
+
+    def abort_batch(self) -> None:
+        """The batch in flight did nothing (no table looked up with gradients): forget it."""
+        if self.touched:
+            raise CheckpointError(f"batch {self._batch} has already changed the tables")
+        self._batch = None
+
+    def _check_in_batch(self, table) -> int:
+        if self._batch is None:
+            raise CheckpointError(f"table {table.name!r} was looked up with gradients outside a batch of "
+                                  "rt.batches(): its update could not be undone after a crash "
+                                  "(use torch.no_grad() for evaluation)")
+        self.touched = True
+        return self._batch
+
+    def capture(self, table, indices: torch.Tensor) -> int:
+        batch = self._check_in_batch(table)
+        if self.pool.root.batch != -1:
+            # ORDERING: nothing can roll the tables back once they change in place: the root stops
+            # vouching for them first
+            self.pool.commit(batch=-1, dense_slot=0)
+        return batch
+
+    def before_update(self, table, batch: int) -> None:
+        """Called by a table's backward before it stores into its rows; `batch` is what capture returned."""
+        if batch != self._batch:
+            raise CheckpointError(f"table {table.name!r}: backward of a lookup made in batch {batch} ran in "
+                                  + (f"batch {self._batch}" if self._batch is not None else "no batch")
+                                  + ": call backward inside the batch that did the forward")
+
+    def end_batch(self, batch: int) -> bool:
+        if batch != self._batch:
+            raise CheckpointError(f"end of batch {batch}, but batch {self._batch} is in flight")
+        self._batch = None
+        self._next = batch + 1
+        return False
+
+
+class Checkpointer(BatchGuard):
     """Drives the protocol for the tables and dense state of one run over one pool.
 
     The pool must be recovered (its ring empty, a fresh generation) before this is built; `tables`
@@ -60,57 +122,51 @@ class Checkpointer:
     def __init__(self, pool: Pool, tables: list, state: dense.DenseState, *, dense_every: int = 1) -> None:
         if dense_every < 1:
             raise CheckpointError(f"dense_every must be >= 1, got {dense_every}")
+        super().__init__(pool, tables)
         root = pool.root
-        self.pool, self.tables, self.state, self.dense_every = pool, tables, state, dense_every
+        self.state, self.dense_every = state, dense_every
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
         self.stats = CheckpointStats()
         self.committed = root.batch      # batches the durable root vouches for
         self._slot = root.dense_slot     # the slot that root names
-        self._batch: int | None = None   # the batch in flight
-        self._next = root.batch          # the batch expected next
         self._dirty: list[tuple[object, torch.Tensor]] = []   # (table, rows) updated since the last commit
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
+        self._largest_record = 0
         self._stale: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # planted U4 bug only
-        for table in tables:
-            table.checkpointer = self
-
-    def detach(self) -> None:
-        for table in self.tables:
-            table.checkpointer = None
 
     # -- per batch --------------------------------------------------------------------------
     def begin_batch(self, batch: int) -> None:
-        if batch != self._next:
-            raise CheckpointError(f"batch {batch} out of order: the next batch is {self._next}")
-        self._batch = batch
+        super().begin_batch(batch)
         self._batch_bytes = 0
 
-    def capture(self, table, rows: torch.Tensor) -> None:
-        """Called by a table's forward, with gradients on, before its backward can update `rows`
-        (sorted unique int64 [U]): put their current values in the undo ring, durably."""
-        if self._batch is None:
-            raise CheckpointError(f"table {table.name!r} was looked up with gradients outside a batch of "
-                                  "rt.batches(): its update could not be undone after a crash "
-                                  "(use torch.no_grad() for evaluation)")
+    def capture(self, table, indices: torch.Tensor) -> int:
+        """Called by a table's forward, with gradients on, before its backward can update the rows
+        `indices` [N] look up: put their current values in the undo ring, durably. Returns the batch,
+        which the table hands back to before_update."""
+        batch = self._check_in_batch(table)
         started = time.perf_counter()
+        rows = torch.unique(indices, sorted=True)
         weights, state = table.storage()
         if planted("capture-before-update"):  # test-only: U4 broken on purpose (see below)
             weights, state = self._stale_copy(table, weights, state)
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
         # U4 — capture after the previous update: this runs in b's forward, after b-1's backward
-        # has updated the rows in place, so the record holds the values after b-1.
+        # has updated the rows in place (before_update refuses any other order), so the record holds
+        # the values after b-1.
         try:
-            size = self.ring.append(self._batch, weight_region, state_region, rows, weights, state)
+            size = self.ring.append(batch, weight_region, state_region, rows, weights, state)
         except RingFull as e:
-            raise CheckpointError(f"{e}: batch {self._batch} needs more undo space than the ring has left; "
+            raise CheckpointError(f"{e}: batch {batch} needs more undo space than the ring has left; "
                                   "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
                                   "dense snapshots more often (dense_every)") from None
         self._dirty.append((table, rows))
+        self._largest_record = max(self._largest_record, size)
         self._batch_bytes += size
         self.stats.undo_bytes += size
         self.stats.capture_seconds += time.perf_counter() - started
+        return batch
 
     def _stale_copy(self, table, weights, state):
         """The planted U4 bug: hand capture the rows as they were at the table's previous capture,
@@ -121,15 +177,14 @@ class Checkpointer:
 
     def end_batch(self, batch: int) -> bool:
         """Batch `batch` is done (its update applied). Commits when a snapshot is due; returns True then."""
-        if batch != self._batch:
-            raise CheckpointError(f"end of batch {batch}, but batch {self._batch} is in flight")
-        self._batch = None
-        self._next = batch + 1
+        super().end_batch(batch)
         self.stats.batches += 1
         self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
         done = batch + 1
         due = done - self.committed >= self.dense_every
-        ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes
+        # room for two batches like the largest so far, plus what the wrap can waste (< one record)
+        ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
+
         if not (due or ring_short):
             return False
         started = time.perf_counter()
@@ -153,18 +208,20 @@ class Checkpointer:
         slot = 2 if self._slot == 1 else 1   # the slot the durable root does not name
         start, start_seq = self.ring.start_after_reclaim(done)
         fields = dict(ring_start=start, ring_start_seq=start_seq, dense_slot=slot, dense_batch=done)
-        if planted("commit-before-rows"):  # test-only: U2 broken on purpose
-            self.pool.commit(batch=done, **fields)
-        self._persist_dirty_rows()
+        rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
+        if not rows_late:
+            self._persist_dirty_rows()
         crash_point("commit:between-rows-and-snapshot")
         blob = codec.encode(self.state.capture(done))
         dense.write_snapshot(self.pool, slot, done, blob)
         self.stats.dense_bytes += len(blob)
         crash_point("commit:before-root")
-        if not planted("commit-before-rows"):
-            # U2 — rows before commit: every row updated in place since the last commit, and the
-            # dense snapshot of batch `done`, are durable (just above) before this root names `done`.
-            self.pool.commit(batch=done, **fields)
+        # U2 — rows before commit: every row updated in place since the last commit, and the dense
+        # snapshot of batch `done`, are durable (just above) before this root names `done`.
+        self.pool.commit(batch=done, **fields)
+        crash_point("commit:after-root")
+        if rows_late:
+            self._persist_dirty_rows()
         # U3 — commit before reclaim: records of batches < done are forgotten (their ring space
         # reused) only now that a durable root no longer needs them.
         self.ring.reclaim(done)

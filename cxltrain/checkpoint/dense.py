@@ -9,12 +9,15 @@ A snapshot is a tree (encoded by codec.py, no pickle) of:
     "rng"         torch, numpy and python RNG states
     "tables"      {module path: weight region name}: where each table sits in the model (export)
     "metadata"    the caller's JSON-like description of the run (e.g. the training config)
+    "threads"     torch's CPU thread count: reductions, hence bits, may depend on it
 
 A slot is written payload first, header last, both persisted; the root that names the slot is
 written after that (U2), so a slot a root names always holds the snapshot the root describes.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
@@ -34,14 +37,14 @@ class DenseState:
         self.metadata = metadata if metadata is not None else {}
 
     def capture(self, batch: int) -> dict:
-        return {"batch": batch, "model": dict(self.model.state_dict()),
+        return {"batch": batch, "model": self.model.state_dict(),  # with _metadata (module versions)
                 "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers],
-                "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata}
+                "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata,
+                "threads": torch.get_num_threads()}
 
-    def restore(self, tree: dict, where: str) -> None:
-        """Load a snapshot into the live model, optimizers, schedulers and RNGs. Everything is checked
-        against them first; a mismatch raises RecoveryError and nothing is loaded."""
+    def check(self, tree: dict, where: str) -> None:
+        """Raise RecoveryError unless the snapshot fits the live model, optimizers and schedulers."""
         if len(tree["optimizers"]) != len(self.optimizers) or len(tree["schedulers"]) != len(self.schedulers):
             raise RecoveryError(f"{where}: the snapshot has {len(tree['optimizers'])} optimizer(s) and "
                                 f"{len(tree['schedulers'])} scheduler(s); this run has {len(self.optimizers)} "
@@ -54,7 +57,16 @@ class DenseState:
                                                          or own[k].dtype != theirs[k].dtype]
             raise RecoveryError(f"{where}: the snapshot's dense parameters do not match this model "
                                 f"(first difference: {changed[0]!r})")
-        self.model.load_state_dict(theirs)
+        for optimizer, state in zip(self.optimizers, tree["optimizers"]):
+            groups = state.get("param_groups", []) if isinstance(state, dict) else []
+            if [len(g.get("params", ())) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+                raise RecoveryError(f"{where}: the snapshot's optimizer state does not fit {type(optimizer).__name__} "
+                                    "(its parameter groups differ)")
+
+    def restore(self, tree: dict, where: str) -> None:
+        """Load a snapshot (checked with check()) into the live model, optimizers, schedulers and RNGs."""
+        self.check(tree, where)
+        self.model.load_state_dict(tree["model"])
         for optimizer, state in zip(self.optimizers, tree["optimizers"]):
             try:
                 optimizer.load_state_dict(state)
@@ -65,6 +77,10 @@ class DenseState:
             scheduler.load_state_dict(state)
         codec.restore_rng(tree["rng"])
         self.metadata = tree["metadata"]
+        if tree["threads"] != torch.get_num_threads():
+            warnings.warn(f"{where}: was written with {tree['threads']} torch threads, this run uses "
+                          f"{torch.get_num_threads()}: CPU reductions may round differently, so the resumed run "
+                          "need not end bit-identical to an uninterrupted one", stacklevel=2)
 
 
 def slot_region(pool: Pool, slot: int):
@@ -76,7 +92,7 @@ def write_snapshot(pool: Pool, slot: int, batch: int, blob: bytes) -> None:
     region = slot_region(pool, slot)
     if layout.DENSE_HEADER.size + len(blob) > region.size:
         raise CheckpointError(f"the dense state ({len(blob):,} bytes encoded) does not fit the pool's dense slots "
-                              f"({region.size - layout.DENSE_HEADER.size:,} bytes); create the pool with larger "
+                              f"({max(0, region.size - layout.DENSE_HEADER.size):,} bytes); create the pool with larger "
                               "slots (Runtime(dense_slot_bytes=...))")
     uuid = pool.superblock.uuid
     pool.device.copy_persist(region.offset + layout.DENSE_HEADER.size, np.frombuffer(blob, dtype=np.uint8))
@@ -113,7 +129,7 @@ def read_snapshot(pool: Pool, slot: int, batch: int) -> dict:
 def _check_tree(tree, where: str, batch: int) -> None:
     """Shape of a decoded snapshot; a well-checksummed slot of another format is refused, not half-used."""
     kinds = {"batch": int, "model": dict, "optimizers": list, "schedulers": list, "rng": dict, "tables": dict,
-             "metadata": dict}
+             "metadata": dict, "threads": int}
     if not isinstance(tree, dict) or set(tree) != set(kinds) or any(
             not isinstance(tree[k], t) for k, t in kinds.items()):
         raise PoolCorruptError(f"{where}: not a dense snapshot this cxltrain can read")

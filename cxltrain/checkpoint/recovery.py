@@ -47,14 +47,17 @@ def recover(pool: Pool) -> tuple[RecoveryReport, dict]:
         raise RecoveryError(f"{pool.path}: holds no committed checkpoint to recover (it was never committed "
                             "with the checkpointer on, or a run with --checkpoint off was interrupted)")
     root = pool.root
+    if root.dense_batch != root.batch:
+        raise RecoveryError(f"{pool.path}: the root's target is batch {root.batch} but its dense snapshot is of batch "
+                            f"{root.dense_batch}; this cxltrain recovers only pools where they agree (strict mode)")
     live = ring.scan(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
     snapshot = dense.read_snapshot(pool, root.dense_slot, root.dense_batch)
     rollback = [record for record in live if record.header.batch >= root.batch]
     ring_region = pool.region(layout.RING_REGION)
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win
         ring.restore(pool, ring_region, record)
-        if done == len(rollback) // 2:
-            crash_point("recover:mid")
+        if done == 0 and len(rollback) > 1:
+            crash_point("recover:mid")  # one record restored, more to go
     pool.device.drain()
     crash_point("recover:before-root")
     generation = root.ring_generation + 1

@@ -132,7 +132,7 @@ def _tensor_view(raw: np.ndarray, dtype, rows: int, cols: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading the ring back (recovery, `cxltrain recover`, `pool check`).
+# Reading the ring back (recovery).
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ScannedRecord:
