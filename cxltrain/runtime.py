@@ -93,14 +93,18 @@ class Runtime:
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
                        dense_slot_bytes or _default_slot_bytes(model))
         self.pool: Pool | None = None
-        self.start_batch = 0
-        self.recovered_batch: int | None = None
-        self.recovery_seconds = 0.0
-        self.restarted = False
-        self.recovery = None                # the RecoveryReport, when the pool was recovered
         self._state = dense.DenseState(model, self.optimizers, self.schedulers,
                                        {path: t.name for path, t in self.tables.items()}, metadata)
         self._guard: BatchGuard | None = None  # the Checkpointer, or a bare BatchGuard with checkpoint "off"
+        self._reset()
+
+    def _reset(self) -> None:
+        """What one `with` block learns about the pool and where it is in it."""
+        self.start_batch = 0
+        self.recovered_batch: int | None = None
+        self.recovery = None                # the RecoveryReport, when the pool was recovered
+        self.recovery_seconds = 0.0
+        self.restarted = False
         self._next = 0                      # the batch rt.batches hands out next
         self._in_flight: int | None = None
 
@@ -108,9 +112,7 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         if self.pool is not None:
             raise RuntimeError("this Runtime is already open")
-        self.start_batch = self._next = 0
-        self.recovered_batch, self.recovery, self.recovery_seconds, self.restarted = None, None, 0.0, False
-        self._in_flight = None
+        self._reset()
         created = not os.path.exists(self.path)
         if created:
             # Built under a side name and renamed into place once its first commit is durable, so a
@@ -200,10 +202,11 @@ class Runtime:
             pool.commit(batch=-1, dense_slot=0)
         for table in self.tables.values():
             table.attach(pool, initialize=True)  # initialised from its seed and persisted
-        dense.write_snapshot(pool, 1, 0, codec.encode(self._state.capture(0)))
+        slot = dense.free_slot(pool)
+        dense.write_snapshot(pool, slot, 0, codec.encode(self._state.capture(0)))
         # ORDERING: tables and the batch-0 snapshot are durable before the root names them
         pool.commit(batch=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
-                    dense_slot=1, dense_batch=0)
+                    dense_slot=slot, dense_batch=0)
 
     # -- batches ----------------------------------------------------------------------------
     def batches(self, source, stop: int | None = None) -> Iterator:
@@ -275,7 +278,7 @@ class Runtime:
             return
         for table in self.tables.values():
             table.persist()
-        slot = 2 if pool.root.dense_slot == 1 else 1
+        slot = dense.free_slot(pool)
         dense.write_snapshot(pool, slot, self._next, codec.encode(self._state.capture(self._next)))
         # ORDERING: every table region and the snapshot are durable before the root names them
         pool.commit(batch=self._next, dense_slot=slot, dense_batch=self._next)

@@ -128,7 +128,6 @@ class Checkpointer(BatchGuard):
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
         self.stats = CheckpointStats()
         self.committed = root.batch      # batches the durable root vouches for
-        self._slot = root.dense_slot     # the slot that root names
         self._dirty: list[tuple[object, torch.Tensor]] = []   # (table, rows) updated since the last commit
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
@@ -205,7 +204,7 @@ class Checkpointer(BatchGuard):
         self.stats.commit_seconds += time.perf_counter() - started
 
     def _commit(self, done: int) -> None:
-        slot = 2 if self._slot == 1 else 1   # the slot the durable root does not name
+        slot = dense.free_slot(self.pool)
         start, start_seq = self.ring.start_after_reclaim(done)
         fields = dict(ring_start=start, ring_start_seq=start_seq, dense_slot=slot, dense_batch=done)
         rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
@@ -225,7 +224,7 @@ class Checkpointer(BatchGuard):
         # U3 — commit before reclaim: records of batches < done are forgotten (their ring space
         # reused) only now that a durable root no longer needs them.
         self.ring.reclaim(done)
-        self.committed, self._slot = done, slot
+        self.committed = done
         self._dirty.clear()
         self.stats.commits += 1
 

@@ -83,6 +83,11 @@ class DenseState:
                           "need not end bit-identical to an uninterrupted one", stacklevel=2)
 
 
+def free_slot(pool: Pool) -> int:
+    """The dense slot (1 or 2) the durable root does not name: the one a new snapshot may overwrite."""
+    return 2 if pool.root.dense_slot == 1 else 1
+
+
 def slot_region(pool: Pool, slot: int):
     return pool.region(layout.DENSE_REGIONS[slot - 1])
 
