@@ -155,9 +155,7 @@ def _say_where_training_starts(rt) -> None:
         print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
               "interrupted); training restarts at batch 0", file=sys.stderr)
     if rt.recovered_batch is not None:
-        r = rt.recovery
-        print(f"recovered {rt.path} to batch {r.batch} in {r.seconds * 1000:.1f} ms (rolled back {r.records_restored} "
-              f"undo records of {r.batches_rolled_back} uncommitted batch(es)); resuming at batch {rt.start_batch}",
+        print(f"{_recovered(rt.path, rt.recovery, rt.recovery_seconds)}; resuming at batch {rt.start_batch}",
               flush=True)
     else:
         print(f"training from batch {rt.start_batch}", flush=True)
@@ -184,13 +182,17 @@ def _add_recover_export(sub) -> None:
     e.set_defaults(run=_run_export)
 
 
+def _recovered(path: str, report, seconds: float) -> str:
+    return (f"recovered {path} to batch {report.batch} in {seconds * 1000:.1f} ms (rolled back "
+            f"{report.records_restored} undo records, {report.rows_restored:,} rows, of "
+            f"{report.batches_rolled_back} uncommitted batch(es))")
+
+
 def _run_recover(args) -> int:
     from .runtime import recover_pool
 
     report = recover_pool(args.path)
-    print(f"recovered {args.path} to batch {report.batch} in {report.seconds * 1000:.1f} ms: rolled back "
-          f"{report.records_restored} undo records ({report.rows_restored:,} rows) of "
-          f"{report.batches_rolled_back} uncommitted batch(es)")
+    print(_recovered(args.path, report, report.seconds))
     if args.json:
         print(json.dumps(report.to_json()))
     return 0

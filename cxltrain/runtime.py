@@ -24,6 +24,7 @@ optimizers and LR schedulers for its dense parameters.
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -36,7 +37,7 @@ from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import RegionKind, pool_size_for
-from .tables import PersistentEmbeddingBag
+from .tables import PersistentEmbeddingBag, pool_holds, region_names
 
 CHECKPOINT_MODES = ("undo", "off")
 DEFAULT_UNDO_RING_BYTES = 64 << 20
@@ -95,18 +96,16 @@ class Runtime:
         self.pool: Pool | None = None
         self._state = dense.DenseState(model, self.optimizers, self.schedulers,
                                        {path: t.name for path, t in self.tables.items()}, metadata)
-        self._guard: BatchGuard | None = None  # the Checkpointer, or a bare BatchGuard with checkpoint "off"
         self._reset()
 
     def _reset(self) -> None:
         """What one `with` block learns about the pool and where it is in it."""
+        self._guard: BatchGuard | None = None  # the Checkpointer, or a bare BatchGuard with checkpoint "off"
         self.start_batch = 0
         self.recovered_batch: int | None = None
         self.recovery = None                # the RecoveryReport, when the pool was recovered
         self.recovery_seconds = 0.0
         self.restarted = False
-        self._next = 0                      # the batch rt.batches hands out next
-        self._in_flight: int | None = None
 
     # -- entering ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -154,29 +153,24 @@ class Runtime:
 
     def _setup(self, pool: Pool) -> None:
         tables = list(self.tables.values())
-        present = [t.weight_region in pool.regions for t in tables]
-        if any(present) and not all(present):
-            missing = [t.name for t, here in zip(tables, present) if not here]
-            raise RecoveryError(f"{pool.path}: holds some of this model's tables but not {', '.join(missing)}")
         ours = {t.weight_region for t in tables}
         foreign = sorted(r.name for r in pool.regions.values() if r.kind == RegionKind.TABLE_WEIGHTS and r.name not in ours)
-        if foreign:
-            raise RecoveryError(f"{pool.path}: holds tables of another model ({', '.join(foreign[:3])}) (a pool "
-                                "holds one model: use another pool, or delete this one)")
-        for table in tables if all(present) else ():
-            try:
-                table.check_regions(pool)  # writes nothing: a pool holding another model is refused untouched
-            except PoolError as e:
-                raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
-        if all(present) and has_checkpoint(pool):
+        try:
+            if foreign:
+                raise RecoveryError(f"{pool.path}: holds tables of another model ({', '.join(foreign[:3])})")
+            present = pool_holds(pool, tables)
+        except (ConfigError, PoolError) as e:
+            raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
+        if present and has_checkpoint(pool):
             self._resume(pool)
         else:
-            self.restarted = all(present)
-            self._start_fresh(pool, tables_present=all(present))
+            self.restarted = present
+            self._start_fresh(pool, tables_present=present)
         self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every)
                        if self.checkpoint == "undo" else BatchGuard(pool, tables))
 
     def _resume(self, pool: Pool) -> None:
+        started = time.perf_counter()
         snapshot = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)
         stored = snapshot["metadata"]
         if self.metadata is not None and stored != self.metadata:
@@ -187,10 +181,10 @@ class Runtime:
         self._state.check(snapshot, pool.path)  # a snapshot of another model is refused before recovery writes
         for table in self.tables.values():
             table.attach(pool, initialize=False)
-        report, snapshot = recover(pool)
+        report, _ = recover(pool, snapshot)
         self._state.restore(snapshot, pool.path)
-        self.recovered_batch = self.start_batch = self._next = report.batch
-        self.recovery_seconds = report.seconds
+        self.recovered_batch = self.start_batch = report.batch
+        self.recovery_seconds = time.perf_counter() - started  # reading and checking included, as for `recover`
         self.recovery = report
 
     def _start_fresh(self, pool: Pool, tables_present: bool) -> None:
@@ -218,8 +212,8 @@ class Runtime:
         if stop is None:
             stop = getattr(source, "num_batches", None)
         self._end_in_flight()
-        while stop is None or self._next < stop:
-            b = self._next
+        while stop is None or self.batch < stop:
+            b = self.batch
             item = get(b)
             self._begin(b)
             yield item
@@ -228,14 +222,10 @@ class Runtime:
     def _begin(self, b: int) -> None:
         self._require_open()
         self._guard.begin_batch(b)
-        self._in_flight = b
 
     def _end_in_flight(self) -> None:
-        if self._in_flight is None:
-            return
-        b, self._in_flight = self._in_flight, None
-        self._guard.end_batch(b)
-        self._next = b + 1
+        if self._guard is not None and self._guard.in_flight is not None:
+            self._guard.end_batch(self._guard.in_flight)
 
     @property
     def stats(self) -> CheckpointStats | None:
@@ -243,8 +233,10 @@ class Runtime:
 
     @property
     def batch(self) -> int:
-        """Batches done (committed or about to be): where the next batch starts."""
-        return self._next
+        """Batches done (committed or about to be): the batch in flight, or the next to begin."""
+        if self._guard is None:
+            return self.start_batch
+        return self._guard.in_flight if self._guard.in_flight is not None else self._guard.next_batch
 
     def _require_open(self) -> None:
         if self.pool is None:
@@ -257,11 +249,10 @@ class Runtime:
             return
         try:
             if exc_type is None:
-                if self._in_flight is not None and not self._guard.touched:
+                if self._guard.in_flight is not None and not self._guard.touched:
                     # left before the batch did anything (a break at the top of the loop, zip()
                     # fetching one batch too many): it is not done, the next run starts with it
                     self._guard.abort_batch()
-                    self._in_flight = None
                 self._end_in_flight()
                 self._make_final_commit(pool)
         finally:
@@ -271,17 +262,18 @@ class Runtime:
     def _make_final_commit(self, pool: Pool) -> None:
         """Everything durable and committed at the batch reached (strict mode: if not already)."""
         if isinstance(self._guard, Checkpointer):
-            if self._guard.committed != self._next:
-                self._guard.commit_now(self._next)
+            if self._guard.committed != self.batch:
+                self._guard.commit_now(self.batch)
             return
-        if pool.root.batch == self._next:
+        done = self.batch
+        if pool.root.batch == done:
             return
         for table in self.tables.values():
             table.persist()
         slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, self._next, codec.encode(self._state.capture(self._next)))
+        dense.write_snapshot(pool, slot, done, codec.encode(self._state.capture(done)))
         # ORDERING: every table region and the snapshot are durable before the root names them
-        pool.commit(batch=self._next, dense_slot=slot, dense_batch=self._next)
+        pool.commit(batch=done, dense_slot=slot, dense_batch=done)
 
 
 def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
@@ -329,9 +321,9 @@ def export_state(path: str) -> dict:
         model = dict(snapshot["model"])
         for module_path, name in snapshot["tables"].items():
             prefix = f"{module_path}." if module_path else ""
-            weights = pool.array(f"{name}.weight")
-            model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(weights))
-            if f"{name}.optim" in pool.regions:
-                model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(f"{name}.optim")))
+            weight_region, state_region = region_names(name)
+            model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(pool.array(weight_region)))
+            if state_region in pool.regions:
+                model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
         return {"batch": report.batch, "model": model, "optimizers": snapshot["optimizers"],
                 "schedulers": snapshot["schedulers"]}

@@ -98,11 +98,11 @@ class PersistentEmbeddingBag(nn.Module):
     # -- storage ----------------------------------------------------------------------------
     @property
     def weight_region(self) -> str:
-        return f"{self.name}.weight"
+        return region_names(self.name)[0]
 
     @property
     def state_region(self) -> str:
-        return f"{self.name}.optim"
+        return region_names(self.name)[1]
 
     def region_specs(self) -> list[RegionSpec]:
         """The pool regions this table needs: weights (rows aligned), then optimizer state if any."""
@@ -285,6 +285,27 @@ class PersistentEmbeddingBag(nn.Module):
         where = self.pool.path if self.pool is not None else ("dram" if self._rows is not None else "unattached")
         return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r}, mode={self.mode!r}, "
                 f"optimizer={self.optimizer}, storage={where}")
+
+
+def region_names(table_name: str) -> tuple[str, str]:
+    """The pool regions of the table called `table_name`: (weights, optimizer state)."""
+    return f"{table_name}.weight", f"{table_name}.optim"
+
+
+def pool_holds(pool: Pool, tables) -> bool:
+    """Whether `pool` holds these tables: True if all of them, each matching (check_regions), False if
+    none. Some but not all raises ConfigError, a mismatching one PoolError. Writes nothing, so a
+    pool that holds another model is refused untouched."""
+    tables = list(tables)
+    present = [table.weight_region in pool.regions for table in tables]
+    if any(present) and not all(present):
+        missing = [t.name for t, here in zip(tables, present) if not here]
+        raise ConfigError(f"{pool.path}: holds some of this model's tables but not {', '.join(missing)}")
+    if not all(present):
+        return False
+    for table in tables:
+        table.check_regions(pool)
+    return True
 
 
 class _BagLookup(torch.autograd.Function):

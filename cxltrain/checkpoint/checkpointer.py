@@ -15,7 +15,7 @@ largest seen so far, the snapshot is taken early rather than letting the next ca
 time that costs is the training thread's wait for the ring, and is counted as such.
 
 The protocol rules are each enforced at one line: U1 in ring.UndoRing.append, U2 and U3 in
-Checkpointer.end_batch, U4 in Checkpointer.capture.
+Checkpointer._commit, U4 in Checkpointer.capture.
 """
 
 from __future__ import annotations
@@ -69,6 +69,16 @@ class BatchGuard:
         for table in self.tables:
             table.checkpointer = None
 
+    @property
+    def in_flight(self) -> int | None:
+        """The batch begun and not yet ended, if any."""
+        return self._batch
+
+    @property
+    def next_batch(self) -> int:
+        """The batch that begins next: batches done so far."""
+        return self._next
+
     def begin_batch(self, batch: int) -> None:
         if batch != self._next:
             raise CheckpointError(f"batch {batch} out of order: the next batch is {self._next}")
@@ -104,12 +114,11 @@ class BatchGuard:
                                   + (f"batch {self._batch}" if self._batch is not None else "no batch")
                                   + ": call backward inside the batch that did the forward")
 
-    def end_batch(self, batch: int) -> bool:
+    def end_batch(self, batch: int) -> None:
         if batch != self._batch:
             raise CheckpointError(f"end of batch {batch}, but batch {self._batch} is in flight")
         self._batch = None
         self._next = batch + 1
-        return False
 
 
 class Checkpointer(BatchGuard):
@@ -174,8 +183,8 @@ class Checkpointer(BatchGuard):
         self._stale[table.name] = (weights.clone(), None if state is None else state.clone())
         return previous
 
-    def end_batch(self, batch: int) -> bool:
-        """Batch `batch` is done (its update applied). Commits when a snapshot is due; returns True then."""
+    def end_batch(self, batch: int) -> None:
+        """Batch `batch` is done (its update applied). Commits when a snapshot is due."""
         super().end_batch(batch)
         self.stats.batches += 1
         self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
@@ -185,14 +194,13 @@ class Checkpointer(BatchGuard):
         ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
 
         if not (due or ring_short):
-            return False
+            return
         started = time.perf_counter()
         self._commit(done)
         if ring_short:
             self.stats.ring_full_commits += 1
             self.stats.ring_wait_seconds += time.perf_counter() - started
         self.stats.commit_seconds += time.perf_counter() - started
-        return True
 
     def commit_now(self, done: int) -> None:
         """Commit at `done` batches although no snapshot is due (the run is ending)."""

@@ -64,8 +64,8 @@ class DenseState:
                                     "(its parameter groups differ)")
 
     def restore(self, tree: dict, where: str) -> None:
-        """Load a snapshot (checked with check()) into the live model, optimizers, schedulers and RNGs."""
-        self.check(tree, where)
+        """Load a snapshot, already checked with check(), into the live model, optimizers, schedulers
+        and RNGs."""
         self.model.load_state_dict(tree["model"])
         for optimizer, state in zip(self.optimizers, tree["optimizers"]):
             try:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import struct
 
+import numpy as np
+
 from ..pool_format import align_up, checksum
 
 RING_REGION = "cxltrain.undo"
@@ -73,7 +75,7 @@ class UndoHeader:
 
     @property
     def payload_bytes(self) -> int:
-        return self.count * (self.row_bytes + self.state_bytes + 8)
+        return payload_bytes(self.count, self.row_bytes, self.state_bytes)
 
     @property
     def record_bytes(self) -> int:
@@ -99,9 +101,22 @@ def unpack_undo_header(raw: bytes, uuid: bytes) -> UndoHeader | None:
     return header
 
 
+def payload_bytes(count: int, row_bytes: int, state_bytes: int) -> int:
+    return count * (row_bytes + state_bytes + 8)
+
+
 def record_bytes(count: int, row_bytes: int, state_bytes: int) -> int:
     """Ring bytes one record of `count` rows takes, header and padding included."""
-    return align_up(UNDO_HEADER.size + count * (row_bytes + state_bytes + 8), RECORD_ALIGN)
+    return align_up(UNDO_HEADER.size + payload_bytes(count, row_bytes, state_bytes), RECORD_ALIGN)
+
+
+def split_payload(payload: np.ndarray, count: int, row_bytes: int, state_bytes: int):
+    """The parts of a record payload (uint8 [payload_bytes], a view of the ring), as views:
+    (weights uint8 [U, row_bytes], state uint8 [U, state_bytes], row indices int64 [U])."""
+    w_end = count * row_bytes
+    s_end = w_end + count * state_bytes
+    return (payload[:w_end].reshape(count, row_bytes), payload[w_end:s_end].reshape(count, state_bytes),
+            payload[s_end:].view(np.int64))
 
 
 def payload_checksum(payload, uuid: bytes, generation: int, seq: int) -> int:

@@ -40,8 +40,12 @@ def has_checkpoint(pool: Pool) -> bool:
             and all(name in pool.regions for name in layout.DENSE_REGIONS))
 
 
-def recover(pool: Pool) -> tuple[RecoveryReport, dict]:
-    """Roll `pool` back to its root's target. Returns the report and the decoded dense snapshot."""
+def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, dict]:
+    """Roll `pool` back to its root's target. Returns the report and the decoded dense snapshot.
+
+    snapshot: the root's snapshot, when the caller has just read it (dense.read_snapshot, which
+    checks it) from this pool: it is not read and decoded a second time.
+    """
     started = time.perf_counter()
     if not has_checkpoint(pool):
         raise RecoveryError(f"{pool.path}: holds no committed checkpoint to recover (it was never committed "
@@ -51,7 +55,8 @@ def recover(pool: Pool) -> tuple[RecoveryReport, dict]:
         raise RecoveryError(f"{pool.path}: the root's target is batch {root.batch} but its dense snapshot is of batch "
                             f"{root.dense_batch}; this cxltrain recovers only pools where they agree (strict mode)")
     live = ring.scan(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
-    snapshot = dense.read_snapshot(pool, root.dense_slot, root.dense_batch)
+    if snapshot is None:
+        snapshot = dense.read_snapshot(pool, root.dense_slot, root.dense_batch)
     rollback = [record for record in live if record.header.batch >= root.batch]
     ring_region = pool.region(layout.RING_REGION)
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win

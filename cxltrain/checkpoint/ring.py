@@ -84,15 +84,13 @@ class UndoRing:
         offset = self._place(size)
         base = self.region.offset + offset
         device = self.pool.device
-        payload_len = count * (row_bytes + state_bytes + 8)
+        payload_len = layout.payload_bytes(count, row_bytes, state_bytes)
         payload = device.array[base + layout.UNDO_HEADER.size : base + layout.UNDO_HEADER.size + payload_len]
-        w_end = count * row_bytes
-        s_end = w_end + count * state_bytes
-        torch.index_select(weights, 0, rows, out=_tensor_view(payload[:w_end], np.float32, count, row_bytes // 4))
+        old_weights, old_state, indices = layout.split_payload(payload, count, row_bytes, state_bytes)
+        torch.index_select(weights, 0, rows, out=torch.from_numpy(old_weights.view(np.float32)))
         if state is not None:
-            torch.index_select(state, 0, rows, out=_tensor_view(payload[w_end:s_end], np.float32, count,
-                                                                   state_bytes // 4))
-        payload[s_end:].view(np.int64)[:] = rows.numpy()
+            torch.index_select(state, 0, rows, out=torch.from_numpy(old_state.view(np.float32)))
+        indices[:] = rows.numpy()
         header = layout.UndoHeader(weights_region.index, self.generation, self.next_seq, batch, count, row_bytes,
                                    state_bytes, layout.payload_checksum(payload, self.pool.superblock.uuid,
                                                                         self.generation, self.next_seq),
@@ -124,11 +122,6 @@ class UndoRing:
         """Forget records of batches < target. Call only once a root with that target is durable (U3)."""
         while self._live and self._live[0].batch < target:
             self._live.popleft()
-
-
-def _tensor_view(raw: np.ndarray, dtype, rows: int, cols: int) -> torch.Tensor:
-    """[rows, cols] tensor over the bytes of `raw` (a uint8 slice of the mapping), zero-copy."""
-    return torch.from_numpy(raw.view(dtype).reshape(rows, cols))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +185,7 @@ def _check_record(ring: np.ndarray, pos: int, header: layout.UndoHeader, by_inde
             raise PoolCorruptError(f"{where}: names no optimizer-state region matching its table")
     elif header.state_bytes:
         raise PoolCorruptError(f"{where}: carries optimizer state but names no region for it")
-    indices = payload[header.count * (header.row_bytes + header.state_bytes):].view(np.int64)
+    indices = layout.split_payload(payload, header.count, header.row_bytes, header.state_bytes)[2]
     if header.count and (int(indices.min()) < 0 or int(indices.max()) >= weights.shape[0]):
         raise PoolCorruptError(f"{where}: row index out of range for {weights.name!r}")
     return ScannedRecord(pos, header, weights, state)
@@ -204,13 +197,11 @@ def restore(pool: Pool, ring_region: Region, record: ScannedRecord) -> None:
     h = record.header
     array = pool.device.array
     base = ring_region.offset + record.offset + layout.UNDO_HEADER.size
-    payload = array[base : base + h.payload_bytes]
-    w_end = h.count * h.row_bytes
-    s_end = w_end + h.count * h.state_bytes
-    rows = payload[s_end:].view(np.int64)
-    _scatter_rows(pool, record.weights_region, rows, payload[:w_end].reshape(h.count, h.row_bytes))
+    old_weights, old_state, rows = layout.split_payload(array[base : base + h.payload_bytes], h.count, h.row_bytes,
+                                                        h.state_bytes)
+    _scatter_rows(pool, record.weights_region, rows, old_weights)
     if record.state_region is not None:
-        _scatter_rows(pool, record.state_region, rows, payload[w_end:s_end].reshape(h.count, h.state_bytes))
+        _scatter_rows(pool, record.state_region, rows, old_state)
 
 
 def _scatter_rows(pool: Pool, region: Region, rows: np.ndarray, values: np.ndarray) -> None:

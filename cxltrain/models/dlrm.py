@@ -30,7 +30,7 @@ from ..data.batch import Batch
 from ..errors import ConfigError
 from ..optim import RowWiseAdagrad, SparseOptimizer
 from ..pool import Pool
-from ..tables import PersistentEmbeddingBag
+from ..tables import PersistentEmbeddingBag, pool_holds
 
 
 class DLRM(nn.Module):
@@ -83,13 +83,7 @@ class DLRM(nn.Module):
         Every table is checked before anything is written, so a pool that holds another model is
         refused untouched. Returns True if the tables were created (and initialised).
         """
-        present = [table.weight_region in pool.regions for table in self.tables]
-        if any(present) and not all(present):
-            missing = [t.name for t, here in zip(self.tables, present) if not here]
-            raise ConfigError(f"{pool.path}: holds some of this model's tables but not {', '.join(missing)}")
-        if all(present):
-            for table in self.tables:
-                table.check_regions(pool)
+        if pool_holds(pool, self.tables):
             for table in self.tables:
                 table.attach(pool)
             return False
