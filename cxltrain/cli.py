@@ -15,7 +15,8 @@ import sys
 import warnings
 from typing import Callable, Sequence
 
-from .errors import CxlTrainError
+from . import knobs
+from .errors import ConfigError, CxlTrainError
 from .knobs import KNOBS
 
 EXIT_ERROR = 1
@@ -100,12 +101,51 @@ def _add_train(sub) -> None:
                         "off: the pool is consistent only when the run ends")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
                    help=f"dense snapshot and commit every K batches (default {d.dense_every})")
+    _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_train)
 
 
+def _add_emulation_options(p) -> None:
+    from .knobs import DOMAINS
+
+    g = p.add_argument_group("emulated CXL device (a pool on tmpfs/hugetlbfs; see README, Emulating CXL); "
+                             "each option overrides its CXLTRAIN_* variable")
+    g.add_argument("--power-loss", action="store_const", const=1, default=None,
+                   help="model power loss: stores not persisted are lost when the process dies")
+    g.add_argument("--domain", choices=DOMAINS, default=None,
+                   help="with --power-loss, the persistence domain: adr (flush needed, the default), eadr "
+                        "(caches persistent), none (volatile)")
+    g.add_argument("--evict-rate", type=_non_negative_int, default=None, metavar="R",
+                   help="with --power-loss (adr), write up to R random unpersisted cache lines per second "
+                        "back early, some torn at 8-byte boundaries, as write-back caches do (default 0)")
+
+
+def _emulation_knobs(args) -> dict:
+    """The knobs the emulation options set: only those given, over the knobs' own values (and their
+    CXLTRAIN_* variables). Checked together, as the device will see them."""
+    given = {"power_loss": args.power_loss, "domain": args.domain, "evict_rate": args.evict_rate}
+    given = {name: value for name, value in given.items() if value is not None}
+    with knobs.override(**given):
+        KNOBS.validate()
+        if "domain" in given and not KNOBS.power_loss:
+            raise ConfigError("--domain needs --power-loss (or CXLTRAIN_POWER_LOSS=1): without the power-loss "
+                              "model every store survives, whatever the domain")
+    return given
+
+
+def _check_emulated(path: str, given: dict) -> None:
+    """Refuses emulation options for a pool that the emulated device would not map."""
+    from .devices import resolve_backend
+
+    if given and resolve_backend(path) != "emulated":
+        raise ConfigError(f"--power-loss, --domain and --evict-rate model an emulated CXL pool; {path} is not "
+                          f"on tmpfs/hugetlbfs (it maps with the {resolve_backend(path)} backend)")
+
+
 def _run_train(args) -> int:
+    from .devices import resolve_backend
     from .emulation import default_pool_path
     from .config import TrainConfig
     from .trainer import train
@@ -122,16 +162,26 @@ def _run_train(args) -> int:
         if not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
             print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
                   "and not an emulated CXL device)", file=sys.stderr)
+    emulation = _emulation_knobs(args)
+    _check_emulated(path, emulation)
     table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
     print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
           f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)
-    result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts)
+    with knobs.override(**emulation):
+        if KNOBS.power_loss and resolve_backend(path) == "emulated":
+            from .emulation.cxl import describe_model
+
+            print(f"emulated device models {describe_model()}", flush=True)
+        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts)
     if result.steps == 0:
         print(f"nothing to train: the pool is at batch {result.batch}, --steps is {args.steps}")
     else:
         s = result.split_ms
         print(f"trained {result.steps} batches in {result.seconds:.1f} s ({result.steps_per_s:.1f} steps/s) "
               f"on {result.device}; loss {result.first_loss:.4f} -> {result.final_loss:.4f}")
+        if result.early_writebacks is not None:
+            print(f"early write-back: {result.early_writebacks:,} unpersisted cache lines reached the media "
+                  "before their flush")
         print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
               f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint {s.checkpoint:.1f} "
               f"+ MLP {s.mlp:.1f}; {result.rows_updated_per_batch:,.0f} rows updated per batch")
@@ -342,7 +392,87 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_recover_export(sub)
     _add_pool(sub)
+    _add_crashtest(sub)
     return parser
+
+
+# ---------------------------------------------------------------------------------------------
+# crashtest
+# ---------------------------------------------------------------------------------------------
+def _add_crashtest(sub) -> None:
+    from .faults import PLANTED
+
+    c = sub.add_parser("crashtest", help="kill training at random moments and protocol points; prove recovery exact",
+                       description="Run training in a child process, kill it (at random moments, at named points of "
+                                   "the persistence protocol, at random device flushes, during recovery), recover, "
+                                   "compare the export with an uninterrupted run bit for bit, resume and compare "
+                                   "again. Exits non-zero on any mismatch, keeping the pool and printing the "
+                                   "commands that replay it.")
+    c.add_argument("--trials", type=_positive_int, default=50, help="trials to run (default 50)")
+    c.add_argument("--seed", type=_non_negative_int, default=None, help="plan of the trials (default: random, printed)")
+    c.add_argument("--trial", type=_non_negative_int, default=None, metavar="K",
+                   help="run only trial K of the seed's plan (to replay one)")
+    c.add_argument("--plant", choices=PLANTED, default="",
+                   help="plant a bug that breaks a persistence rule, to see the torture catch it")
+    c.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch")
+    c.add_argument("--keep", metavar="DIR", help="where failing pools and logs are kept (default: a folder in "
+                                                 "the temp dir named after the seed)")
+    _add_emulation_options(c)
+    c.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(run=_run_crashtest)
+
+
+def _run_crashtest(args) -> int:
+    import random
+    import time
+
+    from tqdm import tqdm
+
+    from .crashtest import DeviceModel, Torture, summary
+
+    with knobs.override(**_emulation_knobs(args)):
+        device = DeviceModel(bool(KNOBS.power_loss), KNOBS.domain, KNOBS.evict_rate)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    with knobs.override(threads=1):  # references and resumes in this process, as in the children
+        torture = Torture(trials=args.trials, device=device, seed=seed, plant=args.plant, only=args.trial,
+                          fail_fast=args.fail_fast, keep_dir=args.keep)
+        from .emulation.cxl import describe_model
+
+        with knobs.override(**device.knobs(0)):
+            model = describe_model()
+        print(f"crashtest: seed {seed}, {1 if args.trial is not None else args.trials} trial(s), device models "
+              f"{model}" + (f", planted bug {args.plant}" if args.plant else ""), flush=True)
+        started = time.perf_counter()
+        bar = tqdm(total=1 if args.trial is not None else args.trials, desc="crashtest", unit="trial",
+                   disable=None if not args.no_progress else True, file=sys.stderr, dynamic_ncols=True)
+        exact = [0]
+
+        def show(result) -> None:
+            exact[0] += result.exact
+            bar.update(1)
+            bar.set_postfix(exact=exact[0], refresh=False)
+            if not result.exact:
+                bar.write(f"trial {result.plan.number}: MISMATCH ({result.plan.describe()}; recovered batch "
+                          f"{result.recovered_batch}): {result.problems[0]}", file=sys.stderr)
+
+        try:
+            results = torture.run(show)
+        finally:
+            bar.close()
+            torture.close()
+    report = summary(results, time.perf_counter() - started)
+    kinds = ", ".join(f"{k} {v['exact']}/{v['trials']}" for k, v in report["by_kind"].items())
+    print(f"{report['exact']}/{report['trials']} exact in {report['seconds']:.0f} s ({kinds}; "
+          f"{report['killed']} killed mid-run, recovered batches {report['recovered_batches']})")
+    for result in results:
+        if not result.exact:
+            print(f"trial {result.plan.number} ({result.plan.describe()}) differs; replay with:")
+            for line in torture.replay_commands(result.plan):
+                print(f"  {line}")
+    if args.json:
+        print(json.dumps({"seed": seed, "device_model": model, "plant": args.plant or None, **report}))
+    return 0 if report["exact"] == report["trials"] else EXIT_ERROR
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

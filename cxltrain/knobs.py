@@ -35,6 +35,14 @@ class Knobs:
     # what it persists reaches the file, so a killed process loses every unpersisted store. 0 = a
     # kill loses nothing (the page cache is the media). Other backends ignore it (cxltrain.emulation).
     power_loss: int = 0
+    # With power_loss = 1, the persistence domain the emulated device models: adr (flush needed;
+    # unflushed stores are lost), eadr (CPU caches persistent: every store durable at once), none
+    # (volatile memory: nothing survives a power loss).
+    domain: str = "adr"
+    # With power_loss = 1 and the adr domain: unpersisted cache lines written back to the media early,
+    # at most this many per second (0 = none), as write-back caches do; evict_seed fixes the picks.
+    evict_rate: int = 0
+    evict_seed: int = 0
     # Undo ring bytes of the pools `train` creates; 0 = room for a few of its largest batches
     # (trainer.undo_ring_bytes). Small rings make the ring wrap and force early commits: for tests.
     undo_ring_bytes: int = 0
@@ -61,7 +69,17 @@ class Knobs:
             raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
         if self.power_loss not in (0, 1):
             raise ConfigError(f"power_loss {self.power_loss} must be 0 or 1")
+        if self.domain not in DOMAINS:
+            raise ConfigError(f"persistence domain {self.domain!r} must be one of {', '.join(DOMAINS)}")
+        if self.evict_rate < 0:
+            raise ConfigError(f"evict_rate {self.evict_rate} must be >= 0 lines per second")
+        if self.evict_rate and not (self.power_loss and self.domain == "adr"):
+            raise ConfigError("early write-back (evict_rate) needs the power-loss model in the adr domain "
+                              "(--power-loss, --domain adr): elsewhere no store waits to be written back")
 
+
+# Persistence domains the emulated device can model (knob `domain`).
+DOMAINS = ("adr", "eadr", "none")
 
 # Malformed CXLTRAIN_* variables: reported by validate(), never as an exception at import time.
 _ENV_ERRORS: list[str] = []

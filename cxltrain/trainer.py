@@ -72,6 +72,8 @@ class TrainResult:
     recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
     recovery_seconds: float
     checkpoint_stats: dict | None      # CheckpointStats of this run (None with checkpoint "off")
+    device_model: str | None = None    # what the emulated device modelled (power loss, domain, write-back)
+    early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,7 +189,8 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     eval_auc, eval_loss = evaluate(model, source, heldout_batches(source, config.steps))
     rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
     stats = rt.stats
-    return TrainResult(pool=rt.path, device=rt.pool.device.kind, batch=rt.batch, steps=steps, start_batch=first,
+    device = rt.pool.device
+    return TrainResult(pool=rt.path, device=device.kind, batch=rt.batch, steps=steps, start_batch=first,
                        seconds=seconds, steps_per_s=steps / seconds if steps else 0.0,
                        first_loss=losses[0] if losses else None,
                        final_loss=sum(losses[-tail:]) / tail if losses else None,
@@ -195,7 +198,8 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
                        eval_auc=eval_auc, eval_logloss=eval_loss, rows_updated_per_batch=rows_updated,
                        split_ms=split, restarted=rt.restarted, checkpoint=config.checkpoint,
                        recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
-                       checkpoint_stats=None if stats is None else stats.to_json())
+                       checkpoint_stats=None if stats is None else stats.to_json(), device_model=device.model,
+                       early_writebacks=None if device.evictor is None else device.evictor.lines_written)
 
 
 class _StepClock:

@@ -6,16 +6,26 @@ the real cache-line write-back instructions through libpmem (pmem_flush = CLWB/C
 pmem_drain = SFENCE) so the cost of the protocol is the cost it has on the hardware; without
 libpmem, persist does nothing, because the page is already the media.
 
-What this models: process death (SIGKILL) — the page cache survives, exactly as PMEM contents do.
-With the `power_loss` knob (CXLTRAIN_POWER_LOSS=1) it also models power loss: `PowerLossCXLDevice`
-lets the process work on a private (copy-on-write) view of the file, and persist copies the persisted
-cache lines to a shared view of it, the media. When the process dies, every store it did not
-persist is gone — what a power failure does to stores still in the CPU caches — and what it did
-persist survives, at 64-byte line granularity, as on the hardware.
-Not modelled yet: early write-back (an evictor that pushes unpersisted lines to the media before
-they are flushed, as cache eviction does, so a crash can also keep stores nobody persisted),
-persistence domains (ADR vs eADR vs a CXL device's own buffers), and bandwidth or latency models
-of the media.
+What it models is chosen by knobs (cxltrain.knobs; `cxltrain train --power-loss --domain D
+--evict-rate R` sets them), and `open_device` builds the matching device:
+
+  power_loss=0            process death only (SIGKILL): the page cache survives, as PMEM contents do,
+                          so every store survives. EmulatedCXLDevice.
+  power_loss=1, domain=   power loss:
+    adr   (default)       stores live in a private view, the "CPU caches"; persist copies whole
+                          64-byte lines to the media. A kill loses every unpersisted store.
+                          PowerLossCXLDevice; with evict_rate > 0 an evictor (emulation/evictor.py)
+                          also writes random unpersisted lines back early, some torn at 8-byte
+                          boundaries, as write-back caches do.
+    eadr                  the caches are in the persistence domain: every store is durable as it is
+                          made, flush is not needed (and costs nothing). EADRCXLDevice.
+    none                  volatile memory (a CXL expander without persistence): nothing survives a
+                          power loss; a process that closes the pool normally leaves its contents
+                          in memory, as a powered machine would. VolatileCXLDevice.
+
+Not modelled: timing (the emulation is not cycle-accurate: loads and stores run at DRAM speed; the
+persist bandwidth cap and the cost model in emulation/costmodel.py stand in for the device's
+speed), and a remote NUMA node is not real CXL either.
 """
 
 from __future__ import annotations
@@ -24,15 +34,21 @@ import ctypes
 import mmap
 import os
 import tempfile
+import threading
 
 import numpy as np
 
 from cxltrain.devices.base import Device
 from cxltrain.devices.libpmem import load as load_libpmem
+from cxltrain.faults import crash_point
 from cxltrain.knobs import KNOBS
+
+from .evictor import CACHE_LINE, Evictor
 
 
 POOL_NAME = f"cxltrain-{os.getuid()}-train.pool"
+# Crash tests can die at the n-th flush of an emulated device: a random moment of the persistence traffic.
+FLUSH_POINT = "device:flush"
 
 
 def default_pool_dir(required_bytes: int = 0) -> str:
@@ -71,6 +87,7 @@ class EmulatedCXLDevice(Device):
 
     def flush(self, offset: int, length: int) -> None:
         self._check_range(offset, length)
+        crash_point(FLUSH_POINT)
         if self._pmem is not None:
             self._pmem.pmem_flush(self.address + offset, length)
 
@@ -86,9 +103,40 @@ class EmulatedCXLDevice(Device):
             pass  # views still alive: the mapping goes when the last of them does
 
 
-# Persistence works per cache line: CLWB/CLFLUSHOPT write back whole 64-byte lines, and a line is the
-# unit a power failure keeps or loses.
-CACHE_LINE = 64
+def open_device(path: str, fd: int, size: int) -> Device:
+    """The emulated device for an open pool file, modelling what the knobs ask for (see above)."""
+    if not KNOBS.power_loss:
+        device = EmulatedCXLDevice(path, fd, size)
+    elif KNOBS.domain == "eadr":
+        device = EADRCXLDevice(path, fd, size)
+    elif KNOBS.domain == "none":
+        device = VolatileCXLDevice(path, fd, size)
+    else:
+        device = PowerLossCXLDevice(path, fd, size, evict_rate=KNOBS.evict_rate, evict_seed=KNOBS.evict_seed)
+    device.model = describe_model()
+    return device
+
+
+def describe_model() -> str:
+    """What the knobs make the emulated device model, in words (for `train`'s output)."""
+    if not KNOBS.power_loss:
+        return "process crashes (SIGKILL); no power-loss model"
+    text = {"adr": "power loss, ADR domain (unflushed stores are lost)",
+            "eadr": "power loss, eADR domain (caches persistent)",
+            "none": "power loss, volatile memory (nothing survives)"}[KNOBS.domain]
+    if KNOBS.domain == "adr" and KNOBS.evict_rate:
+        text += f", early write-back {KNOBS.evict_rate:,} lines/s"
+    return text
+
+
+class EADRCXLDevice(EmulatedCXLDevice):
+    """Power loss with eADR: the CPU caches are inside the persistence domain, so a store is durable
+    once it is made (the shared mapping is the media) and flush has nothing to do; drain still
+    orders (SFENCE through libpmem when present)."""
+
+    def flush(self, offset: int, length: int) -> None:
+        self._check_range(offset, length)
+        crash_point(FLUSH_POINT)
 
 
 class PowerLossCXLDevice(EmulatedCXLDevice):
@@ -113,14 +161,17 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
     Costs and limits: each page the process writes becomes an anonymous private copy, so the
     written part of the pool takes twice its size in memory; persist costs a memcpy of the lines
     (no libpmem flush: the copy is the persistence). A forked child's stores go to its own private
-    copies and are not seen by the parent, persisted or not. Early write-back, persistence domains
-    and bandwidth are not modelled (see the module docstring).
+    copies and are not seen by the parent, persisted or not.
+
+    With `evict_rate` > 0 an Evictor thread also writes random unpersisted lines to the media early
+    (emulation/evictor.py). Every write to the media holds `media_lock`, so the evictor can never
+    put an older value of a line over a newer one that flush has just persisted.
     """
 
     kind = "emulated-cxl"
     power_loss = True
 
-    def __init__(self, path: str, fd: int, size: int) -> None:
+    def __init__(self, path: str, fd: int, size: int, *, evict_rate: int = 0, evict_seed: int = 0) -> None:
         # Not EmulatedCXLDevice.__init__: that maps the file shared and flushes through libpmem.
         Device.__init__(self, path, size, writable=True, is_pmem=True)  # flush is per cache line
         self._pmem = None
@@ -131,9 +182,13 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
         # the only view of the media: close() drops it, then unmaps (nobody else can hold one)
         self._media: np.ndarray | None = np.frombuffer(self._media_mmap, dtype=np.uint8)
         self._media_address = self._media.ctypes.data
+        self.media_lock = threading.Lock()
+        self.evictor = (Evictor(self._array, self._media, self.media_lock, rate=evict_rate, seed=evict_seed)
+                        if evict_rate else None)
 
     def flush(self, offset: int, length: int) -> None:
         self._check_range(offset, length)
+        crash_point(FLUSH_POINT)
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
         if length == 0:
@@ -141,7 +196,8 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
         # Whole lines, as CLWB does: unpersisted neighbours in the first and last line go along.
         start = offset - offset % CACHE_LINE
         end = min(-(-(offset + length) // CACHE_LINE) * CACHE_LINE, self.size)
-        ctypes.memmove(self._media_address + start, self.address + start, end - start)
+        with self.media_lock:
+            ctypes.memmove(self._media_address + start, self.address + start, end - start)
 
     def drain(self) -> None:
         # Nothing is in flight: flush's copy has landed in the media (the page cache, which outlives
@@ -153,6 +209,9 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
     # inherited ones: the media gets the bytes by the same line copy as any persisted store.
 
     def close(self) -> None:
+        if self.evictor is not None:
+            self.evictor.stop()  # before the views go: it reads and writes both
+            self.evictor = None
         super().close()  # the private view: unmapped now, or when the last view of it goes
         self._media = None
         try:
@@ -163,3 +222,19 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
         return f"<{type(self).__name__} {self.kind} power-loss {self.path} {self.size} bytes {mode}>"
+
+
+class VolatileCXLDevice(PowerLossCXLDevice):
+    """Power loss with no persistence domain at all (volatile CXL memory): flush makes nothing
+    durable, so a kill loses every store since the pool was opened. Closing the pool normally
+    writes the private view back whole: the process ended, the machine (and its memory) did not."""
+
+    def flush(self, offset: int, length: int) -> None:
+        self._check_range(offset, length)
+        crash_point(FLUSH_POINT)
+
+    def close(self) -> None:
+        if self._media is not None and self._array is not None:
+            with self.media_lock:
+                self._media[:] = self._array
+        super().close()

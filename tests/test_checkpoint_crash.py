@@ -34,14 +34,13 @@ import time
 import pytest
 import torch
 
-from cxltrain.config import TrainConfig
-from cxltrain.errors import CxlTrainError
+from cxltrain.crashtest import TRIAL_CONFIG, References, check_recovery, differences
 from cxltrain.faults import CRASH_ENV, FAULT_ENV
 from cxltrain.runtime import export_state
 from cxltrain.trainer import train
 
-STEPS = 10
-CONFIG = TrainConfig(steps=STEPS, batch_size=64, num_tables=2, rows=3000, dim=8, seed=3)
+STEPS = TRIAL_CONFIG.steps
+CONFIG = TRIAL_CONFIG  # the run `cxltrain crashtest` kills, too
 CLI_ARGS = ["--batch-size", "64", "--num-tables", "2", "--rows", "3000", "--dim", "8", "--seed", "3"]
 TABLES = CONFIG.num_tables
 
@@ -63,28 +62,13 @@ def run_child(pool: str, *, env: dict | None = None, kill_after: float | None = 
 
 
 @functools.lru_cache(maxsize=None)
+def _references(folder: str) -> References:
+    return References(CONFIG, folder)
+
+
 def reference(batches: int, folder: str) -> dict:
-    """Export of an uninterrupted run of `batches` batches on a fresh pool."""
-    path = os.path.join(folder, f"reference-{batches}.pool")
-    if batches:
-        train(dataclasses.replace(CONFIG, steps=batches), pool_path=path, progress=False)
-    else:
-        _fresh_pool(path)  # what a run killed before its first commit of a batch leaves
-    state = export_state(path)
-    os.unlink(path)
-    return state
-
-
-def _fresh_pool(path: str) -> None:
-    """A pool initialised for CONFIG with no batch trained."""
-    from cxltrain.runtime import Runtime
-    from cxltrain.trainer import build_model, undo_ring_bytes
-
-    model = build_model(CONFIG)
-    optimizer = torch.optim.Adam(model.dense_parameters(), lr=CONFIG.dense_lr)
-    with Runtime(path, model, optimizer, metadata=CONFIG.run_metadata(),
-                 undo_ring_bytes=undo_ring_bytes(CONFIG, model)):
-        pass
+    """Export of an uninterrupted run of `batches` batches on a fresh pool (cached per folder)."""
+    return _references(folder)(batches)
 
 
 @pytest.fixture(scope="module")
@@ -95,47 +79,10 @@ def ref_dir():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def flatten(tree, prefix=""):
-    if isinstance(tree, dict):
-        for key, value in tree.items():
-            yield from flatten(value, f"{prefix}/{key}")
-    elif isinstance(tree, (list, tuple)):
-        for i, value in enumerate(tree):
-            yield from flatten(value, f"{prefix}/{i}")
-    else:
-        yield prefix, tree
-
-
-def differences(got: dict, want: dict) -> list[str]:
-    """Paths where two exports differ (torch.equal and dtype for tensors, == otherwise)."""
-    a, b = dict(flatten(got)), dict(flatten(want))
-    if a.keys() != b.keys():
-        return [f"keys differ: {sorted(set(a) ^ set(b))[:4]}"]
-    out = []
-    for key, x in a.items():
-        y = b[key]
-        if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)):
-                out.append(key)
-        elif x != y:
-            out.append(key)
-    return out
-
-
 def exactness_problems(pool: str, ref_dir: str, steps: int = STEPS) -> tuple[int | None, list[str]]:
     """Recover and export the killed run's pool, compare with the reference of its batch; then
     resume it to `steps` and compare with that reference. Returns (recovered batch, problems)."""
-    try:
-        recovered = export_state(pool)
-    except CxlTrainError as e:
-        return None, [f"recovery refused: {e}"]
-    batch = recovered["batch"]
-    problems = [f"after recovery to batch {batch}: {d}" for d in differences(recovered, reference(batch, ref_dir))]
-    result = train(dataclasses.replace(CONFIG, steps=steps), pool_path=pool, progress=False)
-    if result.recovered_batch != batch:
-        problems.append(f"resume recovered batch {result.recovered_batch}, export said {batch}")
-    problems += [f"after resuming to {steps}: {d}" for d in differences(export_state(pool), reference(steps, ref_dir))]
-    return batch, problems
+    return check_recovery(pool, _references(ref_dir), dataclasses.replace(CONFIG, steps=steps))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from cxltrain.errors import ConfigError, DeviceError
+from cxltrain.errors import ConfigError
 from cxltrain.knobs import KNOBS, override
 from cxltrain.pool import Pool, inspect
 
@@ -38,10 +38,10 @@ print(repr(dev), flush=True)
 DIE = "\nos.kill(os.getpid(), signal.SIGKILL)\n"
 
 
-def run_child(body: str, path, power_loss: str = "1") -> str:
+def run_child(body: str, path, power_loss: str = "1", env: dict | None = None) -> str:
     """Run PRELUDE + body in a child that SIGKILLs itself; returns its stdout."""
     out = subprocess.run([sys.executable, "-c", PRELUDE + body + DIE, str(path)], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "CXLTRAIN_POWER_LOSS": power_loss})
+                         timeout=60, env={**os.environ, "CXLTRAIN_POWER_LOSS": power_loss, **(env or {})})
     assert out.returncode == -signal.SIGKILL, out.stderr
     return out.stdout
 
@@ -170,6 +170,46 @@ def test_power_loss_knob_must_be_0_or_1(shm_dir):
         dataclasses.replace(KNOBS, power_loss=2).validate()
     for value in (0, 1):
         dataclasses.replace(KNOBS, power_loss=value).validate()
-    with override(power_loss=2), pytest.raises(DeviceError, match="power_loss 2"):
+    with override(power_loss=2), pytest.raises(ConfigError, match="power_loss 2"):
         Pool.create(str(shm_dir / "bad.pool"), 1 << 20, backend="emulated")
     assert not (shm_dir / "bad.pool").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistence domains (knob `domain`, `train --power-loss --domain D`)
+# ---------------------------------------------------------------------------------------------
+def test_eadr_domain_keeps_every_store_without_a_flush(shm_dir):
+    path = old_file(shm_dir)
+    out = run_child(STORES, path, env={"CXLTRAIN_DOMAIN": "eadr"})
+    assert "EADRCXLDevice" in out
+    data = file_bytes(path)
+    assert (data[0:4096] == 1).all()
+    assert (data[8192:8292] == 2).all()      # never flushed, durable all the same: the caches persist
+    assert (data[4096:4160] == 4).all()      # the last store, not the last persisted value
+
+
+def test_volatile_domain_loses_even_persisted_stores(shm_dir):
+    path = old_file(shm_dir)
+    out = run_child(STORES, path, env={"CXLTRAIN_DOMAIN": "none"})
+    assert "VolatileCXLDevice" in out
+    assert (file_bytes(path) == OLD).all()   # power gone: volatile memory keeps nothing
+
+
+def test_volatile_domain_keeps_everything_when_the_process_closes_normally(shm_dir):
+    path = old_file(shm_dir)
+    body = STORES + "dev.close()\nprint('closed', flush=True)\n"
+    run_child(body, path, env={"CXLTRAIN_DOMAIN": "none"})
+    data = file_bytes(path)
+    assert (data[0:4096] == 1).all() and (data[8192:8292] == 2).all() and (data[4096:4160] == 4).all()
+
+
+def test_domain_and_eviction_knobs_are_checked(shm_dir):
+    with pytest.raises(ConfigError, match="persistence domain 'dram'"):
+        dataclasses.replace(KNOBS, power_loss=1, domain="dram").validate()
+    with pytest.raises(ConfigError, match="needs the power-loss model"):
+        dataclasses.replace(KNOBS, power_loss=0, evict_rate=100).validate()
+    with pytest.raises(ConfigError, match="needs the power-loss model"):
+        dataclasses.replace(KNOBS, power_loss=1, domain="eadr", evict_rate=100).validate()
+    with pytest.raises(ConfigError, match="evict_rate -1"):
+        dataclasses.replace(KNOBS, power_loss=1, evict_rate=-1).validate()
+    dataclasses.replace(KNOBS, power_loss=1, domain="adr", evict_rate=100).validate()

@@ -128,15 +128,10 @@ def map_device(path: str, fd: int, size: int, *, writable: bool, backend: str | 
 
         return PmemDevice(pmem, path, size)
     if kind == "emulated":
-        if KNOBS.power_loss not in (0, 1):
-            raise DeviceError(f"power_loss {KNOBS.power_loss} must be 0 or 1")
-        if KNOBS.power_loss:  # private view + persist copies to the file: a kill loses unpersisted stores
-            from ..emulation.cxl import PowerLossCXLDevice
+        KNOBS.validate()  # the power-loss model's knobs decide which device this is
+        from ..emulation.cxl import open_device
 
-            return PowerLossCXLDevice(path, fd, size)
-        from ..emulation import EmulatedCXLDevice
-
-        return EmulatedCXLDevice(path, fd, size)
+        return open_device(path, fd, size)
     return MsyncDevice(path, fd, size, writable=True)
 
 

@@ -43,9 +43,12 @@ class Device(abc.ABC):
         writable: False for read-only inspection mappings.
         is_pmem: True when flush/drain are cache-line operations (DAX or forced), False when
             persistence goes through msync or the backend has no flush at all.
+        model: for the emulated device, what it models (cxltrain.emulation), else None.
     """
 
     kind: str = "abstract"
+    model: str | None = None   # what an emulated device models (power loss, domain, write-back), in words
+    evictor = None             # an emulated device's early write-back thread, when it has one
 
     def __init__(self, path: str, size: int, writable: bool, is_pmem: bool) -> None:
         self.path = path
