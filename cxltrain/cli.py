@@ -354,6 +354,7 @@ def _run_devices(args) -> int:
     from .devices.discovery import discover
     from .trainer import pool_bytes
 
+    # the default train config's pool size decides whether /dev/shm has room for it, as in `train`
     report = discover(required_bytes=pool_bytes(TrainConfig()))
     if report.devices:
         print(f"{'kind':<13} {'path':<24} {'size':>11} {'numa':>4}  {'source':<7} note")
