@@ -107,6 +107,7 @@ def test_train_learns(shm_dir):
     (["train", "--bogus"], "unrecognized arguments"),
     (["pool", "create", "/tmp/x.pool", "--size", "lots"], "is not a size"),
     (["pool"], "required"),
+    (["devices", "--bogus"], "unrecognized arguments"),
     ([], "required"),
 ])
 def test_usage_errors(args, match):
@@ -184,7 +185,7 @@ def test_failed_train_leaves_no_half_built_pool(shm_dir):
 
 def test_help_for_every_command():
     for args in (["--help"], ["train", "--help"], ["pool", "--help"], ["pool", "create", "--help"],
-                 ["pool", "info", "--help"], ["pool", "check", "--help"]):
+                 ["pool", "info", "--help"], ["pool", "check", "--help"], ["devices", "--help"]):
         result = cxltrain(*args)
         assert result.returncode == 0 and "usage:" in result.stdout
 

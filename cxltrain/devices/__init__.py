@@ -23,6 +23,7 @@ from .base import Device
 from .libpmem import load as load_libpmem
 from .mounts import mount_of
 from .msync import MsyncDevice
+from .sysfs import char_device_size, device_dir
 
 BACKENDS = ("auto", "pmem", "msync", "emulated")
 
@@ -51,12 +52,11 @@ def device_size(fd: int, path: str) -> int:
     """Size in bytes of a regular file, or of a device DAX character device (from sysfs)."""
     st = os.fstat(fd)
     if stat.S_ISCHR(st.st_mode):
-        sysfs = f"/sys/dev/char/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}/size"
-        try:
-            with open(sysfs) as f:
-                return int(f.read().strip())
-        except (OSError, ValueError):
-            raise DeviceError(f"{path}: character device, but its size is not in {sysfs}") from None
+        size = char_device_size(st.st_rdev)
+        if size is None:
+            raise DeviceError(f"{path}: character device, but its size is not in "
+                              f"{device_dir(st.st_rdev, block=False)}/size")
+        return size
     if not stat.S_ISREG(st.st_mode):
         raise DeviceError(f"{path}: neither a regular file nor a DAX character device")
     return st.st_size

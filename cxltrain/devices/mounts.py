@@ -19,6 +19,17 @@ class Mount:
     def is_memory_backed(self) -> bool:
         return self.fs_type in MEMORY_BACKED
 
+    @property
+    def dax_mode(self) -> str | None:
+        """How the file system maps its files: "always" (every file is DAX: ext4/xfs `dax` or
+        `dax=always`), "inode" (files flagged FS_XFLAG_DAX only), or None (through the page cache)."""
+        for option in self.options:
+            if option in ("dax", "dax=always"):
+                return "always"
+            if option == "dax=inode":
+                return "inode"
+        return None
+
 
 def _unescape(field: str) -> str:
     # /proc/mounts writes space, tab, newline and backslash as octal escapes
