@@ -120,12 +120,29 @@ def _add_emulation_options(p) -> None:
     g.add_argument("--evict-rate", type=_non_negative_int, default=None, metavar="R",
                    help="with --power-loss (adr), write up to R random unpersisted cache lines per second "
                         "back early, some torn at 8-byte boundaries, as write-back caches do (default 0)")
+    g.add_argument("--persist-bandwidth", type=_bandwidth, default=None, metavar="RATE",
+                   help="cap persistence traffic at RATE bytes/s, e.g. 2.3G for one Optane DIMM's write "
+                        "bandwidth (decimal units; default no cap)")
+
+
+def _bandwidth(text: str) -> int:
+    """'2.3G', '500M', '1e9' → bytes per second (decimal units, as bandwidths are quoted)."""
+    units = {"K": 1e3, "M": 1e6, "G": 1e9}
+    scale = units.get(text[-1:].upper(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (e.g. 2.3G, 500M)") from None
+    if not 1 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be at least 1 byte per second")
+    return int(value)
 
 
 def _emulation_knobs(args) -> dict:
     """The knobs the emulation options set: only those given, over the knobs' own values (and their
     CXLTRAIN_* variables). Checked together, as the device will see them."""
-    given = {"power_loss": args.power_loss, "domain": args.domain, "evict_rate": args.evict_rate}
+    given = {"power_loss": args.power_loss, "domain": args.domain, "evict_rate": args.evict_rate,
+             "persist_bandwidth": args.persist_bandwidth}
     given = {name: value for name, value in given.items() if value is not None}
     with knobs.override(**given):
         KNOBS.validate()
@@ -140,7 +157,7 @@ def _check_emulated(path: str, given: dict) -> None:
     from .devices import resolve_backend
 
     if given and resolve_backend(path) != "emulated":
-        raise ConfigError(f"--power-loss, --domain and --evict-rate model an emulated CXL pool; {path} is not "
+        raise ConfigError(f"--power-loss, --domain, --evict-rate and --persist-bandwidth model an emulated CXL pool; {path} is not "
                           f"on tmpfs/hugetlbfs (it maps with the {resolve_backend(path)} backend)")
 
 
@@ -168,7 +185,7 @@ def _run_train(args) -> int:
     print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
           f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)
     with knobs.override(**emulation):
-        if KNOBS.power_loss and resolve_backend(path) == "emulated":
+        if (KNOBS.power_loss or KNOBS.persist_bandwidth) and resolve_backend(path) == "emulated":
             from .emulation.cxl import describe_model
 
             print(f"emulated device models {describe_model()}", flush=True)
@@ -185,6 +202,9 @@ def _run_train(args) -> int:
         print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
               f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint {s.checkpoint:.1f} "
               f"+ MLP {s.mlp:.1f}; {result.rows_updated_per_batch:,.0f} rows updated per batch")
+    if result.cost_model is not None:
+        modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.cost_model["ms_per_batch"].items())
+        print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
     if result.checkpoint == "undo":
         print(f"checkpoint: every batch durable (undo log + dense snapshot every {args.dense_every}); "
               f"the pool is committed at batch {result.batch}")
@@ -479,7 +499,7 @@ def _run_crashtest(args) -> int:
     from .crashtest import DeviceModel, Torture, summary
 
     with knobs.override(**_emulation_knobs(args)):
-        device = DeviceModel(bool(KNOBS.power_loss), KNOBS.domain, KNOBS.evict_rate)
+        device = DeviceModel(bool(KNOBS.power_loss), KNOBS.domain, KNOBS.evict_rate, KNOBS.persist_bandwidth)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     with knobs.override(threads=1):  # references and resumes in this process, as in the children
         torture = Torture(trials=args.trials, device=device, seed=seed, plant=args.plant, only=args.trial,

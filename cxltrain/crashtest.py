@@ -68,15 +68,17 @@ class DeviceModel:
     power_loss: bool = False
     domain: str = "adr"
     evict_rate: int = 0
+    persist_bandwidth: int = 0
 
     def cli_args(self) -> list[str]:
         """The `cxltrain crashtest` options that ask for this model."""
         return ((["--power-loss"] if self.power_loss else []) + (["--domain", self.domain] if self.domain != "adr" else [])
-                + (["--evict-rate", str(self.evict_rate)] if self.evict_rate else []))
+                + (["--evict-rate", str(self.evict_rate)] if self.evict_rate else [])
+                + (["--persist-bandwidth", str(self.persist_bandwidth)] if self.persist_bandwidth else []))
 
     def knobs(self, trial_seed: int) -> dict:
         return dict(power_loss=int(self.power_loss), domain=self.domain, evict_rate=self.evict_rate,
-                    evict_seed=trial_seed)
+                    evict_seed=trial_seed, persist_bandwidth=self.persist_bandwidth)
 
 
 @dataclasses.dataclass(frozen=True)

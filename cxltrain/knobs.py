@@ -43,6 +43,9 @@ class Knobs:
     # at most this many per second (0 = none), as write-back caches do; evict_seed fixes the picks.
     evict_rate: int = 0
     evict_seed: int = 0
+    # The emulated device's cap on persistence traffic, bytes per second (0 = none): flushes sleep
+    # so that they average at most this rate, as a slower medium would make them (emulation/bandwidth.py).
+    persist_bandwidth: int = 0
     # Undo ring bytes of the pools `train` creates; 0 = room for a few of its largest batches
     # (trainer.undo_ring_bytes). Small rings make the ring wrap and force early commits: for tests.
     undo_ring_bytes: int = 0
@@ -71,6 +74,8 @@ class Knobs:
             raise ConfigError(f"power_loss {self.power_loss} must be 0 or 1")
         if self.domain not in DOMAINS:
             raise ConfigError(f"persistence domain {self.domain!r} must be one of {', '.join(DOMAINS)}")
+        if self.persist_bandwidth < 0:
+            raise ConfigError(f"persist_bandwidth {self.persist_bandwidth} must be >= 0 bytes per second")
         if self.evict_rate < 0:
             raise ConfigError(f"evict_rate {self.evict_rate} must be >= 0 lines per second")
         if self.evict_rate and not (self.power_loss and self.domain == "adr"):

@@ -73,6 +73,7 @@ class TrainResult:
     recovery_seconds: float
     checkpoint_stats: dict | None      # CheckpointStats of this run (None with checkpoint "off")
     device_model: str | None = None    # what the emulated device modelled (power loss, domain, write-back)
+    cost_model: dict | None = None     # per batch: pool traffic and what it would take on each memory preset
     early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
 
     def to_json(self) -> dict:
@@ -199,6 +200,7 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
                        split_ms=split, restarted=rt.restarted, checkpoint=config.checkpoint,
                        recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
                        checkpoint_stats=None if stats is None else stats.to_json(), device_model=device.model,
+                       cost_model=modelled_costs(model, rt, steps),
                        early_writebacks=None if device.evictor is None else device.evictor.lines_written)
 
 
@@ -230,6 +232,46 @@ class _StepClock:
         return StepSplit(data=self.data * ms, embedding_forward=(emb_fwd - capture) * ms,
                          embedding_backward_update=emb_upd * ms, checkpoint=(capture + commit) * ms,
                          mlp=(total - self.data - emb_fwd - emb_upd - commit) * ms, total=total * ms)
+
+
+def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):
+    """What one batch of this run did to the pool, on average (emulation.costmodel.AccessCounts):
+    lookups and undo captures read rows, updates write them, commits persist rows, undo records and
+    the dense snapshot. Flush calls are counted one per row and region (an upper bound: adjacent
+    rows go together); fences as two per undo record and three per commit."""
+    from .emulation.costmodel import AccessCounts
+
+    stats = rt.stats
+    gather_rows = gather_bytes = write_rows = write_bytes = persist_bytes = flush_calls = 0
+    for table in model.tables:
+        weights = rt.pool.region(table.weight_region)
+        state_stride = rt.pool.region(table.state_region).row_stride if table.optimizer.state_columns else 0
+        row_bytes = table.embedding_dim * 4
+        captured = table.stats.rows_updated if stats is not None else 0
+        gather_rows += table.stats.lookups + captured
+        gather_bytes += table.stats.lookups * row_bytes + captured * (weights.row_stride + state_stride)
+        write_rows += table.stats.rows_updated
+        write_bytes += table.stats.rows_updated * (row_bytes + table.optimizer.state_columns * 4)
+        persist_bytes += captured * (weights.row_stride + state_stride)
+        flush_calls += captured * (2 if state_stride else 1)
+    log_bytes = drains = 0
+    if stats is not None:
+        log_bytes = stats.undo_bytes + stats.dense_bytes
+        drains = 2 * sum(t.stats.updates for t in model.tables) + 3 * stats.commits
+    totals = dict(gather_bytes=gather_bytes, gather_rows=gather_rows, write_bytes=write_bytes, write_rows=write_rows,
+                  persist_bytes=persist_bytes + log_bytes, flush_calls=flush_calls, drains=drains, log_bytes=log_bytes)
+    return AccessCounts(**{name: round(value / steps) for name, value in totals.items()})
+
+
+def modelled_costs(model: DLRM, rt: Runtime, steps: int) -> dict | None:
+    """Per batch: the run's pool traffic and the time it would take on each memory preset (ms)."""
+    if not steps:
+        return None
+    from .emulation.costmodel import PRESETS, estimate
+
+    counts = traffic_per_batch(model, rt, steps)
+    return {"counts": counts.to_json(),
+            "ms_per_batch": {name: estimate(counts, preset).total_s * 1e3 for name, preset in PRESETS.items()}}
 
 
 def evaluate(model: DLRM, source: BatchSource, indices: range) -> tuple[float | None, float | None]:

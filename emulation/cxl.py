@@ -43,6 +43,7 @@ from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.faults import crash_point
 from cxltrain.knobs import KNOBS
 
+from .bandwidth import BandwidthCap
 from .evictor import CACHE_LINE, Evictor
 
 
@@ -77,6 +78,7 @@ class EmulatedCXLDevice(Device):
     """A memory-backed file, mapped shared; flush/drain are libpmem's cache-line calls when present."""
 
     kind = "emulated-cxl"
+    bandwidth_cap: BandwidthCap | None = None   # set by open_device when the knob asks for one
 
     def __init__(self, path: str, fd: int, size: int) -> None:
         self._pmem = load_libpmem()
@@ -88,6 +90,8 @@ class EmulatedCXLDevice(Device):
     def flush(self, offset: int, length: int) -> None:
         self._check_range(offset, length)
         crash_point(FLUSH_POINT)
+        if self.bandwidth_cap is not None:
+            self.bandwidth_cap.charge(length)
         if self._pmem is not None:
             self._pmem.pmem_flush(self.address + offset, length)
 
@@ -114,18 +118,23 @@ def open_device(path: str, fd: int, size: int) -> Device:
     else:
         device = PowerLossCXLDevice(path, fd, size, evict_rate=KNOBS.evict_rate, evict_seed=KNOBS.evict_seed)
     device.model = describe_model()
+    if KNOBS.persist_bandwidth:
+        device.bandwidth_cap = BandwidthCap(KNOBS.persist_bandwidth)
     return device
 
 
 def describe_model() -> str:
     """What the knobs make the emulated device model, in words (for `train`'s output)."""
     if not KNOBS.power_loss:
-        return "process crashes (SIGKILL); no power-loss model"
+        text = "process crashes (SIGKILL); no power-loss model"
+        return text + (f", persistence capped at {KNOBS.persist_bandwidth / 1e9:g} GB/s" if KNOBS.persist_bandwidth else "")
     text = {"adr": "power loss, ADR domain (unflushed stores are lost)",
             "eadr": "power loss, eADR domain (caches persistent)",
             "none": "power loss, volatile memory (nothing survives)"}[KNOBS.domain]
     if KNOBS.domain == "adr" and KNOBS.evict_rate:
         text += f", early write-back {KNOBS.evict_rate:,} lines/s"
+    if KNOBS.persist_bandwidth:
+        text += f", persistence capped at {KNOBS.persist_bandwidth / 1e9:g} GB/s"
     return text
 
 
@@ -193,6 +202,8 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
             raise ValueError(f"{self.path}: device is closed")
         if length == 0:
             return
+        if self.bandwidth_cap is not None:
+            self.bandwidth_cap.charge(length)
         # Whole lines, as CLWB does: unpersisted neighbours in the first and last line go along.
         start = offset - offset % CACHE_LINE
         end = min(-(-(offset + length) // CACHE_LINE) * CACHE_LINE, self.size)
