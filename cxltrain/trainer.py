@@ -23,7 +23,7 @@ from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
 from .config import TrainConfig
 from .checkpoint.layout import record_bytes
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteError
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
@@ -170,6 +170,9 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
             clock.start()
         logits = model(batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        if not bool(torch.isfinite(loss)):  # before backward: neither tables nor MLPs take a NaN step
+            raise NonFiniteError(f"batch {b}: the loss is {loss.item()}; stopped before its backward, and the "
+                                 "batch is not committed")
         loss.backward()  # embedding rows are updated in place in the pool here
         for optimizer in rt.optimizers:
             optimizer.step()
