@@ -54,22 +54,26 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, seed, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
+import cxltrain.trainer as trainer
+from cxltrain import cli
 from cxltrain import pool_format as fmt
 from cxltrain.checkpoint import layout, ring
 from cxltrain.config import TrainConfig
-from cxltrain.errors import CxlTrainError, PoolError
+from cxltrain.errors import CxlTrainError, NonFiniteError, PoolError
 from cxltrain.faults import CRASH_ENV
 from cxltrain.knobs import override
 from cxltrain.pool import Pool, inspect
 from cxltrain.pool_format import RegionKind
-from cxltrain.runtime import check_checkpoint, export_state, recover_pool
+from cxltrain.runtime import Runtime, check_checkpoint, export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag
 from cxltrain.trainer import build_model, train
 from test_checkpoint_crash import differences
 from test_cli import assert_one_line_error, cxltrain
+from test_pool import _newer_version
+from test_runtime import assert_same, make_batch, make_run, state_of, train_steps
 
 CONFIG = TrainConfig(steps=3, batch_size=32, num_tables=2, rows=500, dim=8, bottom_mlp=(8,), top_mlp=(8,), seed=5)
 RING_BYTES = 64 << 10
@@ -381,17 +385,12 @@ def _poisoned_batch(model, batch, table: str):
 
 @pytest.mark.parametrize("table", ["user", "item"])
 def test_a_non_finite_table_gradient_stops_the_run_before_the_batch_commits(shm_dir, table):
-    from test_runtime import assert_same, make_batch, make_run, state_of, train_steps
-
-    import cxltrain
-    from cxltrain.errors import NonFiniteError
-
     path = shm_dir / "nan.pool"
     train_steps(path, 3)
     before = state_of(path)
     model, optimizer, scheduler = make_run()
     with pytest.raises(NonFiniteError, match=f"table '{table}': gradient in batch 3 is not finite"):
-        with cxltrain.Runtime(path, model, optimizer, schedulers=[scheduler]) as rt:
+        with Runtime(path, model, optimizer, schedulers=[scheduler]) as rt:
             for batch in rt.batches(make_batch, stop=5):
                 _poisoned_batch(model, batch, table).backward()
     assert_same(state_of(path), before)  # the other table's stores, if any, are rolled back
@@ -404,8 +403,6 @@ def test_a_non_finite_table_gradient_stops_the_run_before_the_batch_commits(shm_
 def test_a_non_finite_loss_stops_train_before_its_backward(folder, monkeypatch):
     """`train` checks the loss (the dense parameters' only guard): a NaN loss at batch 2 stops
     the run with one clear error, the pool keeps batch 2, and the next run resumes from it."""
-    import cxltrain.trainer as trainer
-
     path = os.path.join(folder, "nan-loss.pool")
     real = torch.nn.functional.binary_cross_entropy_with_logits
     calls = []
@@ -416,7 +413,6 @@ def test_a_non_finite_loss_stops_train_before_its_backward(folder, monkeypatch):
         return loss * float("nan") if len(calls) == 3 else loss  # batch 2
 
     monkeypatch.setattr(trainer.torch.nn.functional, "binary_cross_entropy_with_logits", poisoned)
-    from cxltrain.errors import NonFiniteError
     with pytest.raises(NonFiniteError, match="batch 2: the loss is nan; stopped before its backward"):
         train(CONFIG, pool_path=path, progress=False)
     monkeypatch.undo()
@@ -450,8 +446,6 @@ def _mount(args: list[str]) -> None:
 def _cli_as(uid: int, *args) -> subprocess.CompletedProcess:
     """cli.main(args) in a forked child running as `uid` (the interpreter itself may live where
     that user cannot read, so no new process is started), with its exit code and output."""
-    from cxltrain import cli
-
     pipes = [os.pipe(), os.pipe()]
     pid = os.fork()
     if pid == 0:  # child: report through the pipes, never return into pytest
@@ -534,8 +528,6 @@ def test_a_full_disk_when_creating_a_pool_leaves_no_file(tmp_path, mount_point, 
 
 
 def test_a_pool_of_a_newer_format_is_refused_by_every_command(shm_dir):
-    from test_pool import _newer_version
-
     path = shm_dir / "new.pool"
     assert cxltrain("train", "--pool", path, *SMALL_CLI).returncode == 0
     _newer_version(str(path))
