@@ -536,3 +536,15 @@ def test_a_pool_of_a_newer_format_is_refused_by_every_command(shm_dir):
                     ["train", "--pool", path, *SMALL_CLI]):
         assert_one_line_error(cxltrain(*command), match="pool format v2 is newer than this cxltrain supports (v1)")
     assert path.read_bytes() == before and not (shm_dir / "x.pt").exists()
+
+
+def test_the_tail_mark_layout_is_pinned():
+    """The undo ring's tail mark is on-media format: two 64-byte copies closing the ring region."""
+    uuid = bytes(range(16))
+    raw = layout.pack_tail_mark(7, 12, uuid, 1)
+    assert len(raw) == layout.TAIL_MARK.size == 64 and layout.TAIL_BYTES == 128
+    assert raw[:4] == b"TAIL" and int.from_bytes(raw[8:16], "little") == 7 and int.from_bytes(raw[16:24], "little") == 12
+    assert not any(raw[4:8]) and not any(raw[24:60])
+    assert layout.unpack_tail_mark(raw, uuid, 1) == (7, 12)
+    assert layout.unpack_tail_mark(raw, uuid, 0) is None  # each copy checksummed with its own index
+    assert layout.ring_record_bytes(64 << 10) == (64 << 10) - 128

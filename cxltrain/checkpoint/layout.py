@@ -16,14 +16,15 @@ sequence number is the one the scan expects next (records are numbered 0, 1, 2, 
 generation, so a stale record left over in a reused place never carries the expected number). A
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
 
+Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
+were after b batches. Recovery to target T (= root.batch, batches done) restores every live
+record with batch >= T; records with batch < T are reclaimable.
+
 The ring's last 128 bytes are not records but two copies of the tail mark (64 bytes each, the same
 values written to both, one after the other): "records [0, seq_end) of generation g are complete".
 It is persisted before the first in-place store of a batch whose records it covers, so the scan can
 tell a header that never became valid (a crash: the log ends there) from a valid header damaged
 later (media corruption: refused), which a header's checksum alone cannot.
-Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
-were after b batches. Recovery to target T (= root.batch, batches done) restores every live
-record with batch >= T; records with batch < T are reclaimable.
 
 Dense slots (`cxltrain.dense.A`, `cxltrain.dense.B`, uint8 [capacity]): header (64 bytes, written
 last) + the snapshot encoded by codec.py (dense parameters, optimizer state, RNG states, data
@@ -120,6 +121,11 @@ TAIL_MARK = struct.Struct(
 assert TAIL_MARK.size == 64
 TAIL_COPIES = 2
 TAIL_BYTES = TAIL_COPIES * TAIL_MARK.size  # at the end of the ring region
+
+
+def ring_record_bytes(ring_bytes: int) -> int:
+    """Bytes of a ring region of `ring_bytes` that hold records: all but the tail mark."""
+    return max(0, ring_bytes - TAIL_BYTES)
 
 
 def pack_tail_mark(generation: int, seq_end: int, uuid: bytes, copy: int) -> bytes:

@@ -38,7 +38,7 @@ class UndoRing:
     def __init__(self, pool: Pool, generation: int, start: int, start_seq: int) -> None:
         self.pool = pool
         self.region = pool.region(layout.RING_REGION)
-        self.capacity = max(0, self.region.size - layout.TAIL_BYTES)  # record bytes; the tail mark follows
+        self.capacity = layout.ring_record_bytes(self.region.size)  # the tail mark follows
         self.generation = generation
         self.head = start            # where the next record goes (if it fits there)
         self.next_seq = start_seq
@@ -155,7 +155,7 @@ def scan(pool: Pool, generation: int, start: int, start_seq: int) -> list[Scanne
     but whose body is not (media corruption: by U1 a valid header vouches for its payload), and
     when the log ends before a record the tail mark says is complete (its header was damaged)."""
     region = pool.region(layout.RING_REGION)
-    capacity = max(0, region.size - layout.TAIL_BYTES)
+    capacity = layout.ring_record_bytes(region.size)
     ring = pool.device.array[region.offset : region.offset + capacity]
     uuid = pool.superblock.uuid
     marked = _tail_mark(pool.device.array[region.offset + capacity : region.end], uuid, generation)
