@@ -15,7 +15,8 @@ committed batch, dense parameters, optimizer and scheduler state and RNG states 
 batch from `rt.batches` is committed when the loop moves past it (DESIGN §4: undo log, dense
 snapshot, commit record); leaving the block normally commits the last batch and closes the pool;
 an exception leaves the batch in flight uncommitted (the next Runtime rolls it back) and
-propagates. A crash costs at most the batch in flight.
+propagates. A crash costs at most the batch in flight. A NaN or inf table gradient is such an
+exception: NonFiniteError, raised in backward before that table stores anything (tables.py).
 
 Works for any nn.Module whose embedding tables are PersistentEmbeddingBag modules, with any torch
 optimizers and LR schedulers for its dense parameters.

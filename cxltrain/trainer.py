@@ -131,7 +131,8 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
           on_ready: Callable[[Runtime], None] | None = None) -> TrainResult:
     """Run batches up to `config.steps` (resuming a pool after its last committed batch); returns
     what the run did and measured. `on_ready(rt)` is called once the pool is open (and recovered),
-    before the first batch."""
+    before the first batch. A NaN or inf loss or table gradient stops the run with NonFiniteError
+    before that batch is committed; the pool keeps the previous commit."""
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
