@@ -16,7 +16,7 @@ import warnings
 from typing import Callable, Sequence
 
 from . import knobs
-from .errors import ConfigError, CxlTrainError
+from .errors import ConfigError, CxlTrainError, PoolError
 from .knobs import KNOBS
 
 EXIT_ERROR = 1
@@ -396,10 +396,18 @@ def _finish_report(report, as_json: bool) -> int:
 
 def _run_pool_check(args) -> int:
     from .pool import inspect
+    from .runtime import check_checkpoint
 
     report = inspect(args.path)
+    checkpoint = None
+    if report.ok:  # then the checksums above the pool layer: live undo records, the dense snapshot
+        try:
+            checkpoint = check_checkpoint(args.path)
+        except PoolError as e:
+            report.problems.append(str(e).removeprefix(f"{args.path}: "))
     if report.ok:
-        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, batch {report.root.batch}")
+        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, batch {report.root.batch}"
+              + (f"; {checkpoint}" if checkpoint else ""))
     return _finish_report(report, args.json)
 
 

@@ -41,6 +41,10 @@ class ConfigError(CxlTrainError):
     """A user-given setting is out of range or inconsistent."""
 
 
+class NonFiniteError(CxlTrainError):
+    """A loss or gradient is NaN or infinite: the run stops before that batch is committed."""
+
+
 class CheckpointError(CxlTrainError):
     """The checkpointer cannot make a batch durable as asked (no room, a state that does not fit)."""
 

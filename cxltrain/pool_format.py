@@ -250,8 +250,9 @@ def entry_checksum(raw: bytes, uuid: bytes, index: int) -> int:
 
 
 def checksum(data: bytes, uuid: bytes = b"", index: int = 0) -> int:
-    """CRC-32 of `data`, seeded with the pool UUID and a slot/entry index."""
-    seed = zlib.crc32(uuid + index.to_bytes(4, "little"))
+    """CRC-32 of `data`, seeded with the pool UUID and a slot/entry index (taken modulo 2**32: an
+    index read from a damaged structure may be any u64, and must fail the check, not overflow)."""
+    seed = zlib.crc32(uuid + (index & 0xFFFFFFFF).to_bytes(4, "little"))
     return zlib.crc32(data, seed)
 
 

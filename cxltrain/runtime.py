@@ -15,7 +15,8 @@ committed batch, dense parameters, optimizer and scheduler state and RNG states 
 batch from `rt.batches` is committed when the loop moves past it (DESIGN §4: undo log, dense
 snapshot, commit record); leaving the block normally commits the last batch and closes the pool;
 an exception leaves the batch in flight uncommitted (the next Runtime rolls it back) and
-propagates. A crash costs at most the batch in flight.
+propagates. A crash costs at most the batch in flight. A NaN or inf table gradient is such an
+exception: NonFiniteError, raised in backward before that table stores anything (tables.py).
 
 Works for any nn.Module whose embedding tables are PersistentEmbeddingBag modules, with any torch
 optimizers and LR schedulers for its dense parameters.
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover
+from .checkpoint import BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover, verify
 from .checkpoint import codec, dense, layout
 from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
@@ -304,6 +305,18 @@ def recover_pool(path: str):
     with Pool.open(path) as pool:
         report, _ = recover(pool)
     return report
+
+
+def check_checkpoint(path: str) -> str | None:
+    """Recovery's checks on the pool at `path`, opened read-only (nothing written): the commit
+    fields, every live undo record and the dense snapshot. Returns a one-line summary, or None
+    when the pool holds no committed checkpoint; raises a PoolError subclass on a problem."""
+    with Pool.open(path, writable=False) as pool:
+        if not has_checkpoint(pool):
+            return None
+        live, _ = verify(pool)
+        rollback = sum(record.header.batch >= pool.root.batch for record in live)
+        return f"checkpoint at batch {pool.root.batch}, {rollback} undo record(s) to roll back"
 
 
 def export_state(path: str) -> dict:

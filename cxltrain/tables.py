@@ -20,6 +20,11 @@ Inputs follow nn.EmbeddingBag: (input [N], offsets [B]) or input [B, L] with off
 "sum" or "mean"; per_sample_weights [N] with mode "sum" (treated as constants: no gradient flows
 to them). Indices that are out of range, negative, or not int32/int64 raise before anything is
 written.
+
+Non-finite gradients stop the run: backward raises NonFiniteError, naming the table and the batch,
+before the table stores anything (one isfinite check of the [U, D] gradient per table per batch).
+A table whose backward ran earlier in the same batch has stored; the batch is never committed,
+so recovery (the next Runtime, `cxltrain recover`) rolls those rows back to the previous batch.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from torch import nn
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 from .pool import Pool, RegionSpec
 from .pool_format import RegionKind
-from .errors import ConfigError, PoolError
+from .errors import ConfigError, NonFiniteError, PoolError
 from .faults import crash_armed, crash_point
 from .kernels import rows as row_kernels
 
@@ -329,10 +334,15 @@ class _BagLookup(torch.autograd.Function):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
         if indices.numel():
-            if table.checkpointer is not None:
-                table.checkpointer.before_update(table, ctx.batch)
             started = time.perf_counter()
             unique_rows, grads = table.sparse_gradient(indices, offsets, per_sample_weights, grad_out)
+            if not bool(torch.isfinite(grads).all()):
+                # stop, never store: rows updated with NaN/inf would be silently wrong from now on
+                batch = "" if ctx.batch is None else f" in batch {ctx.batch}"
+                raise NonFiniteError(f"table {table.name!r}: gradient{batch} is not finite (NaN or inf); stopped "
+                                     "before updating the table, and the batch is not committed")
+            if table.checkpointer is not None:
+                table.checkpointer.before_update(table, ctx.batch)
             table.apply_update(unique_rows, grads)
             stats = table.stats
             stats.updates += 1

@@ -23,7 +23,7 @@ from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
 from .config import TrainConfig
 from .checkpoint.layout import record_bytes
-from .errors import ConfigError
+from .errors import ConfigError, NonFiniteError
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
@@ -134,7 +134,8 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
           on_ready: Callable[[Runtime], None] | None = None) -> TrainResult:
     """Run batches up to `config.steps` (resuming a pool after its last committed batch); returns
     what the run did and measured. `on_ready(rt)` is called once the pool is open (and recovered),
-    before the first batch."""
+    before the first batch. A NaN or inf loss or table gradient stops the run with NonFiniteError
+    before that batch is committed; the pool keeps the previous commit."""
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
@@ -173,6 +174,9 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
             clock.start()
         logits = model(batch)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        if not bool(torch.isfinite(loss)):  # before backward: neither tables nor MLPs take a NaN step
+            raise NonFiniteError(f"batch {b}: the loss is {loss.item()}; stopped before its backward, and the "
+                                 "batch is not committed")
         loss.backward()  # embedding rows are updated in place in the pool here
         for optimizer in rt.optimizers:
             optimizer.step()

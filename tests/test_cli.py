@@ -17,11 +17,12 @@ SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", 
          "--no-progress"]
 
 
-def cxltrain(*args, env=None):
+def cxltrain(*args, env=None, **popen):
+    """Run the command line; `popen`: more subprocess.run arguments (user=, preexec_fn=)."""
     script = Path(sys.executable).with_name("cxltrain")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
     return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, **popen)
 
 
 def assert_one_line_error(result, code=1, match=""):

@@ -202,7 +202,7 @@ def _open_and_report(path, queue):
 def test_second_opener_is_refused(shm_dir):
     path = str(shm_dir / "l.pool")
     small_pool(path)
-    with Pool.open(path):
+    with Pool.open(path) as first:
         with pytest.raises(PoolLockedError, match="in use by another process"):
             Pool.open(path)
         queue = multiprocessing.get_context("spawn").Queue()
@@ -210,7 +210,11 @@ def test_second_opener_is_refused(shm_dir):
         child.start()
         child.join(60)
         assert queue.get(timeout=5).startswith("locked")
-    Pool.open(path).close()  # released on close
+        first.array("t0.weight")[0, 0] = 42.0  # the first opener keeps working
+        first.persist_region("t0.weight")
+        first.commit(batch=8)
+    with Pool.open(path) as again:  # released on close
+        assert again.root.batch == 8 and again.array("t0.weight")[0, 0] == 42.0
 
 
 def test_lock_is_released_on_close_even_while_views_live(shm_dir):

@@ -270,19 +270,43 @@ def test_a_corrupt_record_body_is_refused_before_anything_is_written(shm_dir):
     assert path.read_bytes() == damaged != before
 
 
-def test_a_torn_record_header_ends_the_log(shm_dir):
-    """A header that never became valid: by U1 no store of its batch was issued, so recovery must
-    stop there — shown by tearing the last record's header and recovering to the same batch."""
-    path = shm_dir / "p.pool"
-    with pytest.raises(KeyboardInterrupt):
-        train_steps(path, 5, fail_at=2)
+def _tear_last_header(path) -> None:
     with Pool.open(str(path)) as pool:
         live = ring.scan(pool, pool.root.ring_generation, pool.root.ring_start, pool.root.ring_start_seq)
         assert len(live) == 2  # batch 2, both tables
         region = pool.region(layout.RING_REGION)
         pool.device.array[region.offset + live[1].offset + 40] ^= 1
-        assert len(ring.scan(pool, pool.root.ring_generation, pool.root.ring_start, pool.root.ring_start_seq)) == 1
+
+
+def test_a_torn_record_header_ends_the_log(shm_dir):
+    """A header that never became valid: by U1 no store of its batch was issued, so recovery must
+    stop there — shown by tearing the last record's header of a batch that died between forward
+    (records written) and backward (no store, no tail mark yet), and recovering to the same batch."""
+    path = shm_dir / "p.pool"
+    train_steps(path, 2)
+    model, optimizer, scheduler = make_run()
+    with pytest.raises(KeyboardInterrupt):
+        with cxltrain.Runtime(path, model, optimizer, schedulers=[scheduler]) as rt:
+            for batch in rt.batches(make_batch, stop=3):
+                model.loss(batch)  # forward only: both tables' records of batch 2 are in the ring
+                raise KeyboardInterrupt("crash")
+    _tear_last_header(path)
     assert recover_pool(str(path)).records_restored == 1
+    train_steps(shm_dir / "ref.pool", 2)
+    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
+
+
+def test_a_damaged_header_of_a_record_in_use_is_refused(shm_dir):
+    """The same tear after batch 2's backward has stored into the rows: the tail mark covers the
+    record, so the damage is refused instead of leaving the second table un-rolled-back."""
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 5, fail_at=2)
+    _tear_last_header(path)
+    damaged = path.read_bytes()
+    with pytest.raises(PoolCorruptError, match="undo record 5 is damaged"):
+        recover_pool(str(path))
+    assert path.read_bytes() == damaged
 
 
 def test_recovery_restores_only_the_live_records(shm_dir):

@@ -9,6 +9,6 @@
 """
 
 from .checkpointer import BatchGuard, Checkpointer, CheckpointStats
-from .recovery import RecoveryReport, has_checkpoint, recover
+from .recovery import RecoveryReport, has_checkpoint, recover, verify
 
-__all__ = ["BatchGuard", "Checkpointer", "CheckpointStats", "RecoveryReport", "has_checkpoint", "recover"]
+__all__ = ["BatchGuard", "Checkpointer", "CheckpointStats", "RecoveryReport", "has_checkpoint", "recover", "verify"]

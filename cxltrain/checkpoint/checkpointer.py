@@ -176,6 +176,13 @@ class Checkpointer(BatchGuard):
         self.stats.capture_seconds += time.perf_counter() - started
         return batch
 
+    def before_update(self, table, batch: int) -> None:
+        super().before_update(table, batch)
+        # U1 — undo before overwrite, for recovery's sake: the tail mark covering this batch's
+        # records is durable before its first in-place store, so a record header damaged later is
+        # refused instead of being taken for the end of the log.
+        self.ring.mark_tail()
+
     def _stale_copy(self, table, weights, state):
         """The planted U4 bug: hand capture the rows as they were at the table's previous capture,
         i.e. before the previous batch's update — what capturing too early records."""

@@ -15,9 +15,16 @@ A record is live when its header checksum holds, it carries the root's ring gene
 sequence number is the one the scan expects next (records are numbered 0, 1, 2, ... within a
 generation, so a stale record left over in a reused place never carries the expected number). A
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
+
 Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
 were after b batches. Recovery to target T (= root.batch, batches done) restores every live
 record with batch >= T; records with batch < T are reclaimable.
+
+The ring's last 128 bytes are not records but two copies of the tail mark (64 bytes each, the same
+values written to both, one after the other): "records [0, seq_end) of generation g are complete".
+It is persisted before the first in-place store of a batch whose records it covers, so the scan can
+tell a header that never became valid (a crash: the log ends there) from a valid header damaged
+later (media corruption: refused), which a header's checksum alone cannot.
 
 Dense slots (`cxltrain.dense.A`, `cxltrain.dense.B`, uint8 [capacity]): header (64 bytes, written
 last) + the snapshot encoded by codec.py (dense parameters, optimizer state, RNG states, data
@@ -41,6 +48,7 @@ DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 a
 RECORD_ALIGN = 64
 
 UNDO_MAGIC = 0x4F444E55   # b"UNDO" little-endian
+TAIL_MAGIC = 0x4C494154   # b"TAIL" little-endian
 DENSE_MAGIC = 0x534E4544  # b"DENS" little-endian
 
 UNDO_HEADER = struct.Struct(
@@ -99,6 +107,38 @@ def unpack_undo_header(raw: bytes, uuid: bytes) -> UndoHeader | None:
     if batch < 0 or payload_bytes != header.payload_bytes:
         return None
     return header
+
+
+TAIL_MARK = struct.Struct(
+    "<"
+    "I"    # magic
+    "I"    # zero
+    "Q"    # ring generation
+    "Q"    # seq_end: records [0, seq_end) of that generation are complete
+    "36s"  # reserved, zero
+    "I"    # checksum
+)
+assert TAIL_MARK.size == 64
+TAIL_COPIES = 2
+TAIL_BYTES = TAIL_COPIES * TAIL_MARK.size  # at the end of the ring region
+
+
+def ring_record_bytes(ring_bytes: int) -> int:
+    """Bytes of a ring region of `ring_bytes` that hold records: all but the tail mark."""
+    return max(0, ring_bytes - TAIL_BYTES)
+
+
+def pack_tail_mark(generation: int, seq_end: int, uuid: bytes, copy: int) -> bytes:
+    body = TAIL_MARK.pack(TAIL_MAGIC, 0, generation, seq_end, bytes(36), 0)
+    return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, copy))
+
+
+def unpack_tail_mark(raw: bytes, uuid: bytes, copy: int) -> tuple[int, int] | None:
+    """(generation, seq_end), or None when the copy is not a valid tail mark (torn or damaged)."""
+    magic, zero, generation, seq_end, reserved, csum = TAIL_MARK.unpack(raw)
+    if magic != TAIL_MAGIC or zero or any(reserved) or csum != checksum(raw[:-4], uuid, copy):
+        return None
+    return generation, seq_end
 
 
 def payload_bytes(count: int, row_bytes: int, state_bytes: int) -> int:

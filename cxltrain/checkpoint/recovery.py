@@ -1,7 +1,8 @@
 """Recovery (DESIGN §4): roll a pool back to its last committed batch, bit for bit.
 
-    report = recover(pool)          # needs only the pool, not the model
-    report.batch                    # batches the recovered state has seen
+    report, snapshot = recover(pool)    # needs only the pool, not the model
+    report.batch                        # batches the recovered state has seen
+    verify(pool)                        # recovery's checks alone, writing nothing (`pool check`)
 
 Order: validate everything (root, every live undo record and the dense snapshot the root names)
 before the first write; restore the records whose batch is >= the target, newest first; persist;
@@ -40,13 +41,11 @@ def has_checkpoint(pool: Pool) -> bool:
             and all(name in pool.regions for name in layout.DENSE_REGIONS))
 
 
-def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, dict]:
-    """Roll `pool` back to its root's target. Returns the report and the decoded dense snapshot.
-
-    snapshot: the root's snapshot, when the caller has just read it (dense.read_snapshot, which
-    checks it) from this pool: it is not read and decoded a second time.
-    """
-    started = time.perf_counter()
+def verify(pool: Pool, snapshot: dict | None = None) -> tuple[list[ring.ScannedRecord], dict]:
+    """Everything recovery checks before its first write, and nothing else: the root's commit
+    fields, every live undo record (header, payload checksum, regions, row indices) and the dense
+    snapshot the root names. Writes nothing, so it runs on a pool opened read-only (`pool check`).
+    Returns (the live records oldest first, the decoded snapshot); raises a PoolError subclass."""
     if not has_checkpoint(pool):
         raise RecoveryError(f"{pool.path}: holds no committed checkpoint to recover (it was never committed "
                             "with the checkpointer on, or a run with --checkpoint off was interrupted)")
@@ -57,6 +56,18 @@ def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, d
     live = ring.scan(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
     if snapshot is None:
         snapshot = dense.read_snapshot(pool, root.dense_slot, root.dense_batch)
+    return live, snapshot
+
+
+def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, dict]:
+    """Roll `pool` back to its root's target. Returns the report and the decoded dense snapshot.
+
+    snapshot: the root's snapshot, when the caller has just read it (dense.read_snapshot, which
+    checks it) from this pool: it is not read and decoded a second time.
+    """
+    started = time.perf_counter()
+    live, snapshot = verify(pool, snapshot)  # every check before the first write
+    root = pool.root
     rollback = [record for record in live if record.header.batch >= root.batch]
     ring_region = pool.region(layout.RING_REGION)
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win

@@ -38,10 +38,11 @@ class UndoRing:
     def __init__(self, pool: Pool, generation: int, start: int, start_seq: int) -> None:
         self.pool = pool
         self.region = pool.region(layout.RING_REGION)
-        self.capacity = self.region.size
+        self.capacity = layout.ring_record_bytes(self.region.size)  # the tail mark follows
         self.generation = generation
         self.head = start            # where the next record goes (if it fits there)
         self.next_seq = start_seq
+        self.marked = start_seq      # the tail mark covers records [0, marked) of this generation
         self._live: collections.deque[LiveRecord] = collections.deque()
 
     @property
@@ -56,7 +57,8 @@ class UndoRing:
     def _place(self, size: int) -> int:
         """Ring offset for a record of `size` bytes; raises RingFull when there is no room."""
         if size > self.capacity:
-            raise CheckpointError(f"an undo record of {size:,} bytes cannot fit the {self.capacity:,}-byte undo ring; "
+            raise CheckpointError(f"an undo record of {size:,} bytes cannot fit the {self.region.size:,}-byte undo ring "
+                                  f"({self.capacity:,} bytes for records); "
                                   "create the pool with a larger ring (Runtime(undo_ring_bytes=...))")
         if not self._live:
             return self.head if self.head + size <= self.capacity else 0
@@ -110,6 +112,18 @@ class UndoRing:
         self.next_seq += 1
         return size
 
+    def mark_tail(self) -> None:
+        """Make the tail mark cover every record appended so far, durably. Call before the first
+        in-place store a new record undoes. Both copies get the same values, one after the other,
+        so a crash tears at most one and media damage to one leaves the other."""
+        if self.marked == self.next_seq:
+            return
+        uuid = self.pool.superblock.uuid
+        for copy in range(layout.TAIL_COPIES):
+            self.pool.device.copy_persist(self.region.offset + self.capacity + copy * layout.TAIL_MARK.size,
+                                          layout.pack_tail_mark(self.generation, self.next_seq, uuid, copy))
+        self.marked = self.next_seq
+
     def start_after_reclaim(self, target: int) -> tuple[int, int]:
         """(ring_start, ring_start_seq) for a root whose recovery target is `target` batches: the
         oldest record that root still needs, or the head when it needs none. Changes nothing."""
@@ -138,10 +152,13 @@ class ScannedRecord:
 def scan(pool: Pool, generation: int, start: int, start_seq: int) -> list[ScannedRecord]:
     """The live records, oldest first, each fully checked: header, payload checksum, the regions it
     names and the row indices it holds. Raises PoolCorruptError on a record whose header is valid
-    but whose body is not (media corruption: by U1 a valid header vouches for its payload)."""
+    but whose body is not (media corruption: by U1 a valid header vouches for its payload), and
+    when the log ends before a record the tail mark says is complete (its header was damaged)."""
     region = pool.region(layout.RING_REGION)
-    ring = pool.device.array[region.offset : region.end]
+    capacity = layout.ring_record_bytes(region.size)
+    ring = pool.device.array[region.offset : region.offset + capacity]
     uuid = pool.superblock.uuid
+    marked = _tail_mark(pool.device.array[region.offset + capacity : region.end], uuid, generation)
     by_index = {r.index: r for r in pool.regions.values()}
     records: list[ScannedRecord] = []
     pos, seq = start, start_seq
@@ -154,7 +171,22 @@ def scan(pool: Pool, generation: int, start: int, start_seq: int) -> list[Scanne
         records.append(_check_record(ring, pos, header, by_index, uuid))
         pos += header.record_bytes
         seq += 1
+    if seq < marked:
+        raise PoolCorruptError(f"undo record {seq} is damaged: no valid header where it should be, but the ring's "
+                               f"tail mark says records up to {marked - 1} are complete (media corruption)")
     return records
+
+
+def _tail_mark(tail: np.ndarray, uuid: bytes, generation: int) -> int:
+    """seq_end of the tail mark for `generation` (0: none yet). One bad copy is a torn write or
+    damage the other copy outlives; both bad is damage, refused."""
+    if tail.size < layout.TAIL_BYTES:
+        return 0
+    copies = [tail[i * layout.TAIL_MARK.size : (i + 1) * layout.TAIL_MARK.size] for i in range(layout.TAIL_COPIES)]
+    marks = [layout.unpack_tail_mark(raw.tobytes(), uuid, i) for i, raw in enumerate(copies)]
+    if all(mark is None and raw.any() for mark, raw in zip(marks, copies)):
+        raise PoolCorruptError("the undo ring's tail mark is damaged (both copies)")
+    return max((mark[1] for mark in marks if mark is not None and mark[0] == generation), default=0)
 
 
 def _header_at(ring: np.ndarray, pos: int, uuid: bytes, generation: int, seq: int) -> layout.UndoHeader | None:
