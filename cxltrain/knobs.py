@@ -38,7 +38,9 @@ class Knobs:
     # Undo ring bytes of the pools `train` creates; 0 = room for a few of its largest batches
     # (trainer.undo_ring_bytes). Small rings make the ring wrap and force early commits: for tests.
     undo_ring_bytes: int = 0
-
+    # 1 = the row kernels (gather, sparse update, undo capture, row flush) run the native C code
+    # of kernels/rows.c when it is built; 0 = always the torch kernels (for comparisons and tests).
+    native_kernels: int = 1
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
@@ -61,6 +63,8 @@ class Knobs:
             raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
         if self.power_loss not in (0, 1):
             raise ConfigError(f"power_loss {self.power_loss} must be 0 or 1")
+        if self.native_kernels not in (0, 1):
+            raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
 
 
 # Malformed CXLTRAIN_* variables: reported by validate(), never as an exception at import time.

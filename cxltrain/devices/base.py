@@ -32,6 +32,8 @@ import os
 
 import numpy as np
 
+from ..kernels import native
+
 
 class Device(abc.ABC):
     """A pool's backing store, mapped whole.
@@ -85,6 +87,13 @@ class Device(abc.ABC):
         rows; no ordering until drain(). Adjacent rows go as one range, so the skewed, clustered
         row sets of a batch cost far fewer calls than rows. Backends with a vector path override."""
         if rows.size == 0:
+            return
+        # PmemDevice and EmulatedCXLDevice keep libpmem as `_pmem` and flush with its pmem_flush
+        # exactly when is_pmem: then one C call walks the row set (a ctypes call per run costs ~0.5 µs).
+        pmem = getattr(self, "_pmem", None)
+        if pmem is not None and self.is_pmem and native.lib() is not None:
+            self._check_range(offset, 0)
+            native.flush_rows(self.address + offset, stride, (self.size - offset) // stride, rows, pmem.flush_address)
             return
         breaks = np.flatnonzero(np.diff(rows) != 1) + 1
         starts = rows[np.concatenate(([0], breaks))]
