@@ -58,10 +58,10 @@ def cpu_flush() -> str:
 
 
 def check_rows(rows: np.ndarray) -> None:
-    """Refuse anything but a 1-D C-contiguous int64 numpy array of row ids."""
+    """Refuse anything but a 1-D C-contiguous, 8-byte aligned int64 numpy array of row ids."""
     if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1 \
-            or not rows.flags.c_contiguous:
-        raise TypeError(f"rows must be a 1-D contiguous int64 numpy array, got "
+            or not rows.flags.c_contiguous or not rows.flags.aligned:
+        raise TypeError(f"rows must be a 1-D contiguous, aligned int64 numpy array, got "
                         f"{getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}")
 
 

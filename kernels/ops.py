@@ -36,8 +36,8 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return torch_rows.gather_rows(table, rows)
     out = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype)
     row_bytes = table.shape[1] * table.element_size()
-    lib.gather_rows(out.data_ptr(), row_bytes, table.data_ptr(), row_bytes, table.shape[0], rows.data_ptr(),
-                    rows.numel(), row_bytes)
+    lib.copy_rows(out.data_ptr(), row_bytes, table.data_ptr(), row_bytes, row_bytes, False, table.shape[0],
+                  rows.data_ptr(), rows.numel())
     return out
 
 
@@ -53,8 +53,8 @@ def scatter_rows(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> 
         _check_bounds(rows, table.shape[0])
         return torch_rows.scatter_rows(table, rows, src)
     row_bytes = table.shape[1] * table.element_size()
-    lib.scatter_rows(table.data_ptr(), row_bytes, table.shape[0], rows.data_ptr(), rows.numel(), src.data_ptr(),
-                     row_bytes, row_bytes)
+    lib.copy_rows(table.data_ptr(), row_bytes, src.data_ptr(), row_bytes, row_bytes, True, table.shape[0],
+                  rows.data_ptr(), rows.numel())
 
 
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,

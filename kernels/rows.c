@@ -6,7 +6,7 @@
  * per row in Python. Every kernel checks each row index against the table's row count in a first
  * pass, before its first store, so a bad index is refused with nothing written.
  *
- *   gather_rows / scatter_rows   copy whole rows between a table and a dense block (bytes)
+ *   copy_rows                    gather or scatter whole rows between a table and a dense block
  *   sparse_update                duplicate reduction + SGD or row-wise Adagrad, in place
  *   capture_undo                 old weights, old state and row ids into an undo-record payload,
  *                                with non-temporal stores and one SFENCE
@@ -51,51 +51,80 @@ static PyObject *raise_bad_row(const int64_t *rows, Py_ssize_t at, int64_t limit
     return NULL;
 }
 
-/* ---------------------------------------------------------------------------------------------
- * gather / scatter
- * ------------------------------------------------------------------------------------------- */
-static PyObject *gather_rows(PyObject *self, PyObject *args)
+/* The work of a row-set kernel; runs only after every row passed the bounds check. */
+typedef void (*row_set_work)(const void *args, const int64_t *rows, Py_ssize_t count);
+
+/* Check the rows against the table, then do the work, both without the GIL. */
+static PyObject *run_checked(row_set_work work, const void *args, const int64_t *rows, Py_ssize_t count,
+                             int64_t table_rows)
 {
-    unsigned long long dst, table, rows_addr;
-    Py_ssize_t dst_stride, table_stride, row_bytes, count;
-    long long table_rows;
-    if (!PyArg_ParseTuple(args, "KnKnLKnn", &dst, &dst_stride, &table, &table_stride, &table_rows,
-                          &rows_addr, &count, &row_bytes))
-        return NULL;
-    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
     Py_ssize_t bad;
     Py_BEGIN_ALLOW_THREADS
     bad = first_bad_row(rows, count, table_rows);
     if (bad < 0)
-        for (Py_ssize_t i = 0; i < count; i++)
-            memcpy((char *)(uintptr_t)dst + i * dst_stride,
-                   (const char *)(uintptr_t)table + rows[i] * table_stride, (size_t)row_bytes);
+        work(args, rows, count);
     Py_END_ALLOW_THREADS
     if (bad >= 0)
         return raise_bad_row(rows, bad, table_rows);
     Py_RETURN_NONE;
 }
 
-static PyObject *scatter_rows(PyObject *self, PyObject *args)
+/* Call run(args, first row, rows in the run) once per run of adjacent rows. */
+typedef void (*run_fn)(const void *args, int64_t first, Py_ssize_t length);
+
+static void for_each_run(const void *args, const int64_t *rows, Py_ssize_t count, run_fn run)
 {
-    unsigned long long table, rows_addr, src;
-    Py_ssize_t table_stride, src_stride, row_bytes, count;
+    for (Py_ssize_t i = 0; i < count;) {
+        Py_ssize_t j = i + 1;
+        while (j < count && rows[j] == rows[j - 1] + 1)
+            j++;
+        run(args, rows[i], j - i);
+        i = j;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * gather / scatter (and the undo capture below): whole rows, as bytes
+ * ------------------------------------------------------------------------------------------- */
+typedef void (*copy_fn)(char *dst, const char *src, size_t n);
+
+static void plain_copy(char *dst, const char *src, size_t n)
+{
+    memcpy(dst, src, n);
+}
+
+struct row_copy {
+    char *dst;
+    Py_ssize_t dst_stride;
+    const char *src;
+    Py_ssize_t src_stride;
+    size_t row_bytes;
+    int scatter; /* 0: dst row i := src row rows[i] (gather); 1: dst row rows[i] := src row i */
+    copy_fn copy;
+};
+
+static void copy_rows_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    const struct row_copy *c = args;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t to = c->scatter ? rows[i] : i, from = c->scatter ? i : rows[i];
+        c->copy(c->dst + to * c->dst_stride, c->src + from * c->src_stride, c->row_bytes);
+    }
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, src, rows;
+    Py_ssize_t count, row_bytes;
     long long table_rows;
-    if (!PyArg_ParseTuple(args, "KnLKnKnn", &table, &table_stride, &table_rows, &rows_addr, &count, &src,
-                          &src_stride, &row_bytes))
+    struct row_copy c = {.copy = plain_copy};
+    if (!PyArg_ParseTuple(args, "KnKnnpLKn", &dst, &c.dst_stride, &src, &c.src_stride, &row_bytes, &c.scatter,
+                          &table_rows, &rows, &count))
         return NULL;
-    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
-    Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_bad_row(rows, count, table_rows);
-    if (bad < 0)
-        for (Py_ssize_t i = 0; i < count; i++)
-            memcpy((char *)(uintptr_t)table + rows[i] * table_stride,
-                   (const char *)(uintptr_t)src + i * src_stride, (size_t)row_bytes);
-    Py_END_ALLOW_THREADS
-    if (bad >= 0)
-        return raise_bad_row(rows, bad, table_rows);
-    Py_RETURN_NONE;
+    c.dst = (char *)(uintptr_t)dst;
+    c.src = (const char *)(uintptr_t)src;
+    c.row_bytes = (size_t)row_bytes;
+    return run_checked(copy_rows_work, &c, (const int64_t *)(uintptr_t)rows, count, table_rows);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -345,37 +374,41 @@ static void store_fence(void)
 #endif
 }
 
+struct undo_capture {
+    struct row_copy weights, state; /* gathers into the payload's first two blocks */
+    char *old_rows;                 /* its third block: the row ids */
+};
+
+static void capture_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    const struct undo_capture *u = args;
+    copy_rows_work(&u->weights, rows, count);
+    if (u->state.row_bytes)
+        copy_rows_work(&u->state, rows, count);
+    stream_copy(u->old_rows, (const char *)rows, (size_t)count * sizeof *rows);
+    store_fence(); /* non-temporal stores are weakly ordered: order them before what follows */
+}
+
 static PyObject *capture_undo(PyObject *self, PyObject *args)
 {
-    unsigned long long old_weights, old_state, old_rows, weights, state, rows_addr;
+    unsigned long long old_weights, old_state, old_rows, weights, state, rows;
     Py_ssize_t row_bytes, state_bytes, count;
     long long table_rows;
     if (!PyArg_ParseTuple(args, "KKKKnKnLKn", &old_weights, &old_state, &old_rows, &weights, &row_bytes, &state,
-                          &state_bytes, &table_rows, &rows_addr, &count))
+                          &state_bytes, &table_rows, &rows, &count))
         return NULL;
     if ((row_bytes | state_bytes) & 3 || (old_weights | old_state | old_rows | weights | state) & 3) {
         PyErr_SetString(PyExc_ValueError, "capture_undo needs 4-byte aligned rows and blocks");
         return NULL;
     }
-    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
-    Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_bad_row(rows, count, table_rows);
-    if (bad < 0) {
-        for (Py_ssize_t i = 0; i < count; i++)
-            stream_copy((char *)(uintptr_t)old_weights + i * row_bytes,
-                        (const char *)(uintptr_t)weights + rows[i] * row_bytes, (size_t)row_bytes);
-        if (state_bytes)
-            for (Py_ssize_t i = 0; i < count; i++)
-                stream_copy((char *)(uintptr_t)old_state + i * state_bytes,
-                            (const char *)(uintptr_t)state + rows[i] * state_bytes, (size_t)state_bytes);
-        stream_copy((char *)(uintptr_t)old_rows, (const char *)rows, (size_t)count * sizeof *rows);
-        store_fence(); /* non-temporal stores are weakly ordered: order them before what follows */
-    }
-    Py_END_ALLOW_THREADS
-    if (bad >= 0)
-        return raise_bad_row(rows, bad, table_rows);
-    Py_RETURN_NONE;
+    struct undo_capture u = {
+        .weights = {(char *)(uintptr_t)old_weights, row_bytes, (const char *)(uintptr_t)weights, row_bytes,
+                    (size_t)row_bytes, 0, stream_copy},
+        .state = {(char *)(uintptr_t)old_state, state_bytes, (const char *)(uintptr_t)state, state_bytes,
+                  (size_t)state_bytes, 0, stream_copy},
+        .old_rows = (char *)(uintptr_t)old_rows,
+    };
+    return run_checked(capture_work, &u, (const int64_t *)(uintptr_t)rows, count, table_rows);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -405,91 +438,98 @@ static void clflushopt_range(const void *addr, size_t len)
 }
 #endif
 
-/* Call `run(address, bytes)` once per run of adjacent rows. */
-static void for_each_run(char *base, Py_ssize_t stride, const int64_t *rows, Py_ssize_t count, flush_fn run)
+struct row_flush {
+    char *base;
+    Py_ssize_t stride;
+    flush_fn flush;
+    drain_fn drain; /* NULL: SFENCE */
+    int do_drain;
+};
+
+static void flush_run(const void *args, int64_t first, Py_ssize_t length)
 {
-    for (Py_ssize_t i = 0; i < count;) {
-        Py_ssize_t j = i + 1;
-        while (j < count && rows[j] == rows[j - 1] + 1)
-            j++;
-        run(base + rows[i] * stride, (size_t)((j - i) * stride));
-        i = j;
+    const struct row_flush *f = args;
+    f->flush(f->base + first * f->stride, (size_t)(length * f->stride));
+}
+
+static void flush_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    const struct row_flush *f = args;
+    for_each_run(f, rows, count, flush_run);
+    if (f->do_drain) {
+        if (f->drain)
+            f->drain();
+        else
+            store_fence();
     }
 }
 
 static PyObject *flush_rows(PyObject *self, PyObject *args)
 {
-    unsigned long long base, rows_addr, flush, drain;
-    Py_ssize_t stride, count;
+    unsigned long long base, rows, flush, drain;
+    Py_ssize_t count;
     long long table_rows;
-    int do_drain;
-    if (!PyArg_ParseTuple(args, "KnLKnKKp", &base, &stride, &table_rows, &rows_addr, &count, &flush, &drain,
-                          &do_drain))
+    struct row_flush f;
+    if (!PyArg_ParseTuple(args, "KnLKnKKp", &base, &f.stride, &table_rows, &rows, &count, &flush, &drain,
+                          &f.do_drain))
         return NULL;
-    flush_fn run = (flush_fn)(uintptr_t)flush;
+    f.base = (char *)(uintptr_t)base;
+    f.flush = (flush_fn)(uintptr_t)flush;
+    f.drain = (drain_fn)(uintptr_t)drain;
 #if defined(__x86_64__) && defined(__GNUC__)
-    if (!run)
-        run = cpu_flush == CPU_FLUSH_CLWB ? clwb_range : cpu_flush == CPU_FLUSH_CLFLUSHOPT ? clflushopt_range : NULL;
+    if (!f.flush)
+        f.flush = cpu_flush == CPU_FLUSH_CLWB ? clwb_range : cpu_flush == CPU_FLUSH_CLFLUSHOPT ? clflushopt_range : NULL;
 #endif
-    if (!run) {
+    if (!f.flush) {
         PyErr_SetString(PyExc_RuntimeError,
                         "no flush available: libpmem is absent and the CPU has neither CLWB nor CLFLUSHOPT");
         return NULL;
     }
-    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
-    Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_bad_row(rows, count, table_rows);
-    if (bad < 0) {
-        for_each_run((char *)(uintptr_t)base, stride, rows, count, run);
-        if (do_drain) {
-            if (drain)
-                ((drain_fn)(uintptr_t)drain)();
-            else
-                store_fence();
-        }
-    }
-    Py_END_ALLOW_THREADS
-    if (bad >= 0)
-        return raise_bad_row(rows, bad, table_rows);
-    Py_RETURN_NONE;
+    return run_checked(flush_work, &f, (const int64_t *)(uintptr_t)rows, count, table_rows);
+}
+
+struct line_copy {
+    const char *view;
+    char *media;
+    Py_ssize_t map_size, offset, stride;
+};
+
+/* Whole lines, as CLWB writes back: neighbours sharing the first and last line go along. Offsets
+ * are from the mapping's start, which is page aligned, so they round to lines as addresses do. */
+static void copy_lines_run(const void *args, int64_t first, Py_ssize_t length)
+{
+    const struct line_copy *c = args;
+    Py_ssize_t start = c->offset + first * c->stride, end = start + length * c->stride;
+    start -= start % CACHE_LINE;
+    end = (end + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+    if (end > c->map_size)
+        end = c->map_size;
+    memcpy(c->media + start, c->view + start, (size_t)(end - start));
+}
+
+static void copy_lines_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    for_each_run(args, rows, count, copy_lines_run);
 }
 
 static PyObject *copy_lines(PyObject *self, PyObject *args)
 {
-    unsigned long long view, media, rows_addr;
-    Py_ssize_t map_size, offset, stride, count;
+    unsigned long long view, media, rows;
+    Py_ssize_t count;
     long long table_rows;
-    if (!PyArg_ParseTuple(args, "KKnnnLKn", &view, &media, &map_size, &offset, &stride, &table_rows, &rows_addr,
+    struct line_copy c;
+    if (!PyArg_ParseTuple(args, "KKnnnLKn", &view, &media, &c.map_size, &c.offset, &c.stride, &table_rows, &rows,
                           &count))
         return NULL;
-    if (offset < 0 || stride <= 0 || table_rows < 0 || offset + table_rows * stride > map_size) {
+    if (c.offset < 0 || c.stride <= 0 || table_rows < 0 || c.offset + table_rows * c.stride > c.map_size) {
         PyErr_SetString(PyExc_ValueError, "copy_lines: the table does not lie inside the mapping");
         return NULL;
     }
-    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
-    Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_bad_row(rows, count, table_rows);
-    for (Py_ssize_t i = 0; bad < 0 && i < count;) {
-        Py_ssize_t j = i + 1;
-        while (j < count && rows[j] == rows[j - 1] + 1)
-            j++;
-        /* whole lines, as CLWB writes back: neighbours sharing the first and last line go along.
-         * Offsets are from the mapping's start, which is page aligned, so lines match addresses. */
-        Py_ssize_t start = offset + rows[i] * stride, end = offset + rows[j - 1] * stride + stride;
-        start -= start % CACHE_LINE;
-        end = (end + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-        if (end > map_size)
-            end = map_size;
-        memcpy((char *)(uintptr_t)media + start, (const char *)(uintptr_t)view + start, (size_t)(end - start));
-        i = j;
-    }
-    Py_END_ALLOW_THREADS
-    if (bad >= 0)
-        return raise_bad_row(rows, bad, table_rows);
-    Py_RETURN_NONE;
+    c.view = (const char *)(uintptr_t)view;
+    c.media = (char *)(uintptr_t)media;
+    return run_checked(copy_lines_work, &c, (const int64_t *)(uintptr_t)rows, count, table_rows);
 }
+
 
 static PyObject *cpu_flush_name(PyObject *self, PyObject *unused)
 {
@@ -510,10 +550,9 @@ static void detect_cpu(void)
 }
 
 static PyMethodDef methods[] = {
-    {"gather_rows", gather_rows, METH_VARARGS,
-     "gather_rows(dst, dst_stride, table, table_stride, table_rows, rows, count, row_bytes)"},
-    {"scatter_rows", scatter_rows, METH_VARARGS,
-     "scatter_rows(table, table_stride, table_rows, rows, count, src, src_stride, row_bytes)"},
+    {"copy_rows", copy_rows, METH_VARARGS,
+     "copy_rows(dst, dst_stride, src, src_stride, row_bytes, scatter, table_rows, rows, count): gather "
+     "(scatter false: dst row i := src row rows[i]) or scatter (dst row rows[i] := src row i)"},
     {"sparse_update", sparse_update, METH_VARARGS,
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
      "bags, offsets, mean, psw, lr, eps, out_rows) -> unique row count"},
@@ -529,7 +568,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "Native CPU row kernels (private).", -1,
-                                    methods};
+                                    methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__rows(void)
 {
