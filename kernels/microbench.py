@@ -12,8 +12,9 @@ neighbour slows every variant alike; medians over the batches):
       the torch kernels (knob native_kernels=0), `torch` nn.EmbeddingBag(sparse=True) +
       torch.optim.Adagrad / SGD (element-wise Adagrad: torch has no row-wise one);
   update_adagrad: the fused sparse update alone (kernels.ops.sparse_update), C vs torch kernels;
-  capture: one table's undo payload (old weights, state, row ids) into a /dev/shm mapping,
-      C (non-temporal stores) vs torch index_select;
+  capture: one table's undo payload (old weights, state, row ids) into a ring on an emulated CXL
+      device, C (non-temporal stores) vs torch index_select; undo_append: the same plus what
+      UndoRing.append does next (CRC-32 of the payload, persist it);
   flush: the commit's row flush of all F tables (weights and state rows), then one drain, on an
       emulated CXL device with libpmem — C (one call per row set) vs the Python loop (one ctypes
       pmem_flush per run of adjacent rows); skipped without libpmem;
@@ -31,6 +32,7 @@ import os
 import statistics
 import tempfile
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -82,18 +84,21 @@ def _lookup_update_cases(rows: int, dim: int):
     from ..optim import SGD, RowWiseAdagrad
     from ..tables import PersistentEmbeddingBag
 
-    cases = []
+    def table(optimizer):
+        ours = PersistentEmbeddingBag(rows, dim, name="t0", optimizer=optimizer)
+        ours.materialize()
+        return ours
+
+    cases = []  # every variant has its own table: none finds the batch's rows cached by another
     for rule, ours_opt, torch_opt in (("adagrad", RowWiseAdagrad(lr=0.05), torch.optim.Adagrad),
                                       ("sgd", SGD(lr=0.05), torch.optim.SGD)):
-        ours = PersistentEmbeddingBag(rows, dim, name="t0", optimizer=ours_opt)
-        ours.materialize()
         theirs = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
         optimizer = torch_opt(theirs.parameters(), lr=0.05)
 
-        def step_ours(indices, offsets, grad, table=ours):
+        def step_ours(indices, offsets, grad, table=table(ours_opt)):
             table(indices, offsets).backward(grad)
 
-        def step_ours_torch(indices, offsets, grad, table=ours):
+        def step_ours_torch(indices, offsets, grad, table=table(ours_opt)):
             with override(native_kernels=0):
                 table(indices, offsets).backward(grad)
 
@@ -115,19 +120,21 @@ def _first_table(dim: int):
 
 
 def _kernel_cases(rows: int, dim: int, folder: str, stack: contextlib.ExitStack):
-    weight, state = torch.randn(rows, dim), torch.rand(rows, 1)
-    ring = stack.enter_context(_shm_array(folder, 4 << 20))
+    tables = {flag: (torch.randn(rows, dim), torch.rand(rows, 1)) for flag in (1, 0)}  # one per variant
+    ring_device = _device(folder, 4 << 20, 0, stack)
+    ring_device.array[:] = 0  # map every page now, as a long run has
+    ring = ring_device.array
 
     def prepare_update(batch):
         grad = torch.randn(batch.size, dim, generator=torch.Generator().manual_seed(batch.index))
         return batch.values[0], batch.offsets[0], grad
 
-    def update(indices, offsets, grad):
-        ops.sparse_update("rowwise_adagrad", weight, state, indices, grad, offsets, lr=0.05, eps=1e-8)
+    def update(indices, offsets, grad, flag=1):
+        with override(native_kernels=flag):
+            ops.sparse_update("rowwise_adagrad", *tables[flag], indices, grad, offsets, lr=0.05, eps=1e-8)
 
     def update_torch(indices, offsets, grad):
-        with override(native_kernels=0):
-            update(indices, offsets, grad)
+        update(indices, offsets, grad, flag=0)
 
     def prepare_capture(batch):
         picks = torch.unique(batch.values[0])
@@ -137,34 +144,35 @@ def _kernel_cases(rows: int, dim: int, folder: str, stack: contextlib.ExitStack)
                  ring[s_end : s_end + count * 8].view(np.int64))
         return views, picks
 
-    def capture(views, picks):
-        ops.capture_undo(*views, weight, state, picks)
+    def capture(views, picks, flag=1):
+        with override(native_kernels=flag):
+            ops.capture_undo(*views, *tables[flag], picks)
 
     def capture_torch(views, picks):
-        with override(native_kernels=0):
-            capture(views, picks)
+        capture(views, picks, flag=0)
+
+    def append(views, picks, flag=1):
+        """What UndoRing.append does around the capture: checksum the payload, persist it."""
+        capture(views, picks, flag)
+        length = views[2].ctypes.data + views[2].nbytes - ring.ctypes.data
+        zlib.crc32(ring[:length])
+        ring_device.persist(0, length)
+
+    def append_torch(views, picks):
+        append(views, picks, flag=0)
 
     return [("update_adagrad.ours", prepare_update, update), ("update_adagrad.torch_kernels", prepare_update,
                                                                 update_torch),
-            ("capture.ours", prepare_capture, capture), ("capture.torch_kernels", prepare_capture, capture_torch)]
+            ("capture.ours", prepare_capture, capture), ("capture.torch_kernels", prepare_capture, capture_torch),
+            ("undo_append.ours", prepare_capture, append),
+            ("undo_append.torch_kernels", prepare_capture, append_torch)]
 
 
 def _flush_cases(rows: int, dim: int, num_tables: int, folder: str, stack: contextlib.ExitStack):
     """Row flushes of all tables of a batch on a device shaped like one table (weights, then state):
     every table's row set goes to the same region, as many flush calls as the commit makes."""
-    from ..devices import map_device
-
     w_bytes, s_bytes = rows * dim * 4, rows * 4
     size = w_bytes + s_bytes
-
-    def device(power_loss: int):
-        path = stack.enter_context(_shm_file(folder, size))
-        fd = os.open(path, os.O_RDWR)
-        stack.callback(os.close, fd)
-        with override(power_loss=power_loss):
-            dev = map_device(path, fd, size, writable=True, backend="emulated")
-        stack.callback(dev.close)
-        return dev
 
     def prepare(dev):
         def dirty(batch):
@@ -185,11 +193,13 @@ def _flush_cases(rows: int, dim: int, num_tables: int, folder: str, stack: conte
         return flush
 
     cases = []
-    shared = device(0)
+    shared = _device(folder, size, 0, stack)
+    shared.array[:] = 0  # map every page now, as a long run has
     if shared.is_pmem:  # libpmem present: the C path applies
         cases += [("flush.ours", prepare(shared), commit_flush(shared, 1)),
                   ("flush.python", prepare(shared), commit_flush(shared, 0))]
-    lossy = device(1)
+    lossy = _device(folder, size, 1, stack)
+    lossy.flush(0, size)  # map every media page now
 
     def copy_lines(sets):
         for picks in sets:
@@ -202,18 +212,25 @@ def _flush_cases(rows: int, dim: int, num_tables: int, folder: str, stack: conte
     return cases
 
 
+def _device(folder: str, size: int, power_loss: int, stack: contextlib.ExitStack):
+    """An emulated CXL device on a fresh file in `folder`, closed and deleted with `stack`."""
+    from ..devices import map_device
+
+    path = stack.enter_context(_shm_file(folder, size))
+    fd = os.open(path, os.O_RDWR)
+    stack.callback(os.close, fd)
+    with override(power_loss=power_loss):
+        device = map_device(path, fd, size, writable=True, backend="emulated")
+    stack.callback(device.close)
+    return device
+
+
 @contextlib.contextmanager
 def _shm_file(folder: str, size: int):
     fd, path = tempfile.mkstemp(prefix="cxltrain-microbench-", dir=folder)
     try:
-        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # allocated, as a pool is: no page faults in the timed stores
         os.close(fd)
         yield path
     finally:
         os.unlink(path)
-
-
-@contextlib.contextmanager
-def _shm_array(folder: str, size: int):
-    with _shm_file(folder, size) as path:
-        yield np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
