@@ -49,7 +49,9 @@ class Knobs:
     # Undo ring bytes of the pools `train` creates; 0 = room for a few of its largest batches
     # (trainer.undo_ring_bytes). Small rings make the ring wrap and force early commits: for tests.
     undo_ring_bytes: int = 0
-
+    # 1 = the row kernels (gather, sparse update, undo capture, row flush) run the native C code
+    # of kernels/rows.c when it is built; 0 = always the torch kernels (for comparisons and tests).
+    native_kernels: int = 1
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
@@ -81,6 +83,8 @@ class Knobs:
         if self.evict_rate and not (self.power_loss and self.domain == "adr"):
             raise ConfigError("early write-back (evict_rate) needs the power-loss model in the adr domain "
                               "(--power-loss, --domain adr): elsewhere no store waits to be written back")
+        if self.native_kernels not in (0, 1):
+            raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
 
 
 # Persistence domains the emulated device can model (knob `domain`).

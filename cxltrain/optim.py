@@ -1,7 +1,8 @@
 """Fused sparse optimizers for PersistentEmbeddingBag: applied inside backward, on unique rows only.
 
 Each optimizer says how many state columns a table row needs (stored in the pool next to the
-weights, region `<table>.optim`, shape [rows, K]) and applies one update to a set of unique rows.
+weights, region `<table>.optim`, shape [rows, K]) and applies one fused update per batch: straight
+from the lookups and their bags' gradients, duplicates reduced, each unique row updated once.
 
     table = PersistentEmbeddingBag(1000, 16, name="t0", optimizer=RowWiseAdagrad(lr=0.05))
 """
@@ -14,7 +15,7 @@ import math
 import torch
 
 from .errors import ConfigError
-from .kernels import rows as row_kernels
+from .kernels import ops as row_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +31,13 @@ class SGD:
     def initial_state(self) -> float:
         return 0.0
 
-    def update(self, weight: torch.Tensor, state: torch.Tensor | None, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        """weight [R, P], rows [U] unique, grads [U, D] (D <= P)."""
-        row_kernels.sgd_update(weight, rows, grads, self.lr)
+    def update(self, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
+               grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
+               per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
+        """The fused update from a batch's lookups (kernels.ops.sparse_update); returns rows [U].
+        weight [R, P], indices [N], grad_out [B, D] (D <= P), offsets [B] or None (B = N)."""
+        return row_ops.sparse_update("sgd", weight, None, indices, grad_out, offsets, per_sample_weights, mode,
+                                     lr=self.lr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +58,12 @@ class RowWiseAdagrad:
     def initial_state(self) -> float:
         return self.initial_accumulator_value
 
-    def update(self, weight: torch.Tensor, state: torch.Tensor | None, rows: torch.Tensor,
-               grads: torch.Tensor) -> None:
-        """weight [R, P], state [R, 1], rows [U] unique, grads [U, D] (D <= P)."""
-        row_kernels.rowwise_adagrad_update(weight, state, rows, grads, self.lr, self.eps)
+    def update(self, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
+               grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
+               per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
+        """As SGD.update, with state [R, 1]."""
+        return row_ops.sparse_update("rowwise_adagrad", weight, state, indices, grad_out, offsets,
+                                     per_sample_weights, mode, lr=self.lr, eps=self.eps)
 
 
 SparseOptimizer = SGD | RowWiseAdagrad

@@ -275,6 +275,21 @@ class PersistentEmbeddingBag(nn.Module):
                                                     per_sample_weights)
         return row_kernels.reduce_duplicates(indices, lookup_grads)
 
+    def update_from_lookups(self, indices: torch.Tensor, offsets: torch.Tensor,
+                            per_sample_weights: torch.Tensor | None, grad_out: torch.Tensor) -> torch.Tensor:
+        """The batch's fused sparse update in place, straight from its lookups (indices [N], offsets [B],
+        grad_out [B, D]): one kernel call reduces duplicates and updates each unique row once.
+        Returns the rows it updated [U], sorted."""
+        if crash_armed("update:mid"):  # the crash test's half-updated table needs the unique rows first
+            rows, grads = self.sparse_gradient(indices, offsets, per_sample_weights, grad_out)
+            self.apply_update(rows, grads)
+            return rows
+        storage = self._require_storage()
+        weights = None if per_sample_weights is None else per_sample_weights.contiguous()
+        with torch.no_grad():
+            return self.optimizer.update(storage, self._state, indices.contiguous(), grad_out.float().contiguous(),
+                                         offsets.contiguous(), weights, self.mode)
+
     def apply_update(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply the fused optimizer to unique `rows` [U] with `grads` [U, D], in place in the pool."""
         storage = self._require_storage()
@@ -335,15 +350,17 @@ class _BagLookup(torch.autograd.Function):
         table = ctx.table
         if indices.numel():
             started = time.perf_counter()
-            unique_rows, grads = table.sparse_gradient(indices, offsets, per_sample_weights, grad_out)
-            if not bool(torch.isfinite(grads).all()):
+            # per lookup, the gradient is grad_out's row (times a per-sample weight): all finite if these are
+            finite = bool(torch.isfinite(grad_out).all()) and (
+                per_sample_weights is None or bool(torch.isfinite(per_sample_weights).all()))
+            if not finite:
                 # stop, never store: rows updated with NaN/inf would be silently wrong from now on
                 batch = "" if ctx.batch is None else f" in batch {ctx.batch}"
                 raise NonFiniteError(f"table {table.name!r}: gradient{batch} is not finite (NaN or inf); stopped "
                                      "before updating the table, and the batch is not committed")
             if table.checkpointer is not None:
                 table.checkpointer.before_update(table, ctx.batch)
-            table.apply_update(unique_rows, grads)
+            unique_rows = table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
             stats = table.stats
             stats.updates += 1
             stats.lookups += indices.numel()

@@ -41,6 +41,7 @@ import numpy as np
 from cxltrain.devices.base import Device
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.faults import crash_point
+from cxltrain.kernels import native
 from cxltrain.knobs import KNOBS
 
 from .bandwidth import BandwidthCap
@@ -87,13 +88,22 @@ class EmulatedCXLDevice(Device):
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = self._array.ctypes.data
 
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
+    def _account(self, nbytes: int) -> None:
+        """Every flush passes here: the crash tests' flush point, then the bandwidth cap."""
         crash_point(FLUSH_POINT)
         if self.bandwidth_cap is not None:
-            self.bandwidth_cap.charge(length)
+            self.bandwidth_cap.charge(nbytes)
+
+    def flush(self, offset: int, length: int) -> None:
+        self._check_range(offset, length)
+        self._account(length)
         if self._pmem is not None:
             self._pmem.pmem_flush(self.address + offset, length)
+
+    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
+        if rows.size and self._pmem is not None and native.lib() is not None:
+            self._account(rows.size * stride)  # the native walk below calls no flush() to account for it
+        super().flush_rows(offset, stride, rows)
 
     def drain(self) -> None:
         if self._pmem is not None:
@@ -147,6 +157,10 @@ class EADRCXLDevice(EmulatedCXLDevice):
         self._check_range(offset, length)
         crash_point(FLUSH_POINT)
 
+    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
+        self._check_range(offset, 0)
+        crash_point(FLUSH_POINT)
+
 
 class PowerLossCXLDevice(EmulatedCXLDevice):
     """The emulated device with a power-loss model (knob `power_loss` = 1; map_device picks it).
@@ -197,18 +211,28 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
 
     def flush(self, offset: int, length: int) -> None:
         self._check_range(offset, length)
-        crash_point(FLUSH_POINT)
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
         if length == 0:
             return
-        if self.bandwidth_cap is not None:
-            self.bandwidth_cap.charge(length)
+        self._account(length)
         # Whole lines, as CLWB does: unpersisted neighbours in the first and last line go along.
         start = offset - offset % CACHE_LINE
         end = min(-(-(offset + length) // CACHE_LINE) * CACHE_LINE, self.size)
         with self.media_lock:
             ctypes.memmove(self._media_address + start, self.address + start, end - start)
+
+    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
+        if rows.size == 0 or native.lib() is None:
+            return Device.flush_rows(self, offset, stride, rows)  # one flush() per run of rows
+        self._check_range(offset, 0)
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        self._account(rows.size * stride)
+        rows = np.require(rows, np.int64, "CA")
+        with self.media_lock:  # the kernel runs without the GIL: the lock alone keeps the evictor out
+            native.copy_lines(self.address, self._media_address, self.size, offset, stride,
+                              (self.size - offset) // stride, rows)
 
     def drain(self) -> None:
         # Nothing is in flight: flush's copy has landed in the media (the page cache, which outlives
@@ -242,6 +266,10 @@ class VolatileCXLDevice(PowerLossCXLDevice):
 
     def flush(self, offset: int, length: int) -> None:
         self._check_range(offset, length)
+        crash_point(FLUSH_POINT)
+
+    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
+        self._check_range(offset, 0)
         crash_point(FLUSH_POINT)
 
     def close(self) -> None:

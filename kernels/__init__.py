@@ -1,6 +1,12 @@
 """Row kernels, installed as `cxltrain.kernels` (DESIGN §2).
 
-The CPU row operations of the foundation — gather, fused sparse update, scatter — are torch
-primitives chosen by measurement (see cxltrain/tables.py). Native C kernels (GIL released, one
-call per table per batch, non-temporal undo capture) and CuPy GPU kernels belong here.
+    ops.py         what the rest of cxltrain calls: gather/scatter rows, the fused sparse update,
+                   undo capture; the C kernels when built (knob native_kernels), else torch
+    rows.py        the torch kernels: the reference the C kernels are tested against, and the fallback
+    native.py      the C extension (`_rows`, built from rows.c by setup.py) and the row-set flushes
+                   the devices use (flush_rows, copy_lines)
+    rows.c         the C kernels: one call per table per batch, GIL released, rows bounds-checked
+    microbench.py  run(): per-table-per-batch timings, C against torch
+
+CuPy GPU kernels belong here too.
 """

@@ -73,3 +73,39 @@ def rowwise_adagrad_update(weight: torch.Tensor, state: torch.Tensor, rows: torc
     updated = weight.index_select(0, rows)
     updated[:, :dim].add_(step, alpha=-lr)
     weight.index_copy_(0, rows, updated)
+
+
+def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """table[rows]: table [R, P], rows [U] → [U, P] (a copy)."""
+    return table.index_select(0, rows)
+
+
+def scatter_rows(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """table[rows] = src, in place: table [R, P], rows [U] unique, src [U, P]."""
+    table.index_copy_(0, rows, src)
+
+
+def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
+                  grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
+                  mode: str, lr: float, eps: float) -> torch.Tensor:
+    """The fused sparse update composed of the steps above; returns the updated rows [U], sorted.
+
+    indices [N], grad_out [B, D] (one gradient per bag), offsets [B]; rule "sgd" or "rowwise_adagrad".
+    """
+    grads = lookup_gradients(grad_out, offsets, indices.numel(), mode, per_sample_weights)
+    rows, summed = reduce_duplicates(indices, grads)
+    if rule == "sgd":
+        sgd_update(weight, rows, summed, lr)
+    else:
+        rowwise_adagrad_update(weight, state, rows, summed, lr, eps)
+    return rows
+
+
+def capture_undo(old_weights: torch.Tensor, old_state: torch.Tensor | None, old_rows: torch.Tensor,
+                 weights: torch.Tensor, state: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """Copy the rows' current values into an undo payload: old_weights [U, P] := weights[rows],
+    old_state [U, K] := state[rows], old_rows [U] := rows. Ordinary (cached) stores."""
+    torch.index_select(weights, 0, rows, out=old_weights)
+    if state is not None:
+        torch.index_select(state, 0, rows, out=old_state)
+    old_rows.copy_(rows)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from cxltrain.kernels import native
 from cxltrain.optim import SGD, RowWiseAdagrad
 from cxltrain.errors import PoolError
 from cxltrain.pool import Pool
@@ -261,7 +262,10 @@ def test_empty_bags_and_empty_batch(shm_dir):
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's own Adagrad says this
 def test_rowwise_adagrad_with_one_column_matches_torch_adagrad(pool_path):
     """With D = 1 the row-wise accumulator is torch's element-wise one: torch.optim.Adagrad is then
-    a reference written by someone else. Bit for bit, since no row repeats within a batch."""
+    a reference written by someone else. No row repeats within a batch, so the accumulators are
+    equal bit for bit, and so are the weights from the torch kernels. The native kernel's weights
+    may differ by 1 ulp: its sqrtf is correctly rounded, torch's CPU sqrt (MKL vector math in this
+    build) is not, about 1 result in 5 being 1 ulp off."""
     pool = Pool.create(pool_path, 8 << 20)
     table = PersistentEmbeddingBag(ROWS, 1, name="t0", optimizer=RowWiseAdagrad(lr=0.2, eps=1e-10,
                                                                                  initial_accumulator_value=0.1))
@@ -278,6 +282,9 @@ def test_rowwise_adagrad_with_one_column_matches_torch_adagrad(pool_path):
         (reference(indices, offsets) * upstream).sum().backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        assert torch.equal(table.weight, reference.weight)
+        if native.lib() is None:
+            assert torch.equal(table.weight, reference.weight)
+        else:
+            torch.testing.assert_close(table.weight, reference.weight, rtol=2.4e-7, atol=1e-7)  # ulps of the step
         assert torch.equal(table.optimizer_state, ref_opt.state[reference.weight]["sum"])
     pool.close()

@@ -7,7 +7,7 @@
 #      again; otherwise torch comes from `pip install torch==2.13.0`, which this machine kind serves
 #      from a local CPU wheel. torch is installed *before* the package, so pip never resolves torch
 #      from an index (that would pull the multi-GB CUDA build).
-#   3. This package, editable, with its test extra.
+#   3. This package, editable, with its test extra; setup.py compiles the C row kernels in kernels/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,8 +30,8 @@ ensure_libpmem() {
 }
 
 ensure_venv() {
-    if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ]; then
-        return
+    if [ -f "$STAMP" ] && [ -z "$(find pyproject.toml setup.py kernels -maxdepth 1 \( -name pyproject.toml -o -name setup.py -o -name '*.c' \) -newer "$STAMP" 2>/dev/null)" ]; then
+        return  # set up, and no build input changed since (a kernels/*.c edit rebuilds the extension)
     fi
     if [ ! -x "$VENV/bin/python" ]; then
         if "$PY" -c 'import torch' >/dev/null 2>&1; then

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import CheckpointError, PoolCorruptError
 from ..faults import crash_point, planted
+from ..kernels import ops as row_ops
 from ..pool import Pool
 from ..pool_format import Region, RegionKind
 from . import layout
@@ -77,7 +78,7 @@ class UndoRing:
         """Write the record of `batch` for one table and make it durable; returns its ring bytes.
 
         rows [U] int64 unique; weights [R, P] the table's padded rows; state [R, K] or None.
-        The old values are gathered straight into the ring (no staging copy).
+        The old values are gathered straight into the ring (no staging copy, non-temporal stores).
         """
         count = rows.numel()
         row_bytes = weights_region.row_stride
@@ -88,11 +89,7 @@ class UndoRing:
         device = self.pool.device
         payload_len = layout.payload_bytes(count, row_bytes, state_bytes)
         payload = device.array[base + layout.UNDO_HEADER.size : base + layout.UNDO_HEADER.size + payload_len]
-        old_weights, old_state, indices = layout.split_payload(payload, count, row_bytes, state_bytes)
-        torch.index_select(weights, 0, rows, out=torch.from_numpy(old_weights.view(np.float32)))
-        if state is not None:
-            torch.index_select(state, 0, rows, out=torch.from_numpy(old_state.view(np.float32)))
-        indices[:] = rows.numpy()
+        row_ops.capture_undo(*layout.split_payload(payload, count, row_bytes, state_bytes), weights, state, rows)
         header = layout.UndoHeader(weights_region.index, self.generation, self.next_seq, batch, count, row_bytes,
                                    state_bytes, layout.payload_checksum(payload, self.pool.superblock.uuid,
                                                                         self.generation, self.next_seq),

@@ -33,6 +33,9 @@ class LibPmem:
         self._declare("pmem_msync", ctypes.c_int, [vp, sz])
         self._declare("pmem_memcpy_persist", vp, [vp, vp, sz])
         self._declare("pmem_errormsg", ctypes.c_char_p, [])
+        # C addresses of flush and drain, for the native row kernels to call without ctypes
+        self.flush_address = ctypes.cast(self.pmem_flush, ctypes.c_void_p).value
+        self.drain_address = ctypes.cast(self.pmem_drain, ctypes.c_void_p).value
 
     def _declare(self, name: str, restype, argtypes) -> None:
         fn = getattr(self.lib, name)

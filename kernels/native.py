@@ -1,0 +1,85 @@
+"""The native row kernels (kernels/rows.c, built by setup.py as `cxltrain.kernels._rows`).
+
+`lib()` is the extension module, or None when it was not built (then one warning line, once) or
+the `native_kernels` knob is 0; callers then use the torch kernels of rows.py. The C functions
+take raw addresses: only this module and ops.py call them, after checking every array they
+describe. This module needs numpy only (no torch), so the devices layer can use it.
+
+The two row-set flushes, for devices (rows int64 [U], sorted ascending, unique):
+
+    flush_rows(address, stride, table_rows, rows, flush_address=None, drain_address=None, drain=False)
+        write back each run of adjacent rows of the table at `address` ([table_rows, stride] bytes)
+        with one call of the C function at `flush_address` (libpmem's pmem_flush, signature
+        void(const void *, size_t)) per run, or with CLWB/CLFLUSHOPT when it is None
+        (RuntimeError "no flush available" when the CPU has neither); then, if `drain`, one call of
+        the C function at `drain_address` (pmem_drain), or one SFENCE when it is None.
+
+    copy_lines(view_address, media_address, map_size, offset, stride, table_rows, rows)
+        the power-loss emulator's flush: for each run of adjacent rows of the table at mapping
+        offset `offset`, copy the whole 64-byte lines it touches from the view mapping to the media
+        mapping (both `map_size` bytes, page aligned), clamped to the mapping's end.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from ..knobs import KNOBS
+
+
+def _load():
+    try:
+        from . import _rows
+    except ImportError as e:
+        print(f"cxltrain: warning: native row kernels not built ({e}); using the slower torch kernels",
+              file=sys.stderr)
+        return None
+    return _rows
+
+
+_LIB = _load()
+
+
+def built() -> bool:
+    """Whether the extension was built and imports."""
+    return _LIB is not None
+
+
+def lib():
+    """The extension module when it is built and the native_kernels knob is 1, else None."""
+    return _LIB if KNOBS.native_kernels else None
+
+
+def cpu_flush() -> str:
+    """The cache-line flush the kernels use without libpmem: "clwb", "clflushopt" or "none"."""
+    return _require().cpu_flush()
+
+
+def check_rows(rows: np.ndarray) -> None:
+    """Refuse anything but a 1-D C-contiguous, 8-byte aligned int64 numpy array of row ids."""
+    if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1 \
+            or not rows.flags.c_contiguous or not rows.flags.aligned:
+        raise TypeError(f"rows must be a 1-D contiguous, aligned int64 numpy array, got "
+                        f"{getattr(rows, 'dtype', type(rows).__name__)} {getattr(rows, 'shape', '')}")
+
+
+def flush_rows(address: int, stride: int, table_rows: int, rows: np.ndarray, flush_address: int | None = None,
+               drain_address: int | None = None, drain: bool = False) -> None:
+    check_rows(rows)
+    _require().flush_rows(address, stride, table_rows, rows.ctypes.data, rows.size, flush_address or 0,
+                          drain_address or 0, drain)
+
+
+def copy_lines(view_address: int, media_address: int, map_size: int, offset: int, stride: int, table_rows: int,
+               rows: np.ndarray) -> None:
+    check_rows(rows)
+    _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows, rows.ctypes.data,
+                          rows.size)
+
+
+def _require():
+    if _LIB is None:
+        raise RuntimeError("the native row kernels are not built (pip install -e . compiles kernels/rows.c)")
+    return _LIB

@@ -1,0 +1,175 @@
+"""The row operations the rest of cxltrain calls, one call per table per batch: the native C kernels
+(kernels/rows.c, via native.py) when they are built and the `native_kernels` knob is 1, the torch
+kernels of rows.py otherwise. Both refuse a row index outside the table before writing anything.
+
+Inputs are checked here, before any address reaches C: CPU tensors of the stated dtype, contiguous
+(a non-contiguous or wrongly typed tensor is refused, never silently copied), shapes that agree.
+
+Shapes: N lookups, B bags, U unique rows, R table rows, P floats per padded row, D <= P embedding
+dim, K optimizer-state columns.
+
+    weight = torch.zeros(1000, 16); state = torch.zeros(1000, 1)
+    rows = sparse_update("rowwise_adagrad", weight, state, torch.tensor([7, 3, 7]),
+                         torch.ones(3, 16), lr=0.1, eps=1e-8)      # three bags of one lookup
+    rows                                                           # tensor([3, 7]); row 7 got 2x
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import native
+from . import rows as torch_rows
+
+RULES = {"sgd": 0, "rowwise_adagrad": 1}  # the C kernel's rule numbers
+MODES = ("sum", "mean")
+
+
+def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """table [R, P] float32, rows [U] int64 → [U, P], a copy of those rows."""
+    _check("table", table, torch.float32, 2)
+    _check("rows", rows, torch.int64, 1)
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(rows, table.shape[0])
+        return torch_rows.gather_rows(table, rows)
+    out = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype)
+    row_bytes = table.shape[1] * table.element_size()
+    lib.copy_rows(out.data_ptr(), row_bytes, table.data_ptr(), row_bytes, row_bytes, False, table.shape[0],
+                  rows.data_ptr(), rows.numel())
+    return out
+
+
+def scatter_rows(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
+    """table[rows] = src in place: table [R, P] float32, rows [U] int64 unique, src [U, P]."""
+    _check("table", table, torch.float32, 2)
+    _check("rows", rows, torch.int64, 1)
+    _check("src", src, torch.float32, 2)
+    if src.shape != (rows.numel(), table.shape[1]):
+        raise ValueError(f"src must be [{rows.numel()}, {table.shape[1]}], got {list(src.shape)}")
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(rows, table.shape[0])
+        return torch_rows.scatter_rows(table, rows, src)
+    row_bytes = table.shape[1] * table.element_size()
+    lib.copy_rows(table.data_ptr(), row_bytes, src.data_ptr(), row_bytes, row_bytes, True, table.shape[0],
+                  rows.data_ptr(), rows.numel())
+
+
+def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
+                  grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
+                  per_sample_weights: torch.Tensor | None = None, mode: str = "sum", *, lr: float,
+                  eps: float = 0.0) -> torch.Tensor:
+    """The fused sparse update of one table for one batch, in place; returns the rows [U] it updated,
+    sorted ascending (U <= N).
+
+    weight [R, P] float32 (columns :D updated), state [R, K] float32 (column 0; rowwise_adagrad
+    only), indices [N] int64, grad_out [B, D] float32 (each bag's gradient), offsets [B] int64
+    (bag starts; None: every lookup is its own bag, B = N), per_sample_weights [N] float32 (mode
+    "sum" only). A row's lookup gradients are summed in lookup order, then the rule is applied once
+    per row: sgd w -= lr*g; rowwise_adagrad s += mean(g^2), w -= lr*g/(sqrt(s)+eps).
+
+    The C kernel is bit-identical to the torch kernels except in rowwise_adagrad's mean(g^2), where
+    torch's vectorised sum adds in another order (a few float32 ulps; same bits at D = 1), and is
+    deterministic run to run.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _check("weight", weight, torch.float32, 2)
+    _check("indices", indices, torch.int64, 1)
+    _check("grad_out", grad_out, torch.float32, 2)
+    bags, dim = grad_out.shape
+    if dim > weight.shape[1]:
+        raise ValueError(f"grad_out has {dim} columns, more than the table's {weight.shape[1]}")
+    if rule == "rowwise_adagrad":
+        _check("state", state, torch.float32, 2)
+        if state.shape[0] != weight.shape[0] or state.shape[1] < 1:
+            raise ValueError(f"state must be [{weight.shape[0]}, K >= 1], got {list(state.shape)}")
+    if offsets is None:
+        if bags != indices.numel():
+            raise ValueError(f"without offsets grad_out needs one row per lookup ({indices.numel()}), got {bags}")
+    else:
+        _check("offsets", offsets, torch.int64, 1)
+        if offsets.numel() != bags:
+            raise ValueError(f"offsets has {offsets.numel()} bags, grad_out {bags}")
+    if per_sample_weights is not None:
+        _check("per_sample_weights", per_sample_weights, torch.float32, 1)
+        if mode != "sum" or per_sample_weights.numel() != indices.numel():
+            raise ValueError("per_sample_weights need mode 'sum' and one weight per lookup")
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(indices, weight.shape[0])
+        if offsets is None:
+            offsets = torch.arange(bags, dtype=torch.int64)
+        return torch_rows.sparse_update(rule, weight, state, indices, grad_out, offsets, per_sample_weights, mode,
+                                        lr, eps)
+    out = torch.empty(indices.numel(), dtype=torch.int64)
+    unique = lib.sparse_update(
+        RULES[rule], weight.data_ptr(), weight.shape[1], _address(state), state.shape[1] if state is not None else 0,
+        weight.shape[0], dim, indices.data_ptr(), indices.numel(), grad_out.data_ptr(), dim, bags,
+        _address(offsets), mode == "mean", _address(per_sample_weights), lr, eps, out.data_ptr())
+    return out[:unique]
+
+
+def capture_undo(old_weights: np.ndarray, old_state: np.ndarray, old_rows: np.ndarray, weights: torch.Tensor,
+                 state: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """Fill an undo record's payload (the three views layout.split_payload gives) with the rows'
+    current values: old_weights uint8 [U, P*4] := weights[rows], old_state uint8 [U, K*4] :=
+    state[rows], old_rows int64 [U] := rows. weights [R, P] and state [R, K] float32, rows [U] int64.
+
+    The C kernel writes with non-temporal stores and ends with one SFENCE: the payload goes towards
+    memory without displacing the caches, and the caller's persist has little left to write back.
+    """
+    _check("weights", weights, torch.float32, 2)
+    _check("rows", rows, torch.int64, 1)
+    count = rows.numel()
+    _check_block("old_weights", old_weights, np.uint8, (count, weights.shape[1] * 4))
+    _check_block("old_rows", old_rows, np.int64, (count,))
+    state_bytes = 0
+    if state is not None:
+        _check("state", state, torch.float32, 2)
+        state_bytes = state.shape[1] * 4
+        _check_block("old_state", old_state, np.uint8, (count, state_bytes))
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(rows, weights.shape[0])
+        return torch_rows.capture_undo(
+            torch.from_numpy(old_weights.view(np.float32)),
+            None if state is None else torch.from_numpy(old_state.view(np.float32)),
+            torch.from_numpy(old_rows), weights, state, rows)
+    lib.capture_undo(old_weights.ctypes.data, old_state.ctypes.data if state is not None else 0,
+                     old_rows.ctypes.data, weights.data_ptr(), weights.shape[1] * 4, _address(state), state_bytes,
+                     weights.shape[0], rows.data_ptr(), count)
+
+
+def _check(name: str, tensor, dtype: torch.dtype, dim: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype or tensor.dim() != dim or tensor.device.type != "cpu":
+        raise TypeError(f"{name} must be a {dim}-D {dtype} CPU tensor, got {tensor.dim()}-D {tensor.dtype} "
+                        f"on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_block(name: str, block, dtype, shape: tuple[int, ...]) -> None:
+    if not isinstance(block, np.ndarray) or block.dtype != dtype or block.shape != shape \
+            or not block.flags.c_contiguous or not block.flags.writeable:
+        raise ValueError(f"{name} must be a writable contiguous {np.dtype(dtype).name} array {list(shape)}, got "
+                         f"{getattr(block, 'dtype', type(block).__name__)} {list(getattr(block, 'shape', ()))}")
+
+
+def _check_bounds(rows: torch.Tensor, table_rows: int) -> None:
+    """The torch kernels' first pass, as the C kernels do it: refuse before any store."""
+    if rows.numel():
+        low, high = int(rows.min()), int(rows.max())
+        if low < 0 or high >= table_rows:
+            bad = low if low < 0 else high
+            raise IndexError(f"row index {bad} is out of range [0, {table_rows}); nothing was written")
+
+
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()

@@ -1,0 +1,577 @@
+/*
+ * Native CPU row kernels: cxltrain.kernels._rows (a private module; call it through
+ * cxltrain/kernels/ops.py and native.py, which check every tensor before handing over addresses).
+ *
+ * Each call works on a whole row set (one table, one batch) with the GIL released; nothing loops
+ * per row in Python. Every kernel checks each row index against the table's row count in a first
+ * pass, before its first store, so a bad index is refused with nothing written.
+ *
+ *   copy_rows                    gather or scatter whole rows between a table and a dense block
+ *   sparse_update                duplicate reduction + SGD or row-wise Adagrad, in place
+ *   capture_undo                 old weights, old state and row ids into an undo-record payload,
+ *                                with non-temporal stores and one SFENCE
+ *   flush_rows                   write back each run of adjacent rows (libpmem's pmem_flush, or
+ *                                CLWB/CLFLUSHOPT), optionally followed by one drain
+ *   copy_lines                   the power-loss emulator's flush: whole 64-byte lines of each run
+ *                                of rows copied from the process's view to the media view
+ *
+ * Determinism: floats are added in a fixed order (a row's gradients in lookup order), the build
+ * turns off implicit FMA contraction (-ffp-contract=off), and the update steps use explicit fmaf,
+ * which is one IEEE rounding on every CPU. That is also what torch's CPU kernels compute for
+ * `w.add_(g, alpha=-lr)`, so SGD matches torch bit for bit.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+#define CACHE_LINE 64
+
+/* A first pass over the rows: the index of the first one outside [0, limit), or -1. */
+static Py_ssize_t first_bad_row(const int64_t *rows, Py_ssize_t count, int64_t limit)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (rows[i] < 0 || rows[i] >= limit)
+            return i;
+    return -1;
+}
+
+static PyObject *raise_bad_row(const int64_t *rows, Py_ssize_t at, int64_t limit)
+{
+    PyErr_Format(PyExc_IndexError, "row index %lld is out of range [0, %lld); nothing was written",
+                 (long long)rows[at], (long long)limit);
+    return NULL;
+}
+
+/* The work of a row-set kernel; runs only after every row passed the bounds check. */
+typedef void (*row_set_work)(const void *args, const int64_t *rows, Py_ssize_t count);
+
+/* Check the rows against the table, then do the work, both without the GIL. */
+static PyObject *run_checked(row_set_work work, const void *args, const int64_t *rows, Py_ssize_t count,
+                             int64_t table_rows)
+{
+    Py_ssize_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = first_bad_row(rows, count, table_rows);
+    if (bad < 0)
+        work(args, rows, count);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0)
+        return raise_bad_row(rows, bad, table_rows);
+    Py_RETURN_NONE;
+}
+
+/* Call run(args, first row, rows in the run) once per run of adjacent rows. */
+typedef void (*run_fn)(const void *args, int64_t first, Py_ssize_t length);
+
+static void for_each_run(const void *args, const int64_t *rows, Py_ssize_t count, run_fn run)
+{
+    for (Py_ssize_t i = 0; i < count;) {
+        Py_ssize_t j = i + 1;
+        while (j < count && rows[j] == rows[j - 1] + 1)
+            j++;
+        run(args, rows[i], j - i);
+        i = j;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * gather / scatter (and the undo capture below): whole rows, as bytes
+ * ------------------------------------------------------------------------------------------- */
+typedef void (*copy_fn)(char *dst, const char *src, size_t n);
+
+static void plain_copy(char *dst, const char *src, size_t n)
+{
+    memcpy(dst, src, n);
+}
+
+struct row_copy {
+    char *dst;
+    Py_ssize_t dst_stride;
+    const char *src;
+    Py_ssize_t src_stride;
+    size_t row_bytes;
+    int scatter; /* 0: dst row i := src row rows[i] (gather); 1: dst row rows[i] := src row i */
+    copy_fn copy;
+};
+
+static void copy_rows_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    const struct row_copy *c = args;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t to = c->scatter ? rows[i] : i, from = c->scatter ? i : rows[i];
+        c->copy(c->dst + to * c->dst_stride, c->src + from * c->src_stride, c->row_bytes);
+    }
+}
+
+static PyObject *copy_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, src, rows;
+    Py_ssize_t count, row_bytes;
+    long long table_rows;
+    struct row_copy c = {.copy = plain_copy};
+    if (!PyArg_ParseTuple(args, "KnKnnpLKn", &dst, &c.dst_stride, &src, &c.src_stride, &row_bytes, &c.scatter,
+                          &table_rows, &rows, &count))
+        return NULL;
+    c.dst = (char *)(uintptr_t)dst;
+    c.src = (const char *)(uintptr_t)src;
+    c.row_bytes = (size_t)row_bytes;
+    return run_checked(copy_rows_work, &c, (const int64_t *)(uintptr_t)rows, count, table_rows);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Fused sparse update
+ * ------------------------------------------------------------------------------------------- */
+enum rule { RULE_SGD = 0, RULE_ROWWISE_ADAGRAD = 1 };
+
+struct update_args {
+    int rule;
+    float *weight;          /* [R, w_stride] floats, columns [0, dim) updated */
+    Py_ssize_t w_stride;
+    float *state;           /* [R, s_stride] floats, column 0 used (Adagrad only) */
+    Py_ssize_t s_stride;
+    int64_t table_rows;
+    Py_ssize_t dim;
+    const int64_t *indices; /* [N] */
+    Py_ssize_t n;
+    const float *grad_out;  /* [B, g_stride] floats: one gradient per bag */
+    Py_ssize_t g_stride;
+    Py_ssize_t bags;
+    const int64_t *offsets; /* [B] bag starts, or NULL: lookup i is bag i (B == N) */
+    int mean;               /* mode "mean": a lookup's gradient is its bag's times 1/len */
+    const float *psw;       /* [N] per-sample weights (mode "sum" only), or NULL */
+    float lr, eps;
+    int64_t *out_rows;      /* [N]: the sorted unique rows, U of them */
+};
+
+/* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
+ * table's row count needs): `order` ends up listing lookups by row, each row's in lookup order. */
+static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, int64_t *order)
+{
+    enum { BITS = 11, BUCKETS = 1 << BITS };
+    int64_t *scratch = malloc((size_t)(n ? n : 1) * sizeof *scratch);
+    Py_ssize_t *count = malloc(BUCKETS * sizeof *count);
+    if (!scratch || !count) {
+        free(scratch);
+        free(count);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        order[i] = i;
+    int key_bits = 0;
+    while (key_bits < 63 && ((int64_t)1 << key_bits) < table_rows)
+        key_bits++;
+    int64_t *from = order, *to = scratch;
+    for (int shift = 0; shift < key_bits; shift += BITS) {
+        memset(count, 0, BUCKETS * sizeof *count);
+        for (Py_ssize_t i = 0; i < n; i++)
+            count[(keys[from[i]] >> shift) & (BUCKETS - 1)]++;
+        Py_ssize_t sum = 0;
+        for (int b = 0; b < BUCKETS; b++) {
+            Py_ssize_t c = count[b];
+            count[b] = sum;
+            sum += c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            to[count[(keys[from[i]] >> shift) & (BUCKETS - 1)]++] = from[i];
+        int64_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != order)
+        memcpy(order, from, (size_t)n * sizeof *order);
+    free(scratch);
+    free(count);
+    return 0;
+}
+
+/* One unique row: sum its lookups' gradients in lookup order, then apply the rule. The body is
+ * compiled twice (plain x86-64 and AVX2+FMA); fmaf is exact either way, so both give equal bits. */
+#define UPDATE_ROWS_BODY                                                                          \
+    Py_ssize_t unique = 0;                                                                        \
+    const Py_ssize_t dim = a->dim;                                                                \
+    for (Py_ssize_t j = 0; j < a->n;) {                                                           \
+        const int64_t row = a->indices[order[j]];                                                 \
+        for (Py_ssize_t d = 0; d < dim; d++)                                                      \
+            acc[d] = 0.0f;                                                                        \
+        for (; j < a->n && a->indices[order[j]] == row; j++) {                                    \
+            const Py_ssize_t i = order[j];                                                        \
+            const float *g = a->grad_out + bag_of[i] * a->g_stride;                               \
+            const float scale = scale_of[i];                                                      \
+            if (scale_used)                                                                       \
+                for (Py_ssize_t d = 0; d < dim; d++)                                              \
+                    acc[d] += g[d] * scale;                                                       \
+            else                                                                                  \
+                for (Py_ssize_t d = 0; d < dim; d++)                                              \
+                    acc[d] += g[d];                                                               \
+        }                                                                                         \
+        float *w = a->weight + row * a->w_stride;                                                 \
+        if (a->rule == RULE_SGD) {                                                                \
+            for (Py_ssize_t d = 0; d < dim; d++)                                                  \
+                w[d] = fmaf(-a->lr, acc[d], w[d]);                                                \
+        } else {                                                                                  \
+            float squares = 0.0f;                                                                 \
+            for (Py_ssize_t d = 0; d < dim; d++)                                                  \
+                squares += acc[d] * acc[d];                                                       \
+            float *s = a->state + row * a->s_stride;                                              \
+            *s = *s + squares / (float)dim;                                                       \
+            const float denom = sqrtf(*s) + a->eps;                                               \
+            for (Py_ssize_t d = 0; d < dim; d++)                                                  \
+                w[d] = fmaf(-a->lr, acc[d] / denom, w[d]);                                        \
+        }                                                                                         \
+        a->out_rows[unique++] = row;                                                              \
+    }                                                                                             \
+    return unique;
+
+typedef Py_ssize_t (*update_rows_fn)(const struct update_args *, const int64_t *, const int64_t *,
+                                     const float *, int, float *);
+
+static Py_ssize_t update_rows_plain(const struct update_args *a, const int64_t *order, const int64_t *bag_of,
+                                    const float *scale_of, int scale_used, float *acc)
+{
+    UPDATE_ROWS_BODY
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma")))
+static Py_ssize_t update_rows_fma(const struct update_args *a, const int64_t *order, const int64_t *bag_of,
+                                  const float *scale_of, int scale_used, float *acc)
+{
+    UPDATE_ROWS_BODY
+}
+#endif
+
+static update_rows_fn update_rows = update_rows_plain;
+
+/* 0 on success; 1 bad index (at *bad); 2 bad offsets; -1 out of memory. */
+static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, Py_ssize_t *bad)
+{
+    *bad = first_bad_row(a->indices, a->n, a->table_rows);
+    if (*bad >= 0)
+        return 1;
+    if (a->offsets) {
+        if (a->bags < 1 || a->offsets[0] != 0)
+            return 2;
+        for (Py_ssize_t b = 1; b < a->bags; b++)
+            if (a->offsets[b] < a->offsets[b - 1] || a->offsets[b] > a->n)
+                return 2;
+    }
+    size_t n = (size_t)(a->n ? a->n : 1);
+    int64_t *order = malloc(n * sizeof *order);
+    int64_t *bag_of = malloc(n * sizeof *bag_of);
+    float *scale_of = malloc(n * sizeof *scale_of);
+    float *acc = malloc((size_t)(a->dim ? a->dim : 1) * sizeof *acc);
+    int status = -1;
+    if (!order || !bag_of || !scale_of || !acc)
+        goto out;
+    /* Each lookup's bag and the factor its bag gradient is scaled by, as torch's reference does:
+     * times (1/len) in mode "mean", then times its per-sample weight. */
+    for (Py_ssize_t b = 0; b < a->bags; b++) {
+        Py_ssize_t start = a->offsets ? a->offsets[b] : b;
+        Py_ssize_t end = a->offsets ? (b + 1 < a->bags ? a->offsets[b + 1] : a->n) : b + 1;
+        float reciprocal = 1.0f / (float)(end - start);
+        for (Py_ssize_t i = start; i < end; i++) {
+            bag_of[i] = b;
+            scale_of[i] = a->mean ? reciprocal : a->psw ? a->psw[i] : 1.0f;
+        }
+    }
+    if (sort_lookups(a->indices, a->n, a->table_rows, order) != 0)
+        goto out;
+    *unique = update_rows(a, order, bag_of, scale_of, a->mean || a->psw, acc);
+    status = 0;
+out:
+    free(order);
+    free(bag_of);
+    free(scale_of);
+    free(acc);
+    return status;
+}
+
+static PyObject *sparse_update(PyObject *self, PyObject *args)
+{
+    struct update_args a;
+    unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows;
+    long long table_rows;
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffK", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+                          &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
+                          &a.mean, &psw, &a.lr, &a.eps, &out_rows))
+        return NULL;
+    if (a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) {
+        PyErr_Format(PyExc_ValueError, "unknown update rule %d", a.rule);
+        return NULL;
+    }
+    if (a.mean && psw) {
+        PyErr_SetString(PyExc_ValueError, "per-sample weights need mode \"sum\"");
+        return NULL;
+    }
+    if (!offsets && a.bags != a.n) {
+        PyErr_SetString(PyExc_ValueError, "without offsets every lookup is its own bag: bags must equal lookups");
+        return NULL;
+    }
+    a.table_rows = table_rows;
+    a.weight = (float *)(uintptr_t)weight;
+    a.state = (float *)(uintptr_t)state;
+    a.indices = (const int64_t *)(uintptr_t)indices;
+    a.grad_out = (const float *)(uintptr_t)grad_out;
+    a.offsets = (const int64_t *)(uintptr_t)offsets;
+    a.psw = (const float *)(uintptr_t)psw;
+    a.out_rows = (int64_t *)(uintptr_t)out_rows;
+    Py_ssize_t unique = 0, bad = -1;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = sparse_update_nogil(&a, &unique, &bad);
+    Py_END_ALLOW_THREADS
+    if (status == 1)
+        return raise_bad_row(a.indices, bad, a.table_rows);
+    if (status == 2) {
+        PyErr_Format(PyExc_ValueError, "offsets must start at 0, be non-decreasing and at most %zd; nothing was written",
+                     a.n);
+        return NULL;
+    }
+    if (status < 0)
+        return PyErr_NoMemory();
+    return PyLong_FromSsize_t(unique);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Undo capture with non-temporal stores
+ * ------------------------------------------------------------------------------------------- */
+/* Copy n bytes (a multiple of 4, both ends 4-byte aligned) around the caches. */
+static void stream_copy(char *dst, const char *src, size_t n)
+{
+#if defined(__x86_64__)
+    while (n >= 4 && ((uintptr_t)dst & 15)) {
+        int v;
+        memcpy(&v, src, 4);
+        _mm_stream_si32((int *)dst, v);
+        dst += 4, src += 4, n -= 4;
+    }
+    for (; n >= 16; dst += 16, src += 16, n -= 16)
+        _mm_stream_si128((__m128i *)dst, _mm_loadu_si128((const __m128i *)src));
+    for (; n >= 4; dst += 4, src += 4, n -= 4) {
+        int v;
+        memcpy(&v, src, 4);
+        _mm_stream_si32((int *)dst, v);
+    }
+#endif
+    memcpy(dst, src, n); /* other CPUs: ordinary stores (the caller persists the payload anyway) */
+}
+
+static void store_fence(void)
+{
+#if defined(__x86_64__)
+    _mm_sfence();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
+
+struct undo_capture {
+    struct row_copy weights, state; /* gathers into the payload's first two blocks */
+    char *old_rows;                 /* its third block: the row ids */
+};
+
+static void capture_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    const struct undo_capture *u = args;
+    copy_rows_work(&u->weights, rows, count);
+    if (u->state.row_bytes)
+        copy_rows_work(&u->state, rows, count);
+    stream_copy(u->old_rows, (const char *)rows, (size_t)count * sizeof *rows);
+    store_fence(); /* non-temporal stores are weakly ordered: order them before what follows */
+}
+
+static PyObject *capture_undo(PyObject *self, PyObject *args)
+{
+    unsigned long long old_weights, old_state, old_rows, weights, state, rows;
+    Py_ssize_t row_bytes, state_bytes, count;
+    long long table_rows;
+    if (!PyArg_ParseTuple(args, "KKKKnKnLKn", &old_weights, &old_state, &old_rows, &weights, &row_bytes, &state,
+                          &state_bytes, &table_rows, &rows, &count))
+        return NULL;
+    if ((row_bytes | state_bytes) & 3 || (old_weights | old_state | old_rows | weights | state) & 3) {
+        PyErr_SetString(PyExc_ValueError, "capture_undo needs 4-byte aligned rows and blocks");
+        return NULL;
+    }
+    struct undo_capture u = {
+        .weights = {(char *)(uintptr_t)old_weights, row_bytes, (const char *)(uintptr_t)weights, row_bytes,
+                    (size_t)row_bytes, 0, stream_copy},
+        .state = {(char *)(uintptr_t)old_state, state_bytes, (const char *)(uintptr_t)state, state_bytes,
+                  (size_t)state_bytes, 0, stream_copy},
+        .old_rows = (char *)(uintptr_t)old_rows,
+    };
+    return run_checked(capture_work, &u, (const int64_t *)(uintptr_t)rows, count, table_rows);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Flushing row sets
+ * ------------------------------------------------------------------------------------------- */
+typedef void (*flush_fn)(const void *, size_t);
+typedef void (*drain_fn)(void);
+
+enum cpu_flush { CPU_FLUSH_NONE = 0, CPU_FLUSH_CLFLUSHOPT = 1, CPU_FLUSH_CLWB = 2 };
+static int cpu_flush = CPU_FLUSH_NONE;
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("clwb")))
+static void clwb_range(const void *addr, size_t len)
+{
+    uintptr_t line = (uintptr_t)addr & ~(uintptr_t)(CACHE_LINE - 1);
+    for (; line < (uintptr_t)addr + len; line += CACHE_LINE)
+        _mm_clwb((void *)line);
+}
+
+__attribute__((target("clflushopt")))
+static void clflushopt_range(const void *addr, size_t len)
+{
+    uintptr_t line = (uintptr_t)addr & ~(uintptr_t)(CACHE_LINE - 1);
+    for (; line < (uintptr_t)addr + len; line += CACHE_LINE)
+        _mm_clflushopt((void *)line);
+}
+#endif
+
+struct row_flush {
+    char *base;
+    Py_ssize_t stride;
+    flush_fn flush;
+    drain_fn drain; /* NULL: SFENCE */
+    int do_drain;
+};
+
+static void flush_run(const void *args, int64_t first, Py_ssize_t length)
+{
+    const struct row_flush *f = args;
+    f->flush(f->base + first * f->stride, (size_t)(length * f->stride));
+}
+
+static void flush_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    const struct row_flush *f = args;
+    for_each_run(f, rows, count, flush_run);
+    if (f->do_drain) {
+        if (f->drain)
+            f->drain();
+        else
+            store_fence();
+    }
+}
+
+static PyObject *flush_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long base, rows, flush, drain;
+    Py_ssize_t count;
+    long long table_rows;
+    struct row_flush f;
+    if (!PyArg_ParseTuple(args, "KnLKnKKp", &base, &f.stride, &table_rows, &rows, &count, &flush, &drain,
+                          &f.do_drain))
+        return NULL;
+    f.base = (char *)(uintptr_t)base;
+    f.flush = (flush_fn)(uintptr_t)flush;
+    f.drain = (drain_fn)(uintptr_t)drain;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (!f.flush)
+        f.flush = cpu_flush == CPU_FLUSH_CLWB ? clwb_range : cpu_flush == CPU_FLUSH_CLFLUSHOPT ? clflushopt_range : NULL;
+#endif
+    if (!f.flush) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "no flush available: libpmem is absent and the CPU has neither CLWB nor CLFLUSHOPT");
+        return NULL;
+    }
+    return run_checked(flush_work, &f, (const int64_t *)(uintptr_t)rows, count, table_rows);
+}
+
+struct line_copy {
+    const char *view;
+    char *media;
+    Py_ssize_t map_size, offset, stride;
+};
+
+/* Whole lines, as CLWB writes back: neighbours sharing the first and last line go along. Offsets
+ * are from the mapping's start, which is page aligned, so they round to lines as addresses do. */
+static void copy_lines_run(const void *args, int64_t first, Py_ssize_t length)
+{
+    const struct line_copy *c = args;
+    Py_ssize_t start = c->offset + first * c->stride, end = start + length * c->stride;
+    start -= start % CACHE_LINE;
+    end = (end + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
+    if (end > c->map_size)
+        end = c->map_size;
+    memcpy(c->media + start, c->view + start, (size_t)(end - start));
+}
+
+static void copy_lines_work(const void *args, const int64_t *rows, Py_ssize_t count)
+{
+    for_each_run(args, rows, count, copy_lines_run);
+}
+
+static PyObject *copy_lines(PyObject *self, PyObject *args)
+{
+    unsigned long long view, media, rows;
+    Py_ssize_t count;
+    long long table_rows;
+    struct line_copy c;
+    if (!PyArg_ParseTuple(args, "KKnnnLKn", &view, &media, &c.map_size, &c.offset, &c.stride, &table_rows, &rows,
+                          &count))
+        return NULL;
+    if (c.offset < 0 || c.stride <= 0 || table_rows < 0 || c.offset + table_rows * c.stride > c.map_size) {
+        PyErr_SetString(PyExc_ValueError, "copy_lines: the table does not lie inside the mapping");
+        return NULL;
+    }
+    c.view = (const char *)(uintptr_t)view;
+    c.media = (char *)(uintptr_t)media;
+    return run_checked(copy_lines_work, &c, (const int64_t *)(uintptr_t)rows, count, table_rows);
+}
+
+
+static PyObject *cpu_flush_name(PyObject *self, PyObject *unused)
+{
+    static const char *names[] = {"none", "clflushopt", "clwb"};
+    return PyUnicode_FromString(names[cpu_flush]);
+}
+
+static void detect_cpu(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned eax, ebx, ecx, edx;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx))
+        cpu_flush = (ebx & (1u << 24)) ? CPU_FLUSH_CLWB : (ebx & (1u << 23)) ? CPU_FLUSH_CLFLUSHOPT : CPU_FLUSH_NONE;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        update_rows = update_rows_fma;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", copy_rows, METH_VARARGS,
+     "copy_rows(dst, dst_stride, src, src_stride, row_bytes, scatter, table_rows, rows, count): gather "
+     "(scatter false: dst row i := src row rows[i]) or scatter (dst row rows[i] := src row i)"},
+    {"sparse_update", sparse_update, METH_VARARGS,
+     "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
+     "bags, offsets, mean, psw, lr, eps, out_rows) -> unique row count"},
+    {"capture_undo", capture_undo, METH_VARARGS,
+     "capture_undo(old_weights, old_state, old_rows, weights, row_bytes, state, state_bytes, table_rows, rows, "
+     "count)"},
+    {"flush_rows", flush_rows, METH_VARARGS,
+     "flush_rows(base, stride, table_rows, rows, count, flush_fn, drain_fn, drain)"},
+    {"copy_lines", copy_lines, METH_VARARGS,
+     "copy_lines(view, media, map_size, offset, stride, table_rows, rows, count)"},
+    {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "Native CPU row kernels (private).", -1,
+                                    methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__rows(void)
+{
+    detect_cpu();
+    return PyModule_Create(&module);
+}

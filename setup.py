@@ -1,0 +1,20 @@
+"""Builds the native row kernels; everything else about the package is in pyproject.toml.
+
+The extension is optional: when it cannot be compiled (no C compiler, no Python headers), the
+install still succeeds and cxltrain.kernels falls back to its torch kernels with one warning.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "cxltrain.kernels._rows",
+            sources=["kernels/rows.c"],
+            # -ffp-contract=off: no implicit FMA, so float results do not depend on the compiler's
+            # choices; the kernels use explicit fmaf where they want one rounding.
+            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11"],
+            optional=True,
+        )
+    ],
+)

@@ -1,0 +1,377 @@
+"""The native row kernels (kernels/rows.c) against the torch kernels of kernels/rows.py.
+
+Each test runs the same call through kernels.ops twice, with the native_kernels knob at 1 (C) and
+at 0 (torch), on copies of the same inputs. Gathers, scatters, duplicate reduction and SGD must be
+equal bit for bit; row-wise Adagrad within a few float32 ulps (torch's sqrt and mean add in another
+way, see ops.sparse_update), and bit-equal to itself run to run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from cxltrain import knobs
+from cxltrain.checkpoint.layout import split_payload
+from cxltrain.devices import map_device
+from cxltrain.devices.libpmem import load as load_libpmem
+from cxltrain.kernels import native, ops
+from cxltrain.kernels import rows as torch_rows
+
+needs_native = pytest.mark.skipif(not native.built(), reason="native row kernels not built")
+CACHE_LINE = 64
+
+
+def test_the_extension_is_built():
+    """`make setup` compiles kernels/rows.c; without it every other test here would only skip."""
+    assert native.built(), "cxltrain.kernels._rows did not build or import (see `pip install -e .` output)"
+
+
+def run_both(fn, *tensors):
+    """fn(*copies) with the C kernels and with the torch kernels → ((result, copies), (result, copies))."""
+    results = []
+    for flag in (1, 0):
+        copies = [None if t is None else t.clone() for t in tensors]
+        with knobs.override(native_kernels=flag):
+            results.append((fn(*copies), copies))
+    return results
+
+
+def random_table(g, rows, width):
+    return torch.randn(rows, width, generator=g)
+
+
+def random_lookups(g, rows, lookups, bags):
+    """indices [N] with hot rows (duplicates are common) and offsets [B] (empty bags allowed)."""
+    indices = torch.randint(0, rows, (lookups,), generator=g)
+    hot = torch.rand(lookups, generator=g) < 0.5
+    indices[hot] = torch.randint(0, min(rows, 4), (int(hot.sum()),), generator=g)
+    cuts = torch.sort(torch.randint(0, lookups + 1, (bags - 1,), generator=g)).values
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), cuts])
+    return indices, offsets
+
+
+# -- gather / scatter ---------------------------------------------------------------------------
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 300), width=st.integers(1, 40), count=st.integers(0, 80),
+       scatter=st.booleans())
+def test_gather_and_scatter_equal_torch(seed, rows, width, count, scatter):
+    g = torch.Generator().manual_seed(seed)
+    table = random_table(g, rows, width)
+    if scatter:
+        picks = torch.randperm(rows, generator=g)[:count]
+        src = random_table(g, picks.numel(), width)
+        (_, [ours]), (_, [theirs]) = run_both(lambda t: ops.scatter_rows(t, picks, src), table)
+        assert torch.equal(ours[picks], src)
+    else:
+        picks = torch.randint(0, rows, (count,), generator=g)  # duplicates and any order
+        (ours, _), (theirs, _) = run_both(lambda t: ops.gather_rows(t, picks), table)
+        assert torch.equal(ours, table[picks])
+    assert torch.equal(ours, theirs)
+
+
+# -- fused sparse update ------------------------------------------------------------------------
+def update(rule, mode, indices, offsets, grad_out, psw, lr=0.3, eps=1e-6):
+    return lambda w, s: ops.sparse_update(rule, w, s, indices, grad_out, offsets, psw, mode, lr=lr, eps=eps)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 200), dim=st.integers(1, 70), pad=st.integers(0, 9),
+       lookups=st.integers(0, 300), bags=st.integers(1, 50), mode=st.sampled_from(["sum", "mean", "weighted"]),
+       rule=st.sampled_from(["sgd", "rowwise_adagrad"]))
+def test_sparse_update_equals_torch(seed, rows, dim, pad, lookups, bags, mode, rule):
+    g = torch.Generator().manual_seed(seed)
+    weight = random_table(g, rows, dim + pad)
+    state = torch.rand(rows, 1, generator=g)
+    indices, offsets = random_lookups(g, rows, lookups, bags)
+    grad_out = torch.randn(bags, dim, generator=g)
+    psw = torch.rand(lookups, generator=g) if mode == "weighted" else None
+    fn = update(rule, "mean" if mode == "mean" else "sum", indices, offsets, grad_out, psw)
+    (ours, [w1, s1]), (theirs, [w2, s2]) = run_both(fn, weight, state)
+    assert torch.equal(ours, theirs) and torch.equal(ours, torch.unique(indices))
+    assert torch.equal(w1[:, dim:], weight[:, dim:])  # padding columns are never written
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[ours] = False
+    assert torch.equal(w1[untouched], weight[untouched]) and torch.equal(s1[untouched], state[untouched])
+    if rule == "sgd":
+        assert torch.equal(w1, w2)
+    else:
+        torch.testing.assert_close(s1, s2, rtol=1e-6, atol=0)
+        torch.testing.assert_close(w1, w2, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+def test_sparse_update_is_deterministic(rule):
+    g = torch.Generator().manual_seed(11)
+    weight, state = random_table(g, 1000, 64), torch.rand(1000, 1, generator=g)
+    indices, offsets = random_lookups(g, 1000, 4096, 2048)
+    grad_out = torch.randn(2048, 64, generator=g)
+    results = []
+    for _ in range(3):
+        w, s = weight.clone(), state.clone()
+        ops.sparse_update(rule, w, s, indices, grad_out, offsets, lr=0.1, eps=1e-8)
+        results.append((w, s))
+    for w, s in results[1:]:
+        assert torch.equal(w, results[0][0]) and torch.equal(s, results[0][1])
+
+
+@needs_native
+@pytest.mark.parametrize("native_flag", [1, 0])
+def test_duplicates_are_summed_in_lookup_order(native_flag):
+    """Row 5's gradients 1e8, 1, -1e8 (in that lookup order) sum to 0 in float32, not to 1: the big
+    value swallows the 1 before it cancels. Another order (or a tree sum) would give 1."""
+    weight = torch.zeros(10, 1)
+    indices = torch.tensor([5, 2, 5, 5])
+    grad_out = torch.tensor([[1e8], [7.0], [1.0], [-1e8]])
+    with knobs.override(native_kernels=native_flag):
+        rows = ops.sparse_update("sgd", weight, None, indices, grad_out, lr=1.0)
+    assert rows.tolist() == [2, 5]
+    assert weight[5, 0].item() == 0.0 and weight[2, 0].item() == -7.0
+
+
+@needs_native
+@pytest.mark.parametrize("native_flag", [1, 0])
+def test_empty_batch_changes_nothing(native_flag):
+    weight, state = torch.randn(10, 4), torch.rand(10, 1)
+    before = weight.clone(), state.clone()
+    with knobs.override(native_kernels=native_flag):
+        rows = ops.sparse_update("rowwise_adagrad", weight, state, torch.empty(0, dtype=torch.int64),
+                                 torch.empty(3, 4), torch.zeros(3, dtype=torch.int64), lr=0.1, eps=1e-8)
+        assert ops.gather_rows(weight, torch.empty(0, dtype=torch.int64)).shape == (0, 4)
+    assert rows.numel() == 0
+    assert torch.equal(weight, before[0]) and torch.equal(state, before[1])
+
+
+# -- refusals: nothing written ------------------------------------------------------------------
+@needs_native
+@pytest.mark.parametrize("native_flag", [1, 0])
+@pytest.mark.parametrize("bad", [10, -1])
+def test_out_of_range_rows_are_refused_before_any_store(native_flag, bad):
+    weight, state = torch.randn(10, 4), torch.rand(10, 1)
+    before = weight.clone(), state.clone()
+    rows = torch.tensor([0, 3, bad])  # the good rows come first: a kernel that checks as it goes writes them
+    payload = np.zeros(3 * (16 + 4 + 8), dtype=np.uint8)
+    old_w, old_s, old_r = payload[:48].reshape(3, 16), payload[48:60].reshape(3, 4), payload[60:].view(np.int64)
+    with knobs.override(native_kernels=native_flag):
+        with pytest.raises(IndexError, match=f"row index {bad} is out of range"):
+            ops.sparse_update("rowwise_adagrad", weight, state, rows, torch.ones(3, 4), lr=0.1, eps=1e-8)
+        with pytest.raises(IndexError):
+            ops.scatter_rows(weight, rows, torch.zeros(3, 4))
+        with pytest.raises(IndexError):
+            ops.gather_rows(weight, rows)
+        with pytest.raises(IndexError):
+            ops.capture_undo(old_w, old_s, old_r, weight, state, rows)
+    assert torch.equal(weight, before[0]) and torch.equal(state, before[1])
+    assert not payload.any()
+
+
+@needs_native
+def test_native_row_set_kernels_refuse_out_of_range_rows():
+    view, media = np.arange(640, dtype=np.uint8), np.zeros(640, dtype=np.uint8)
+    rows = np.array([1, 10], dtype=np.int64)  # 10 rows of 64 bytes: row 10 is past the end
+    with pytest.raises(IndexError, match="row index 10"):
+        native.copy_lines(view.ctypes.data, media.ctypes.data, 640, 0, 64, 10, rows)
+    assert not media.any()
+    with pytest.raises(IndexError, match="row index 10"):
+        native.flush_rows(view.ctypes.data, 64, 10, rows)
+    with pytest.raises(ValueError, match="inside the mapping"):
+        native.copy_lines(view.ctypes.data, media.ctypes.data, 640, 64, 64, 10, rows[:1])
+
+
+@needs_native
+def test_wrong_dtype_shape_or_layout_is_refused():
+    weight, state = torch.randn(10, 4), torch.rand(10, 1)
+    rows, grads = torch.tensor([1, 2]), torch.ones(2, 4)
+    sgd = lambda **kw: ops.sparse_update(**{"rule": "sgd", "weight": weight, "state": None, "indices": rows,  # noqa: E731
+                                            "grad_out": grads, "lr": 0.1, **kw})
+    with pytest.raises(TypeError, match="indices"):
+        sgd(indices=rows.to(torch.int32))
+    with pytest.raises(TypeError, match="grad_out"):
+        sgd(grad_out=grads.double())
+    with pytest.raises(ValueError, match="contiguous"):
+        sgd(grad_out=torch.ones(4, 2).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        sgd(weight=torch.randn(10, 8)[:, :4])
+    with pytest.raises(ValueError, match="columns"):
+        sgd(grad_out=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="offsets"):
+        sgd(offsets=torch.tensor([0]))
+    with pytest.raises(ValueError, match="per_sample_weights"):
+        sgd(per_sample_weights=torch.ones(2), mode="mean")
+    with pytest.raises(TypeError, match="state"):
+        ops.sparse_update("rowwise_adagrad", weight, None, rows, grads, lr=0.1)
+    with pytest.raises(ValueError, match="rule"):
+        sgd(rule="adam")
+    with pytest.raises(TypeError, match="rows"):
+        native.flush_rows(0, 64, 10, np.array([1, 2], dtype=np.int32))
+    with pytest.raises(TypeError, match="aligned"):
+        native.flush_rows(0, 64, 10, np.zeros(40, np.uint8)[4:36].view(np.int64))
+    with pytest.raises(ValueError, match="old_weights"):
+        ops.capture_undo(np.zeros((2, 8), np.uint8), np.zeros((2, 4), np.uint8), np.zeros(2, np.int64),
+                         weight, state, rows)
+    assert torch.equal(weight, weight)
+
+
+@needs_native
+def test_bad_offsets_are_refused_by_the_kernel():
+    """The C kernel checks offsets itself: they index its per-lookup arrays."""
+    weight = torch.randn(10, 4)
+    before = weight.clone()
+    for offsets in ([0, 3, 2], [1, 2, 3], [0, 1, 9]):
+        with pytest.raises(ValueError, match="offsets"):
+            ops.sparse_update("sgd", weight, None, torch.tensor([1, 2, 3]), torch.ones(3, 4),
+                              torch.tensor(offsets), lr=0.1)
+    assert torch.equal(weight, before)
+
+
+# -- undo capture -------------------------------------------------------------------------------
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 300), width=st.integers(1, 33), k=st.integers(0, 2),
+       count=st.integers(0, 60), skew=st.integers(0, 3))
+def test_capture_undo_equals_torch(seed, rows, width, k, count, skew):
+    g = torch.Generator().manual_seed(seed)
+    weights = random_table(g, rows, width)
+    state = torch.rand(rows, k, generator=g) if k else None
+    picks = torch.sort(torch.randperm(rows, generator=g)[: min(count, rows)]).values
+    payloads = []
+    for flag in (1, 0):
+        # a payload that starts `skew` 4-byte words after a 16-byte boundary, as ring records can
+        raw = np.zeros(picks.numel() * (width * 4 + k * 4 + 8) + 64, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 16 + 4 * skew
+        payload = raw[start : start + picks.numel() * (width * 4 + k * 4 + 8)]
+        with knobs.override(native_kernels=flag):
+            ops.capture_undo(*split_payload(payload, picks.numel(), width * 4, k * 4), weights, state, picks)
+        payloads.append(payload.copy())
+    assert np.array_equal(payloads[0], payloads[1])
+    w_end = picks.numel() * width * 4
+    assert np.array_equal(payloads[0][:w_end].view(np.float32).reshape(-1, width), weights[picks].numpy())
+
+
+# -- row-set flush and line copy ----------------------------------------------------------------
+FLUSH_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t)
+DRAIN_FN = ctypes.CFUNCTYPE(None)
+
+
+def python_runs(base, stride, rows):
+    """The calls the Python Device.flush_rows makes: one per run of adjacent rows."""
+    calls = []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    for run in np.split(rows, breaks):
+        if run.size:
+            calls.append((base + int(run[0]) * stride, int(run.size) * stride))
+    return calls
+
+
+@needs_native
+@settings(max_examples=30, deadline=None)
+@given(rows=st.sets(st.integers(0, 199), max_size=120), stride=st.sampled_from([4, 64, 192]))
+def test_flush_rows_calls_the_flush_once_per_run_then_drains_once(rows, stride):
+    rows = np.array(sorted(rows), dtype=np.int64)
+    calls, drains = [], []
+    flush = FLUSH_FN(lambda address, length: calls.append((address, length)))
+    drain = DRAIN_FN(lambda: drains.append(len(calls)))
+    base = 1 << 20  # never dereferenced: the recording flush only notes addresses
+    native.flush_rows(base, stride, 200, rows, ctypes.cast(flush, ctypes.c_void_p).value,
+                      ctypes.cast(drain, ctypes.c_void_p).value, drain=True)
+    assert calls == python_runs(base, stride, rows)
+    assert drains == [len(calls)]
+
+
+@needs_native
+def test_flush_rows_with_libpmem_and_with_cpu_instructions():
+    """The real flushes run over a real buffer (a wrong address would fault) and change no byte."""
+    buffer = np.arange(64 * 100, dtype=np.uint8)
+    before = buffer.copy()
+    rows = np.array([0, 1, 2, 7, 50, 51, 99], dtype=np.int64)
+    pmem = load_libpmem()
+    if pmem is not None:
+        native.flush_rows(buffer.ctypes.data, 64, 100, rows, pmem.flush_address, pmem.drain_address, drain=True)
+    if native.cpu_flush() != "none":
+        native.flush_rows(buffer.ctypes.data, 64, 100, rows, drain=True)
+    else:
+        with pytest.raises(RuntimeError, match="no flush available"):
+            native.flush_rows(buffer.ctypes.data, 64, 100, rows)
+    assert np.array_equal(buffer, before)
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(rows=st.sets(st.integers(0, 99), max_size=60), stride=st.sampled_from([4, 12, 64, 200]),
+       offset=st.sampled_from([0, 4, 64, 4096]), tail=st.integers(0, 70))
+def test_copy_lines_copies_exactly_the_lines_of_the_rows(rows, stride, offset, tail):
+    """Against the power-loss device's flush: every 64-byte line a row touches, and no other, and
+    nothing past the mapping's end when it ends inside the last row's line (`tail` bytes after the
+    table)."""
+    rows = np.array(sorted(rows), dtype=np.int64)
+    size = offset + 100 * stride + tail
+    view = np.random.default_rng(len(rows)).integers(1, 256, size + CACHE_LINE, dtype=np.uint8)
+    media = np.zeros(size + CACHE_LINE, dtype=np.uint8)  # bytes past `size` must stay zero
+    native.copy_lines(view.ctypes.data, media.ctypes.data, size, offset, stride, 100, rows)
+    expected = np.zeros(size + CACHE_LINE, dtype=np.uint8)
+    for row in rows.tolist():
+        start = (offset + row * stride) // CACHE_LINE * CACHE_LINE
+        end = min(-(-(offset + (row + 1) * stride) // CACHE_LINE) * CACHE_LINE, size)
+        expected[start:end] = view[start:end]
+    assert np.array_equal(media, expected)
+
+
+@needs_native
+@pytest.mark.skipif(load_libpmem() is None, reason="needs libpmem")
+def test_device_flush_rows_is_one_native_call_where_libpmem_flushes(shm_dir, monkeypatch):
+    """An emulated CXL device with libpmem flushes a row set in C (never through its per-run
+    Python flush); with the knob at 0 it takes the Python path, one flush per run."""
+    path = str(shm_dir / "dev")
+    with open(path, "wb") as f:
+        f.truncate(1 << 20)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with knobs.override(power_loss=0):
+            device = map_device(path, fd, 1 << 20, writable=True, backend="emulated")
+        assert device.is_pmem
+        calls = []
+        monkeypatch.setattr(device, "flush", lambda offset, length: calls.append((offset, length)))
+        rows = np.array([1, 2, 3, 9, 40], dtype=np.int64)
+        device.flush_rows(4096, 256, rows)
+        unaligned = np.zeros(48, np.uint8)[4:44].view(np.int64)  # as a record's row ids can be
+        unaligned[:] = rows
+        device.flush_rows(4096, 256, unaligned)
+        assert calls == []
+        with knobs.override(native_kernels=0):
+            device.flush_rows(4096, 256, rows)
+        assert calls == python_runs(4096, 256, rows)
+        with pytest.raises(IndexError, match="out of range"):  # past the mapping's end
+            device.flush_rows(4096, 256, np.array([(1 << 20) // 256], dtype=np.int64))
+        device.close()
+    finally:
+        os.close(fd)
+
+
+def test_without_the_extension_one_warning_and_torch_kernels():
+    """If _rows cannot be imported, importing the kernels prints one warning line and the torch
+    kernels do the work."""
+    code = """
+import sys
+sys.modules["cxltrain.kernels._rows"] = None   # what a failed build looks like: the import fails
+import torch
+from cxltrain.kernels import native, ops
+import cxltrain.kernels.native
+assert native.lib() is None and not native.built()
+w = torch.zeros(4, 2)
+print(ops.sparse_update("sgd", w, None, torch.tensor([1, 1]), torch.ones(2, 2), lr=1.0).tolist(), w[1].tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1] [-2.0, -2.0]"
+    warnings = [line for line in out.stderr.splitlines() if "native row kernels not built" in line]
+    assert len(warnings) == 1, out.stderr
