@@ -43,10 +43,8 @@ class UndoRing:
         self.head = start            # where the next record goes (if it fits there)
         self.next_seq = start_seq
         self._live: collections.deque[LiveRecord] = collections.deque()
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(r.size for r in self._live)
+        # kept as a running total: the training thread reads it while the worker appends
+        self.live_bytes = 0
 
     @property
     def free_bytes(self) -> int:
@@ -106,6 +104,7 @@ class UndoRing:
             device.array[base : base + layout.UNDO_HEADER.size] = np.frombuffer(
                 header.pack(self.pool.superblock.uuid), dtype=np.uint8)
         self._live.append(LiveRecord(offset, size, self.next_seq, batch))
+        self.live_bytes += size
         self.head = offset + size
         self.next_seq += 1
         return size
@@ -121,7 +120,7 @@ class UndoRing:
     def reclaim(self, target: int) -> None:
         """Forget records of batches < target. Call only once a root with that target is durable (U3)."""
         while self._live and self._live[0].batch < target:
-            self._live.popleft()
+            self.live_bytes -= self._live.popleft().size
 
 
 # ---------------------------------------------------------------------------------------------
