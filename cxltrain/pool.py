@@ -446,8 +446,8 @@ class Pool:
     def commit(self, *, batch: int, **checkpoint_fields: int) -> Root:
         """Write the next root (seq + 1) into the other slot and persist it.
 
-        checkpoint_fields: the checkpointer's commit fields of Root (ring_generation, ring_start,
-        ring_start_seq, dense_slot, dense_batch); fields not given keep their current values.
+        checkpoint_fields: the checkpointer's commit fields of Root (flags, ring_generation,
+        ring_start, ring_start_seq, dense_slot, dense_batch); fields not given keep their current values.
         """
         self._check_open(writable=True)
         if batch < -1:

@@ -47,7 +47,6 @@ Checkpointer._commit_steps, U4 in Checkpointer._capture.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import time
 from typing import Iterator
@@ -302,9 +301,9 @@ class Checkpointer(BatchGuard):
 
     def _hand_over_commit(self, done: int, snapshot: bool) -> None:
         self._wait_for_commit()  # the lag bound: one commit in flight
-        tree = self.state.capture(done) if snapshot else None
-        if tree is not None and self._worker.pipelined:
-            tree = copy.deepcopy(tree)  # the worker encodes it while b+1 changes the live tensors
+        tree = None
+        if snapshot:  # pipelined, the worker encodes it while b+1 changes the live tensors: a copy
+            tree = self.state.capture_copy(done) if self._worker.pipelined else self.state.capture(done)
         self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, tree)))
         self.committed = done
         if snapshot:
