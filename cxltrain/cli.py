@@ -100,7 +100,14 @@ def _add_train(sub) -> None:
                    help="undo: every batch durable, a crash costs at most the batch in flight (default); "
                         "off: the pool is consistent only when the run ends")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
-                   help=f"dense snapshot and commit every K batches (default {d.dense_every})")
+                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it")
+    p.add_argument("--mode", choices=("strict", "relaxed"), default=d.mode,
+                   help="strict: recovery is exact, embeddings and dense state commit together (default); "
+                        "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
+                        "crash it may be up to K batches older (cheaper, not exact)")
+    p.add_argument("--no-pipeline", action="store_false", dest="pipeline",
+                   help="checkpoint on the training thread (undo capture and commits on the critical path) "
+                        "instead of a background worker")
     _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -165,11 +172,13 @@ def _run_train(args) -> int:
     from .devices import resolve_backend
     from .emulation import default_pool_path
     from .config import TrainConfig
+    from .checkpoint.checkpointer import summary_line
     from .trainer import train
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
-                         zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every)
+                         zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
+                         mode=args.mode, pipeline=args.pipeline)
     config.validate()
     path = args.pool
     if path is None:
@@ -206,8 +215,11 @@ def _run_train(args) -> int:
         modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.cost_model["ms_per_batch"].items())
         print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
     if result.checkpoint == "undo":
-        print(f"checkpoint: every batch durable (undo log + dense snapshot every {args.dense_every}); "
+        dense_part = "" if args.mode == "strict" else f", relaxed: dense state every {args.dense_every}"
+        print(f"checkpoint: every batch durable ({'pipelined' if args.pipeline else 'synchronous'}{dense_part}); "
               f"the pool is committed at batch {result.batch}")
+        if result.checkpoint_stats is not None:
+            print(summary_line(result.checkpoint_stats))
     if result.train_auc is None:
         pass
     elif result.eval_auc is None:
@@ -255,7 +267,9 @@ def _add_recover_export(sub) -> None:
 def _recovered(path: str, report, seconds: float) -> str:
     return (f"recovered {path} to batch {report.batch} in {seconds * 1000:.1f} ms (rolled back "
             f"{report.records_restored} undo records, {report.rows_restored:,} rows, of "
-            f"{report.batches_rolled_back} uncommitted batch(es))")
+            f"{report.batches_rolled_back} uncommitted batch(es))"
+            + (f"; dense state from batch {report.dense_batch}, {report.dense_lag} batch(es) behind the embeddings "
+               "(relaxed mode)" if report.dense_lag else ""))
 
 
 def _run_recover(args) -> int:

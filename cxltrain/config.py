@@ -24,7 +24,10 @@ class TrainConfig:
     bottom_mlp: tuple[int, ...] = (512, 256)
     top_mlp: tuple[int, ...] = (512, 256)
     checkpoint: str = "undo"           # "undo": every batch durable; "off": consistent only at the end
-    dense_every: int = 1               # dense snapshot (and commit) every k batches
+    dense_every: int = 1               # dense snapshot every k batches (strict: and commit)
+    mode: str = "strict"               # "strict": exact recovery; "relaxed": embeddings every batch,
+                                       # dense state every dense_every batches (DESIGN §4)
+    pipeline: bool = True              # checkpoint on a background worker; False: on the training thread
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
@@ -44,6 +47,8 @@ class TrainConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not self.zipf_exponent > 0:
             raise ConfigError(f"zipf exponent must be > 0, got {self.zipf_exponent}")
+        if self.mode not in ("strict", "relaxed"):
+            raise ConfigError(f"mode must be 'strict' or 'relaxed', got {self.mode!r}")
         if self.checkpoint not in ("undo", "off"):
             raise ConfigError(f"checkpoint must be 'undo' or 'off', got {self.checkpoint!r}")
         for name in ("sparse_lr", "dense_lr"):

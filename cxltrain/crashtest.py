@@ -53,6 +53,7 @@ KINDS = ("time", "point", "flush", "recovery")
 PROTOCOL_POINTS = {
     "undo:between-payload-and-header": "tables",
     "update:mid": "tables",
+    "commit:mid-rows": "commits",
     "commit:between-rows-and-snapshot": "commits",
     "commit:before-root": "commits",
     "commit:torn-root": "commits",

@@ -165,7 +165,8 @@ def read_root_slot(read: Reader, sb: Superblock, slot: int) -> SlotStatus:
         return SlotStatus(slot, "corrupt", None, "checksum mismatch (torn or damaged)")
     problem = ("seq is 0" if root.seq == 0 else
                f"seq {root.seq} belongs in slot {SLOT_NAMES[root.seq % 2]}" if root.seq % 2 != slot else
-               "reserved bytes are not zero" if any(reserved) or any(pad) or root.flags else
+               "reserved bytes are not zero" if any(reserved) or any(pad) else
+               f"unknown flags {root.flags:#x}" if root.flags & ~fmt.ROOT_KNOWN_FLAGS else
                f"dir_count {root.dir_count} exceeds capacity {sb.dir_capacity}" if root.dir_count > sb.dir_capacity else
                f"batch {root.batch} is below -1" if root.batch < -1 else
                f"dense slot {root.dense_slot} is not 0, 1 or 2" if root.dense_slot > 2 else
@@ -445,8 +446,8 @@ class Pool:
     def commit(self, *, batch: int, **checkpoint_fields: int) -> Root:
         """Write the next root (seq + 1) into the other slot and persist it.
 
-        checkpoint_fields: the checkpointer's commit fields of Root (ring_generation, ring_start,
-        ring_start_seq, dense_slot, dense_batch); fields not given keep their current values.
+        checkpoint_fields: the checkpointer's commit fields of Root (flags, ring_generation,
+        ring_start, ring_start_seq, dense_slot, dense_batch); fields not given keep their current values.
         """
         self._check_open(writable=True)
         if batch < -1:

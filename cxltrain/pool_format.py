@@ -108,7 +108,7 @@ ROOT = struct.Struct(
     "<"
     "Q"    # seq: 1 for the first root, +1 per commit; 0 = slot never written
     "I"    # dir_count: directory entries [0, dir_count) are live
-    "I"    # flags, zero in v1
+    "I"    # flags: ROOT_RELAXED or 0; any other bit makes the root invalid
     "q"    # batch: batches whose updates the pool holds (0 = freshly initialised); -1 = no
            # consistent state (being created, or tables changing with nothing to roll them back)
     # -- the checkpointer's commit fields (DESIGN §4); all zero in a pool that has none --
@@ -124,6 +124,11 @@ ROOT = struct.Struct(
 )
 assert ROOT.size == 256
 ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layout)
+# Root flag: written by a relaxed-mode checkpointer, whose dense snapshot may be older than the
+# batch the embeddings are committed at (dense_batch < batch). A root without it (every pool
+# written before this flag existed included) must have them equal.
+ROOT_RELAXED = 1
+ROOT_KNOWN_FLAGS = ROOT_RELAXED
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover, verify
+from .checkpoint import MODES, BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover, verify
 from .checkpoint import codec, dense, layout
 from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
@@ -54,8 +54,14 @@ class Runtime:
         schedulers: LR schedulers whose state belongs in the snapshot.
         checkpoint: "undo" (every batch durable) or "off" (the pool is made consistent only when the
             block exits normally; a crash before that means starting over).
-        dense_every: take the dense snapshot (and commit) every k batches; undo records are kept back
-            to the last snapshot, so recovery stays exact and a crash costs at most k batches.
+        dense_every: take the dense snapshot every k batches. Strict mode commits with it: undo
+            records are kept back to the last snapshot, so recovery stays exact and a crash costs at
+            most k batches.
+        mode: "strict" (recovery exact) or "relaxed" (embeddings committed every batch, the dense
+            state every dense_every batches: after a crash it may be up to k batches older than the
+            embeddings; `recovery.dense_lag` says by how many). See DESIGN §4.
+        pipeline: run undo captures and commits on a background worker (True), or on the training
+            thread (False: the synchronous baseline). Same durability either way.
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
             snapshot; resuming a pool whose metadata differs is refused.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
@@ -69,10 +75,13 @@ class Runtime:
     def __init__(self, pool: str | os.PathLike, model: nn.Module,
                  optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
                  schedulers: Sequence = (), checkpoint: str = "undo", dense_every: int = 1,
+                 mode: str = "strict", pipeline: bool = True,
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         for name, value in (("dense_every", dense_every), ("pool_size", pool_size),
                             ("undo_ring_bytes", undo_ring_bytes), ("dense_slot_bytes", dense_slot_bytes)):
             if value is not None and (type(value) is not int or value < 1):
@@ -90,6 +99,7 @@ class Runtime:
             raise ConfigError("optimizers must be torch.optim.Optimizer instances")
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
+        self.mode, self.pipeline = mode, bool(pipeline)
         self.backend = backend
         self.tables = _persistent_tables(model)
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
@@ -167,7 +177,8 @@ class Runtime:
         else:
             self.restarted = present
             self._start_fresh(pool, tables_present=present)
-        self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every)
+        self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
+                                    pipeline=self.pipeline)
                        if self.checkpoint == "undo" else BatchGuard(pool, tables))
 
     def _resume(self, pool: Pool) -> None:
@@ -261,10 +272,9 @@ class Runtime:
             pool.close()
 
     def _make_final_commit(self, pool: Pool) -> None:
-        """Everything durable and committed at the batch reached (strict mode: if not already)."""
+        """Everything durable and committed, with a dense snapshot, at the batch reached."""
         if isinstance(self._guard, Checkpointer):
-            if self._guard.committed != self.batch:
-                self._guard.commit_now(self.batch)
+            self._guard.finish(self.batch)
             return
         done = self.batch
         if pool.root.batch == done:

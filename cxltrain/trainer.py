@@ -46,7 +46,8 @@ class StepSplit:
     data: float
     embedding_forward: float
     embedding_backward_update: float
-    checkpoint: float                  # undo capture (U1) + persisting rows and snapshot + commit
+    checkpoint: float                  # the training thread's share of checkpointing: undo capture,
+                                       # commits (inline) or handing them over and waiting (pipelined)
     mlp: float                         # MLP forward + backward + dense optimizer, and the rest
     total: float
 
@@ -69,6 +70,8 @@ class TrainResult:
     split_ms: StepSplit
     restarted: bool                    # the pool held the tables but no committed checkpoint: started over
     checkpoint: str                    # "undo" or "off"
+    mode: str                          # "strict" or "relaxed"
+    pipeline: bool                     # checkpointing on a background worker
     recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
     recovery_seconds: float
     checkpoint_stats: dict | None      # CheckpointStats of this run (None with checkpoint "off")
@@ -122,7 +125,8 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
 
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str) -> Runtime:
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
-                   metadata=config.run_metadata(), undo_ring_bytes=undo_ring_bytes(config, model))
+                   mode=config.mode, pipeline=config.pipeline, metadata=config.run_metadata(),
+                   undo_ring_bytes=undo_ring_bytes(config, model))
 
 
 def pool_bytes(config: TrainConfig) -> int:
@@ -202,6 +206,7 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
                        train_auc=roc_auc(torch.cat(tail_logits), torch.cat(tail_labels)) if losses else None,
                        eval_auc=eval_auc, eval_logloss=eval_loss, rows_updated_per_batch=rows_updated,
                        split_ms=split, restarted=rt.restarted, checkpoint=config.checkpoint,
+                       mode=config.mode, pipeline=config.pipeline,
                        recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
                        checkpoint_stats=None if stats is None else stats.to_json(), device_model=device.model,
                        cost_model=modelled_costs(model, rt, steps),
@@ -217,10 +222,11 @@ class _StepClock:
         self.data = 0.0
         self.started: float | None = None
 
-    def _totals(self) -> tuple[float, float, float, float]:
+    def _totals(self) -> tuple[float, float, float, float, float]:
         stats = self.rt.stats
         return (self.model.embedding_forward_seconds, sum(t.stats.update_seconds for t in self.model.tables),
-                stats.capture_seconds if stats else 0.0, stats.commit_seconds if stats else 0.0)
+                stats.training_lookup_seconds if stats else 0.0, stats.capture_wait_seconds if stats else 0.0,
+                stats.training_boundary_seconds if stats else 0.0)
 
     def start(self) -> None:
         self.started = time.perf_counter()
@@ -230,12 +236,13 @@ class _StepClock:
         if self.started is None or timed_steps <= 0:
             return StepSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         total = time.perf_counter() - self.started
-        emb_fwd, emb_upd, capture, commit = (a - b for a, b in zip(self._totals(), self.before))
+        emb_fwd, emb_upd, lookup, capture_wait, boundary = (a - b for a, b in zip(self._totals(), self.before))
         ms = 1000.0 / timed_steps
-        # undo capture runs inside the table lookups: counted as checkpointing, not as forward
-        return StepSplit(data=self.data * ms, embedding_forward=(emb_fwd - capture) * ms,
-                         embedding_backward_update=emb_upd * ms, checkpoint=(capture + commit) * ms,
-                         mlp=(total - self.data - emb_fwd - emb_upd - commit) * ms, total=total * ms)
+        # the checkpointer's time inside the table lookups counts as checkpointing, not as forward;
+        # its wait in backward (before the update's own clock starts) and at batch ends are outside both
+        return StepSplit(data=self.data * ms, embedding_forward=(emb_fwd - lookup) * ms,
+                         embedding_backward_update=emb_upd * ms, checkpoint=(lookup + capture_wait + boundary) * ms,
+                         mlp=(total - self.data - emb_fwd - emb_upd - capture_wait - boundary) * ms, total=total * ms)
 
 
 def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):

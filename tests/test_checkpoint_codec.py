@@ -524,3 +524,24 @@ def test_too_deep_or_cyclic_trees_are_value_errors():
     cycle.append(cycle)
     with pytest.raises(ValueError, match="deeper than"):
         encode(cycle)
+
+
+def test_a_copied_dense_state_stays_as_it_was_while_training_goes_on():
+    """What the pipelined checkpointer hands its worker: the state at a batch boundary, unchanged by
+    the next optimizer step, encoding exactly as the live state did at that boundary."""
+    from cxltrain.checkpoint.dense import DenseState
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    optimizer = torch.optim.Adam(model.parameters())
+    state = DenseState(model, [optimizer], [], {}, {"run": 1})
+
+    def step():
+        model(torch.randn(5, 3)).sum().backward()
+        optimizer.step()
+
+    step()
+    live_then = encode(state.capture(1))
+    copied = state.capture_copy(1)
+    step()
+    assert encode(copied) == live_then != encode(state.capture(1))
+    assert_same(decode(encode(copied)), decode(live_then))

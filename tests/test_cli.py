@@ -62,7 +62,11 @@ def test_train_json_summary_and_pool_contents(shm_dir):
     tables = {f"t{i}.{kind}" for i in range(3) for kind in ("weight", "optim")}
     assert set(names) == tables | {"cxltrain.undo", "cxltrain.dense.A", "cxltrain.dense.B"}
     assert summary["checkpoint"] == "undo" and summary["recovered_batch"] is None
-    assert summary["checkpoint_stats"]["commits"] == 30
+    stats = summary["checkpoint_stats"]
+    assert stats["commits"] == 30 and summary["pipeline"] and summary["mode"] == "strict"
+    assert stats["commit_lag_max"] <= 1 and stats["wait_ms_per_batch"] >= 0
+    assert stats["bytes_persisted_per_batch"] * 30 == stats["row_bytes"] + stats["undo_bytes"] + stats["dense_bytes"]
+    assert "checkpoint: training thread waited" in result.stdout and "commit lag" in result.stdout
     current = max((r for r in info["roots"] if r["state"] == "valid"), key=lambda r: r["seq"])
     assert current["dense_batch"] == 30 and current["dense_slot"] in ("A", "B") and current["ring_generation"] == 1
     assert names["t0.weight"]["shape"] == [2000, 16] and names["t0.optim"]["shape"] == [2000, 1]

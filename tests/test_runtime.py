@@ -20,6 +20,7 @@ from cxltrain.checkpoint import layout, ring
 from cxltrain.errors import CheckpointError, ConfigError, PoolCorruptError, RecoveryError
 from cxltrain.optim import SGD
 from cxltrain.pool import Pool
+from cxltrain.pool_format import ROOT_RELAXED
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag
 
@@ -130,6 +131,27 @@ def test_stats_count_the_work(shm_dir):
     s = rt.stats
     assert (s.batches, s.commits) == (6, 3)
     assert s.undo_bytes > 0 and s.dense_bytes > 0 and s.rows_persisted > 0 and s.capture_seconds > 0
+
+
+def test_synchronous_and_pipelined_runs_end_bit_identical(shm_dir):
+    sync, _ = train_steps(shm_dir / "s.pool", 6, pipeline=False)
+    piped, _ = train_steps(shm_dir / "p.pool", 6)
+    assert_same(state_of(shm_dir / "s.pool"), state_of(shm_dir / "p.pool"))
+    assert sync.stats.commit_lag_max == 0 and sync.stats.wait_seconds == 0   # nothing to wait for inline
+    assert piped.stats.commit_lag_max <= 1 and piped.stats.commits == sync.stats.commits == 6
+    assert piped.stats.to_json()["bytes_persisted_per_batch"] == sync.stats.to_json()["bytes_persisted_per_batch"] > 0
+
+
+def test_relaxed_mode_snapshots_the_dense_state_every_k_and_flags_its_roots(shm_dir):
+    rt, _ = train_steps(shm_dir / "p.pool", 7, dense_every=3, mode="relaxed")
+    # a commit per batch, snapshots at 3 and 6; leaving commits batch 7 again, with its snapshot
+    assert (rt.stats.commits, rt.stats.snapshots) == (8, 3)
+    with Pool.open(str(shm_dir / "p.pool"), writable=False) as pool:
+        assert pool.root.flags == ROOT_RELAXED and pool.root.dense_batch == 7
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(shm_dir / "p.pool", 12, fail_at=11, dense_every=3, mode="relaxed")
+    report = recover_pool(str(shm_dir / "p.pool"))
+    assert (report.batch, report.dense_batch, report.dense_lag) == (11, 10, 1)
 
 
 def test_a_ring_too_small_for_the_interval_commits_early(shm_dir):

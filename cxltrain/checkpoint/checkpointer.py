@@ -1,53 +1,119 @@
-"""The checkpointer: every batch durable (DESIGN §4, strict mode), driven from the training thread.
+"""The checkpointer: every batch durable (DESIGN §4), off the training thread's critical path.
 
 Per batch b, for each table it looks up with gradients:
 
     forward of b    capture: the table's rows R(b) as they are now (after b-1's update, U4) go into
-                    the undo ring, durable before forward returns (U1)
-    backward of b   the fused optimizer updates R(b) in place in the pool
-    end of b        when a dense snapshot is due: persist every row updated since the last commit
-                    and the snapshot (U2), write the root naming batch b+1 as the recovery target,
-                    then reclaim the undo records it covers (U3)
+                    the undo ring; the job is handed to the worker and forward goes on
+    backward of b   before_update waits until that record is durable (U1) — the only wait on the
+                    training thread, and only when the capture is late — then the fused optimizer
+                    updates R(b) in place in the pool
+    end of b        the dense state is copied as it is at b's boundary; the commit of b (persist
+                    the rows updated since the last commit and the snapshot (U2), write the root
+                    naming b+1 as the recovery target, reclaim the records it covers (U3)) is handed
+                    to the worker, which runs it while the training thread goes on with b+1
 
-With dense_every = k a snapshot (and so a commit) is due every k batches; records are kept back to
-the last one, so recovery is exact either way. When the ring has no room for another batch like the
-largest seen so far, the snapshot is taken early rather than letting the next capture fail: the
-time that costs is the training thread's wait for the ring, and is counted as such.
+Modes (DESIGN §4):
+    strict    a commit is a dense snapshot plus the rows, every k = dense_every batches; records are
+              kept back to the last one, so recovery is exact.
+    relaxed   TrainingCXL's ordering: the rows are committed every batch, the dense snapshot only
+              every k batches; the root is flagged ROOT_RELAXED so recovery accepts a dense state
+              up to k batches older than the embeddings (and reports the lag). Cheaper, not exact.
+
+Why committing b while b+1 updates the same rows in place is still correct:
+  * A row flushed by commit(b) may already hold b+1's value (the flush copies whatever is in the
+    row). b+1's undo record of that row is durable before that store (U1, before_update waits), and
+    its batch is >= b+1, the target of commit(b)'s root: recovery keeps and restores it, so the row
+    goes back to its value after b — what commit(b) promised. Restoring newest first, the oldest
+    record wins when several batches touched a row.
+  * The snapshot of b is the dense state at b's boundary: copied on the training thread before
+    b+1's optimizer step can change it; the worker only encodes and writes the copy.
+  * Records are reclaimed only after the root that no longer needs them is durable (U3), on the
+    same thread that appends, so the ring is never reused under a live record.
+  * One worker thread runs every job, so records are appended in batch order and a commit's ring
+    start is computed against the records that exist.
+  * At most one commit is in flight: end of b+1 waits for commit(b) (the commit lag is at most one
+    batch, the wait is counted). A capture of b+2 that finds the ring full (it may need the space
+    commit(b+1) reclaims) runs that commit to its end first (back-pressure, counted).
+
+With the pipeline off (pipeline=False) every job runs inline on the training thread: undo logging
+on the critical path, the baseline `cxltrain bench` compares against.
+
+When the ring has no room for another batch like the largest seen so far, a commit is taken early
+rather than letting the next capture fail; the time that costs the training thread is counted.
 
 The protocol rules are each enforced at one line: U1 in ring.UndoRing.append, U2 and U3 in
-Checkpointer._commit, U4 in Checkpointer.capture.
+Checkpointer._commit_steps, U4 in Checkpointer._capture.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Iterator
 
 import torch
 
 from ..errors import CheckpointError
 from ..faults import crash_point, planted
 from ..pool import Pool
+from ..pool_format import ROOT_RELAXED
 from . import codec, dense
 from .ring import RingFull, UndoRing
+from .worker import BackgroundWorker, InlineWorker, Ticket
+
+MODES = ("strict", "relaxed")
 
 
 @dataclasses.dataclass
 class CheckpointStats:
-    """Running totals of the checkpointer's work."""
+    """Running totals of the checkpointer's work. Work is counted on whichever thread does it;
+    the training thread's share is the *_wait and training_* fields."""
 
     batches: int = 0                 # batches ended
-    commits: int = 0                 # roots written (one per dense snapshot)
+    commits: int = 0                 # roots written
+    snapshots: int = 0               # dense snapshots written (= commits in strict mode)
     capture_seconds: float = 0.0     # U1: gathering old rows into the ring and persisting them
     commit_seconds: float = 0.0      # U2 + commit: persisting rows and the snapshot, writing the root
     undo_bytes: int = 0              # ring bytes written
     dense_bytes: int = 0             # encoded snapshot bytes written
+    row_bytes: int = 0               # table bytes (weights and optimizer state) flushed at commits
     rows_persisted: int = 0          # table rows flushed at commits
-    ring_full_commits: int = 0       # snapshots taken early because the ring was nearly full
-    ring_wait_seconds: float = 0.0   # time those early snapshots cost the training thread
+    ring_full_commits: int = 0       # commits taken early because the ring was nearly full
+    ring_wait_seconds: float = 0.0   # training thread: what those early commits cost it
+    ring_full_waits: int = 0         # worker: captures that found the ring full and first ran the
+    ring_full_seconds: float = 0.0   # in-flight commit (back-pressure; a late capture's wait holds it)
+    capture_wait_seconds: float = 0.0  # training thread, in backward: a capture was late (U1)
+    lag_wait_seconds: float = 0.0    # training thread, at a batch end: the previous commit ran late
+    commit_lag_max: int = 0          # batches the training thread was ahead of the durable root
+    commit_lag_sum: int = 0          # (measured at each batch end, after handing its commit over)
+    training_lookup_seconds: float = 0.0    # training thread in capture() (the capture itself when inline)
+    training_boundary_seconds: float = 0.0  # training thread at batch ends (the commit itself when inline)
+
+    @property
+    def wait_seconds(self) -> float:
+        """The training thread's waits for the worker: late captures, ring full, commit lag."""
+        return self.capture_wait_seconds + self.lag_wait_seconds + self.ring_wait_seconds
+
+    @property
+    def training_seconds(self) -> float:
+        """All the time the checkpointer took from the training thread."""
+        return self.training_lookup_seconds + self.capture_wait_seconds + self.training_boundary_seconds
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        per_batch = max(self.batches, 1)
+        return {**dataclasses.asdict(self),
+                "wait_ms_per_batch": 1000.0 * self.wait_seconds / per_batch,
+                "bytes_persisted_per_batch": (self.row_bytes + self.undo_bytes + self.dense_bytes) / per_batch,
+                "commit_lag_mean": self.commit_lag_sum / per_batch}
+
+
+
+def summary_line(stats: dict) -> str:
+    """One line for `train`, from CheckpointStats.to_json()."""
+    return (f"checkpoint: training thread waited {stats['wait_ms_per_batch']:.2f} ms/batch, "
+            f"{stats['bytes_persisted_per_batch'] / 2**20:.2f} MiB persisted/batch, commit lag "
+            f"{stats['commit_lag_mean']:.2f} batches (max {stats['commit_lag_max']}), {stats['commits']} commits, "
+            f"{stats['snapshots']} dense snapshots")
 
 
 class BatchGuard:
@@ -121,38 +187,135 @@ class BatchGuard:
         self._next = batch + 1
 
 
+
+
 class Checkpointer(BatchGuard):
     """Drives the protocol for the tables and dense state of one run over one pool.
 
     The pool must be recovered (its ring empty, a fresh generation) before this is built; `tables`
-    are PersistentEmbeddingBag modules attached to it.
+    are PersistentEmbeddingBag modules attached to it. mode: "strict" or "relaxed"; dense_every:
+    k (see the module docstring); pipeline: run captures and commits on a background thread.
+    Call finish() at the end of a run and close() always (detach() does).
     """
 
-    def __init__(self, pool: Pool, tables: list, state: dense.DenseState, *, dense_every: int = 1) -> None:
+    def __init__(self, pool: Pool, tables: list, state: dense.DenseState, *, dense_every: int = 1,
+                 mode: str = "strict", pipeline: bool = True) -> None:
         if dense_every < 1:
             raise CheckpointError(f"dense_every must be >= 1, got {dense_every}")
+        if mode not in MODES:
+            raise CheckpointError(f"mode must be one of {MODES}, got {mode!r}")
         super().__init__(pool, tables)
         root = pool.root
-        self.state, self.dense_every = state, dense_every
+        self.state, self.dense_every, self.mode = state, dense_every, mode
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
         self.stats = CheckpointStats()
-        self.committed = root.batch      # batches the durable root vouches for
-        self._dirty: list[tuple[object, torch.Tensor]] = []   # (table, rows) updated since the last commit
+        self.committed = root.batch          # the batch of the last commit handed over (embeddings)
+        self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
+        self.durable = root.batch            # the batch the durable root names (set by the worker)
+        self._worker = BackgroundWorker() if pipeline else InlineWorker()
+        self._commit_ticket: Ticket | None = None
+        self._captures: list[Ticket] = []    # the batch in flight's capture jobs
+        self._dirty: dict[int, list[tuple[object, torch.Tensor]]] = {}  # batch -> (table, rows) updated
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
         self._largest_record = 0
         self._stale: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # planted U4 bug only
 
-    # -- per batch --------------------------------------------------------------------------
+    @property
+    def pipelined(self) -> bool:
+        return self._worker.pipelined
+
+    # -- training thread: per batch ---------------------------------------------------------
     def begin_batch(self, batch: int) -> None:
         super().begin_batch(batch)
         self._batch_bytes = 0
+        self._captures = []
 
     def capture(self, table, indices: torch.Tensor) -> int:
         """Called by a table's forward, with gradients on, before its backward can update the rows
-        `indices` [N] look up: put their current values in the undo ring, durably. Returns the batch,
-        which the table hands back to before_update."""
+        `indices` [N] look up: hand the capture of their current values to the worker. Returns the
+        batch, which the table hands back to before_update."""
         batch = self._check_in_batch(table)
+        started = time.perf_counter()
+        ticket = self._worker.submit_capture(lambda: self._capture(batch, table, indices))
+        self._captures.append((table.name, ticket))
+        self.stats.training_lookup_seconds += time.perf_counter() - started
+        return batch
+
+    def before_update(self, table, batch: int) -> None:
+        """Called by a table's backward before it stores into its rows: waits until every capture
+        of this table in this batch is durable (U1 is enforced in ring.UndoRing.append)."""
+        super().before_update(table, batch)
+        for name, ticket in self._captures:
+            if name == table.name:
+                self.stats.capture_wait_seconds += self._worker.wait(ticket)
+
+    def end_batch(self, batch: int) -> None:
+        """Batch `batch` is done (its update applied). Hands over its commit when one is due."""
+        started = time.perf_counter()
+        super().end_batch(batch)
+        for _, ticket in self._captures:  # captures of tables that got no backward: done before the commit
+            self.stats.capture_wait_seconds += self._worker.wait(ticket)
+        self._captures = []
+        self.stats.batches += 1
+        self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
+        done = batch + 1
+        snapshot_due = done - self.dense_committed >= self.dense_every
+        due = snapshot_due or self.mode == "relaxed"
+        # room for two batches like the largest so far, plus what the wrap can waste (< one record)
+        ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
+        if due or ring_short:
+            self._hand_over_commit(done, snapshot=snapshot_due or ring_short)
+        lag = done - self.durable
+        self.stats.commit_lag_max = max(self.stats.commit_lag_max, lag)
+        self.stats.commit_lag_sum += lag
+        spent = time.perf_counter() - started
+        if ring_short:
+            self.stats.ring_full_commits += 1
+            self.stats.ring_wait_seconds += spent
+        self.stats.training_boundary_seconds += spent
+
+    def finish(self, done: int) -> None:
+        """The run ends at `done` batches: commit there with a dense snapshot (unless that is the
+        last commit already) and wait until it is durable."""
+        if self._batch is not None or done != self._next:
+            raise CheckpointError(f"cannot commit at batch {done}: the pool is at batch {self._next}"
+                                  + (f", batch {self._batch} in flight" if self._batch is not None else ""))
+        started = time.perf_counter()
+        if self.committed != done or self.dense_committed != done:
+            self._hand_over_commit(done, snapshot=True)
+        self._wait_for_commit()
+        self.stats.training_boundary_seconds += time.perf_counter() - started
+
+    def detach(self) -> None:
+        """Stop the worker (what it has queued still runs: at most the commit handed over last and
+        captures of the batch in flight, which is never committed), then let go of the tables.
+        A worker failure not yet reported is dropped here: the caller is already leaving, on an
+        exception of its own or after finish() reported it."""
+        try:
+            self._worker.close()
+        except CheckpointError:
+            pass
+        finally:
+            super().detach()
+
+    def _hand_over_commit(self, done: int, snapshot: bool) -> None:
+        self._wait_for_commit()  # the lag bound: one commit in flight
+        tree = None
+        if snapshot:  # pipelined, the worker encodes it while b+1 changes the live tensors: a copy
+            tree = self.state.capture_copy(done) if self._worker.pipelined else self.state.capture(done)
+        self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, tree)))
+        self.committed = done
+        if snapshot:
+            self.dense_committed = done
+
+    def _wait_for_commit(self) -> None:
+        if self._commit_ticket is not None:
+            self.stats.lag_wait_seconds += self._worker.wait(self._commit_ticket)
+            self._commit_ticket = None
+
+    # -- worker thread (or inline) ----------------------------------------------------------
+    def _capture(self, batch: int, table, indices: torch.Tensor) -> None:
         started = time.perf_counter()
         rows = torch.unique(indices, sorted=True)
         weights, state = table.storage()
@@ -160,28 +323,33 @@ class Checkpointer(BatchGuard):
             weights, state = self._stale_copy(table, weights, state)
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
-        # U4 — capture after the previous update: this runs in b's forward, after b-1's backward
-        # has updated the rows in place (before_update refuses any other order), so the record holds
-        # the values after b-1.
+        # U4 — capture after the previous update: this job is handed over in b's forward, after
+        # b-1's backward has updated the rows in place, and b's backward waits for it
+        # (before_update), so the record holds the values after b-1.
+        append = lambda: self.ring.append(batch, weight_region, state_region, rows, weights, state)  # noqa: E731
         try:
-            size = self.ring.append(batch, weight_region, state_region, rows, weights, state)
+            try:
+                size = append()
+            except RingFull:
+                waited = time.perf_counter()
+                if not self._worker.finish_commit():  # its reclaim frees the ring
+                    raise
+                self.stats.ring_full_waits += 1
+                self.stats.ring_full_seconds += time.perf_counter() - waited
+                size = append()
         except RingFull as e:
             raise CheckpointError(f"{e}: batch {batch} needs more undo space than the ring has left; "
                                   "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
                                   "dense snapshots more often (dense_every)") from None
-        self._dirty.append((table, rows))
+        # U1 — undo before overwrite, for recovery's sake: the tail mark covering this record is
+        # durable before the table's first in-place store (before_update waits for this job), so a
+        # record header damaged later is refused instead of being taken for the end of the log.
+        self.ring.mark_tail()
+        self._dirty.setdefault(batch, []).append((table, rows))
         self._largest_record = max(self._largest_record, size)
         self._batch_bytes += size
         self.stats.undo_bytes += size
         self.stats.capture_seconds += time.perf_counter() - started
-        return batch
-
-    def before_update(self, table, batch: int) -> None:
-        super().before_update(table, batch)
-        # U1 — undo before overwrite, for recovery's sake: the tail mark covering this batch's
-        # records is durable before its first in-place store, so a record header damaged later is
-        # refused instead of being taken for the end of the log.
-        self.ring.mark_tail()
 
     def _stale_copy(self, table, weights, state):
         """The planted U4 bug: hand capture the rows as they were at the table's previous capture,
@@ -190,67 +358,63 @@ class Checkpointer(BatchGuard):
         self._stale[table.name] = (weights.clone(), None if state is None else state.clone())
         return previous
 
-    def end_batch(self, batch: int) -> None:
-        """Batch `batch` is done (its update applied). Commits when a snapshot is due."""
-        super().end_batch(batch)
-        self.stats.batches += 1
-        self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
-        done = batch + 1
-        due = done - self.committed >= self.dense_every
-        # room for two batches like the largest so far, plus what the wrap can waste (< one record)
-        ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
+    def _timed(self, steps: Iterator[None]) -> Iterator[None]:
+        """`steps`, with the time of each step (not of the captures run between them) counted."""
+        while True:
+            started = time.perf_counter()
+            finished = next(steps, StopIteration) is StopIteration
+            self.stats.commit_seconds += time.perf_counter() - started
+            if finished:
+                return
+            yield
 
-        if not (due or ring_short):
-            return
-        started = time.perf_counter()
-        self._commit(done)
-        if ring_short:
-            self.stats.ring_full_commits += 1
-            self.stats.ring_wait_seconds += time.perf_counter() - started
-        self.stats.commit_seconds += time.perf_counter() - started
-
-    def commit_now(self, done: int) -> None:
-        """Commit at `done` batches although no snapshot is due (the run is ending)."""
-        if self._batch is not None or done != self._next:
-            raise CheckpointError(f"cannot commit at batch {done}: the pool is at batch {self._next}"
-                                  + (f", batch {self._batch} in flight" if self._batch is not None else ""))
-        started = time.perf_counter()
-        self._commit(done)
-        self.stats.commit_seconds += time.perf_counter() - started
-
-    def _commit(self, done: int) -> None:
-        slot = dense.free_slot(self.pool)
-        start, start_seq = self.ring.start_after_reclaim(done)
-        fields = dict(ring_start=start, ring_start_seq=start_seq, dense_slot=slot, dense_batch=done)
+    def _commit_steps(self, done: int, tree: dict | None) -> Iterator[None]:
+        """The commit at `done` batches, in steps the worker may interleave captures with.
+        tree: the dense state at `done` (a copy when pipelined), or None when no snapshot is due."""
         rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
+        dirty = [entry for batch in sorted(b for b in self._dirty if b < done) for entry in self._dirty.pop(batch)]
         if not rows_late:
-            self._persist_dirty_rows()
+            yield from self._persist_rows(dirty)
         crash_point("commit:between-rows-and-snapshot")
-        blob = codec.encode(self.state.capture(done))
-        dense.write_snapshot(self.pool, slot, done, blob)
-        self.stats.dense_bytes += len(blob)
-        crash_point("commit:before-root")
+        fields = {}
+        if tree is not None:
+            blob = codec.encode(tree)
+            yield
+            slot = dense.free_slot(self.pool)
+            dense.write_snapshot(self.pool, slot, done, blob)
+            self.stats.dense_bytes += len(blob)
+            self.stats.snapshots += 1
+            fields = dict(dense_slot=slot, dense_batch=done)
+            crash_point("commit:before-root")
+        start, start_seq = self.ring.start_after_reclaim(done)
         # U2 — rows before commit: every row updated in place since the last commit, and the dense
-        # snapshot of batch `done`, are durable (just above) before this root names `done`.
-        self.pool.commit(batch=done, **fields)
+        # snapshot of batch `done` when one is due, are durable (just above) before this root names `done`.
+        self.pool.commit(batch=done, flags=ROOT_RELAXED if self.mode == "relaxed" else 0, ring_start=start,
+                         ring_start_seq=start_seq, **fields)
         crash_point("commit:after-root")
         if rows_late:
-            self._persist_dirty_rows()
+            yield from self._persist_rows(dirty)
         # U3 — commit before reclaim: records of batches < done are forgotten (their ring space
         # reused) only now that a durable root no longer needs them.
         self.ring.reclaim(done)
-        self.committed = done
-        self._dirty.clear()
+        self.durable = done
         self.stats.commits += 1
 
-    def _persist_dirty_rows(self) -> None:
+    def _persist_rows(self, dirty: list) -> Iterator[None]:
+        """Flush the rows `dirty` names, one table's rows per step, then drain."""
         device = self.pool.device
-        for table, rows in self._dirty:
+        for i, (table, rows) in enumerate(dirty):
             indices = rows.numpy()
             weights = self.pool.region(table.weight_region)
             device.flush_rows(weights.offset, weights.row_stride, indices)
+            row_bytes = weights.row_stride
             if table.optimizer.state_columns:
                 state = self.pool.region(table.state_region)
                 device.flush_rows(state.offset, state.row_stride, indices)
+                row_bytes += state.row_stride
             self.stats.rows_persisted += indices.size
+            self.stats.row_bytes += indices.size * row_bytes
+            if i == 0 and len(dirty) > 1:
+                crash_point("commit:mid-rows")  # one table's rows flushed, more to go
+            yield
         device.drain()

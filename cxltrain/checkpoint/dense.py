@@ -43,6 +43,11 @@ class DenseState:
                 "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata,
                 "threads": torch.get_num_threads()}
 
+    def capture_copy(self, batch: int) -> dict:
+        """capture(), with every tensor and array copied: stays as it is while training goes on
+        (state_dict() hands out the live tensors)."""
+        return _copied(self.capture(batch))
+
     def check(self, tree: dict, where: str) -> None:
         """Raise RecoveryError unless the snapshot fits the live model, optimizers and schedulers."""
         if len(tree["optimizers"]) != len(self.optimizers) or len(tree["schedulers"]) != len(self.schedulers):
@@ -81,6 +86,23 @@ class DenseState:
             warnings.warn(f"{where}: was written with {tree['threads']} torch threads, this run uses "
                           f"{torch.get_num_threads()}: CPU reductions may round differently, so the resumed run "
                           "need not end bit-identical to an uninterrupted one", stacklevel=2)
+
+
+def _copied(tree):
+    """`tree` with its containers rebuilt and its tensors and arrays cloned; other leaves (numbers,
+    strings, bytes) are immutable and shared. Far cheaper than copy.deepcopy on a state dict."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, np.ndarray):
+        return tree.copy()
+    if isinstance(tree, dict):
+        out = type(tree)((key, _copied(value)) for key, value in tree.items())
+        if hasattr(tree, "_metadata"):  # state_dict()'s module versions, encoded with it
+            out._metadata = _copied(tree._metadata)
+        return out
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copied(value) for value in tree)
+    return tree
 
 
 def free_slot(pool: Pool) -> int:

@@ -1,7 +1,8 @@
 """Recovery (DESIGN §4): roll a pool back to its last committed batch, bit for bit.
 
     report, snapshot = recover(pool)    # needs only the pool, not the model
-    report.batch                        # batches the recovered state has seen
+    report.batch                        # batches the recovered embeddings have seen
+    report.dense_lag                    # batches the dense snapshot is older by (0 unless relaxed mode)
     verify(pool)                        # recovery's checks alone, writing nothing (`pool check`)
 
 Order: validate everything (root, every live undo record and the dense snapshot the root names)
@@ -19,20 +20,27 @@ import time
 from ..errors import RecoveryError
 from ..faults import crash_point
 from ..pool import Pool
+from ..pool_format import ROOT_RELAXED
 from . import dense, layout, ring
 
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryReport:
-    batch: int                 # the recovery target: batches the recovered state has seen
+    batch: int                 # the recovery target: batches the recovered embeddings have seen (the data position)
+    dense_batch: int           # batches the restored dense snapshot has seen: == batch in strict mode,
+                               # up to dense_every older in relaxed mode
     records_restored: int      # undo records rolled back
     batches_rolled_back: int   # distinct batches among them (the batch in flight, at most, in strict mode)
     rows_restored: int
     generation: int            # the ring generation the fresh root starts
     seconds: float
 
+    @property
+    def dense_lag(self) -> int:
+        return self.batch - self.dense_batch
+
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "dense_lag": self.dense_lag}
 
 
 def has_checkpoint(pool: Pool) -> bool:
@@ -50,9 +58,11 @@ def verify(pool: Pool, snapshot: dict | None = None) -> tuple[list[ring.ScannedR
         raise RecoveryError(f"{pool.path}: holds no committed checkpoint to recover (it was never committed "
                             "with the checkpointer on, or a run with --checkpoint off was interrupted)")
     root = pool.root
-    if root.dense_batch != root.batch:
+    relaxed = bool(root.flags & ROOT_RELAXED)
+    if root.dense_batch > root.batch or (root.dense_batch != root.batch and not relaxed):
         raise RecoveryError(f"{pool.path}: the root's target is batch {root.batch} but its dense snapshot is of batch "
-                            f"{root.dense_batch}; this cxltrain recovers only pools where they agree (strict mode)")
+                            f"{root.dense_batch}, and the root is {'relaxed' if relaxed else 'strict'}: "
+                            "a committed root never says so (corrupt pool)")
     live = ring.scan(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
     if snapshot is None:
         snapshot = dense.read_snapshot(pool, root.dense_slot, root.dense_batch)
@@ -80,6 +90,6 @@ def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, d
     # ORDERING: the restored rows are durable before the root that retires the records they came
     # from (a new generation: they can never be live again).
     pool.commit(batch=root.batch, ring_generation=generation, ring_start=0, ring_start_seq=0)
-    report = RecoveryReport(root.batch, len(rollback), len({r.header.batch for r in rollback}),
+    report = RecoveryReport(root.batch, root.dense_batch, len(rollback), len({r.header.batch for r in rollback}),
                             sum(r.header.count for r in rollback), generation, time.perf_counter() - started)
     return report, snapshot

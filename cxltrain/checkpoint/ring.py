@@ -45,10 +45,8 @@ class UndoRing:
         self.next_seq = start_seq
         self.marked = start_seq      # the tail mark covers records [0, marked) of this generation
         self._live: collections.deque[LiveRecord] = collections.deque()
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(r.size for r in self._live)
+        # kept as a running total: the training thread reads it while the worker appends
+        self.live_bytes = 0
 
     @property
     def free_bytes(self) -> int:
@@ -105,6 +103,7 @@ class UndoRing:
             device.array[base : base + layout.UNDO_HEADER.size] = np.frombuffer(
                 header.pack(self.pool.superblock.uuid), dtype=np.uint8)
         self._live.append(LiveRecord(offset, size, self.next_seq, batch))
+        self.live_bytes += size
         self.head = offset + size
         self.next_seq += 1
         return size
@@ -132,7 +131,7 @@ class UndoRing:
     def reclaim(self, target: int) -> None:
         """Forget records of batches < target. Call only once a root with that target is durable (U3)."""
         while self._live and self._live[0].batch < target:
-            self._live.popleft()
+            self.live_bytes -= self._live.popleft().size
 
 
 # ---------------------------------------------------------------------------------------------
