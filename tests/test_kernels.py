@@ -23,7 +23,6 @@ from cxltrain.checkpoint.layout import split_payload
 from cxltrain.devices import map_device
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.kernels import native, ops
-from cxltrain.kernels import rows as torch_rows
 
 needs_native = pytest.mark.skipif(not native.built(), reason="native row kernels not built")
 CACHE_LINE = 64
