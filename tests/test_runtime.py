@@ -292,18 +292,28 @@ def test_a_corrupt_record_body_is_refused_before_anything_is_written(shm_dir):
     assert path.read_bytes() == damaged != before
 
 
-def _tear_last_header(path) -> None:
+def _tear_last_header(path, *, unmark: bool = False) -> None:
+    """Flip a bit in the header of batch 2's second record. unmark: also set the ring's tail mark
+    back to what it was before that record was appended (the capture persists the mark right after
+    the record), i.e. the state of a crash inside that record's append."""
     with Pool.open(str(path)) as pool:
         live = ring.scan(pool, pool.root.ring_generation, pool.root.ring_start, pool.root.ring_start_seq)
         assert len(live) == 2  # batch 2, both tables
         region = pool.region(layout.RING_REGION)
         pool.device.array[region.offset + live[1].offset + 40] ^= 1
+        if unmark:
+            tail = region.offset + layout.ring_record_bytes(region.size)
+            for copy in range(layout.TAIL_COPIES):
+                mark = layout.pack_tail_mark(pool.root.ring_generation, live[1].header.seq, pool.superblock.uuid, copy)
+                pool.device.array[tail + copy * layout.TAIL_MARK.size : tail + (copy + 1) * layout.TAIL_MARK.size] = \
+                    np.frombuffer(mark, dtype=np.uint8)
 
 
 def test_a_torn_record_header_ends_the_log(shm_dir):
     """A header that never became valid: by U1 no store of its batch was issued, so recovery must
     stop there — shown by tearing the last record's header of a batch that died between forward
-    (records written) and backward (no store, no tail mark yet), and recovering to the same batch."""
+    (records written) and backward (no store), with the tail mark not yet covering that record (a
+    crash inside its append), and recovering to the same batch."""
     path = shm_dir / "p.pool"
     train_steps(path, 2)
     model, optimizer, scheduler = make_run()
@@ -312,7 +322,7 @@ def test_a_torn_record_header_ends_the_log(shm_dir):
             for batch in rt.batches(make_batch, stop=3):
                 model.loss(batch)  # forward only: both tables' records of batch 2 are in the ring
                 raise KeyboardInterrupt("crash")
-    _tear_last_header(path)
+    _tear_last_header(path, unmark=True)
     assert recover_pool(str(path)).records_restored == 1
     train_steps(shm_dir / "ref.pool", 2)
     assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
