@@ -17,10 +17,10 @@ SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", 
          "--no-progress"]
 
 
-def cxltrain(*args, env=None):
+def cxltrain(*args, env=None, timeout=300):
     script = Path(sys.executable).with_name("cxltrain")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=300,
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
 

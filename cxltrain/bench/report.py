@@ -124,7 +124,8 @@ def format_text(results: dict) -> str:
     for t in results["targets"]:
         verdict = {True: "held", False: "MISSED", None: "not measured"}[t["held"]]
         lines.append(f"  {t['name']}: {_num(t['value'], '.3f')} ({t['limit']}): {verdict}")
-    lines.append(f"bench took {results['seconds']:.0f} s")
+    lines.append(f"bench took {results['seconds']:.0f} s; its jobs used {results['job_cpu_seconds']:.0f} s of CPU "
+                 f"(wall time well above CPU time / {m['threads']} threads means other load shared the machine)")
     return "\n".join(lines)
 
 

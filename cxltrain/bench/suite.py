@@ -15,6 +15,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -49,13 +50,14 @@ class BenchPlan:
 
 def full_plan() -> BenchPlan:
     """The configuration of issue 5: 8 x 1M x 64 tables, batch 2048, skewed ids, 2 threads."""
-    # 1 = a checkpoint every step (few steps: each costs ~1-3 s); 100 = two whole periods
-    timed = {("none", 1): (5, 60), ("torch", 1): (3, 10), ("torch", 100): (5, 200),
-             ("dcp", 1): (3, 8), ("dcp", 100): (5, 200)}
+    # k = 1: a checkpoint every step (few steps: each costs 1-3 s); k = 100: whole periods, two for
+    # DCP so that one save overlaps the steps after it
+    timed = {("none", 1): (5, 40), ("torch", 1): (3, 8), ("torch", 100): (5, 100),
+             ("dcp", 1): (3, 6), ("dcp", 100): (5, 200)}
     # rows per table for 0.5, 1, 2, 4 GB of tables (8 tables x 64 fp32 = 2,048 bytes per row index)
-    return BenchPlan(name="full", config=TrainConfig(), step_poolings=(1, 20), ours_timed=60, periods=(1, 100), plain_timed=timed,
+    return BenchPlan(name="full", config=TrainConfig(), step_poolings=(1, 20), ours_timed=40, periods=(1, 100), plain_timed=timed,
                      recovery_rows=(250_000, 500_000, 1_000_000, 2_000_000), embedding_poolings=(1, 20),
-                     embedding_steps=(5, 30), copy_bytes=1 << 30, job_timeout_s=300)
+                     embedding_steps=(5, 30), copy_bytes=1 << 30, job_timeout_s=1200)
 
 
 def quick_plan() -> BenchPlan:
@@ -82,16 +84,23 @@ class JobResult:
     error: str | None      # one line: why there is no result
     wall_seconds: float
     returncode: int | None = None
+    cpu_seconds: float = 0.0   # user + system time of the job's process: its cost on an idle machine
+
+
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _in_fork(job: dict, conn) -> None:
     from .worker import run_job
 
     try:
-        conn.send(("ok", run_job(job)))
+        result = run_job(job)
+        conn.send(("ok", result, _cpu_seconds(resource.RUSAGE_SELF)))
     except BaseException as e:  # the parent reports it as this job's reason, one line
         traceback.print_exc()
-        conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
+        conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0], _cpu_seconds(resource.RUSAGE_SELF)))
     finally:
         conn.close()
 
@@ -101,47 +110,62 @@ class Jobs:
 
     def __init__(self, timeout_s: int) -> None:
         self.timeout_s = timeout_s
+        self.cpu_seconds = 0.0  # all jobs so far
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["cxltrain.bench.worker"])
+        self._ctx.set_forkserver_preload(["cxltrain.bench.worker", "cxltrain.bench.preload"])
 
     def forked(self, job: dict) -> JobResult:
+        """Run `job` (worker.run_job) in a process forked from the fork server."""
+        return self._count(self._forked(job))
+
+    def _forked(self, job: dict) -> JobResult:
         receive, send = self._ctx.Pipe(duplex=False)
         started = time.perf_counter()
         process = self._ctx.Process(target=_in_fork, args=(job, send))
         process.start()
         send.close()
         outcome = None
-        if receive.poll(self.timeout_s):
-            try:
-                outcome = receive.recv()
-            except EOFError:  # died before it could answer
-                pass
-        process.join(5 if outcome is not None else 0.1)
-        if process.is_alive():
-            process.kill()
-            process.join()
+        try:
+            if receive.poll(self.timeout_s):
+                try:
+                    outcome = receive.recv()
+                except EOFError:  # died before it could answer
+                    pass
+            process.join(5 if outcome is not None else 0.1)
+        finally:  # also on Ctrl-C: no job outlives the bench
+            if process.is_alive():
+                process.kill()
+                process.join()
         wall = time.perf_counter() - started
         if outcome is None:
             why = (f"timed out after {self.timeout_s} s" if process.exitcode in (None, -9) and wall >= self.timeout_s
                    else f"its process died (exit {process.exitcode})")
             return JobResult(None, why, wall, process.exitcode)
-        status, value = outcome
-        return JobResult(value if status == "ok" else None, None if status == "ok" else value, wall, process.exitcode)
+        status, value, cpu = outcome
+        return JobResult(value if status == "ok" else None, None if status == "ok" else value, wall, process.exitcode,
+                         cpu)
 
     def fresh(self, argv: list[str], env: dict | None = None) -> JobResult:
         """`python <argv>` in a new process; its result is the last stdout line (JSON)."""
-        started = time.perf_counter()
+        return self._count(self._fresh(argv, env))
+
+    def _count(self, outcome: JobResult) -> JobResult:
+        self.cpu_seconds += outcome.cpu_seconds
+        return outcome
+
+    def _fresh(self, argv: list[str], env: dict | None) -> JobResult:
+        started, cpu = time.perf_counter(), _cpu_seconds(resource.RUSAGE_CHILDREN)
         try:
             done = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
                                   timeout=self.timeout_s, env={**os.environ, **(env or {})})
         except subprocess.TimeoutExpired:
             return JobResult(None, f"timed out after {self.timeout_s} s", time.perf_counter() - started)
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu
         lines = done.stdout.strip().splitlines()
         if done.returncode != 0 or not lines:
             last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-            return JobResult(None, last[:200], wall, done.returncode)
-        return JobResult(json.loads(lines[-1]), None, wall, done.returncode)
+            return JobResult(None, last[:200], wall, done.returncode, cpu)
+        return JobResult(json.loads(lines[-1]), None, wall, done.returncode, cpu)
 
     def worker(self, job: dict, env: dict | None = None) -> JobResult:
         return self.fresh(["-m", "cxltrain.bench.worker", json.dumps(job)], env)
@@ -164,13 +188,17 @@ def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -
     results["embedding"] = _embedding(plan, jobs, os.path.join(where, tag), log)
     results["bandwidth"] = _bandwidth(plan, jobs, log)
     results["seconds"] = time.perf_counter() - started
+    results["job_cpu_seconds"] = jobs.cpu_seconds
     return results
 
 
 def _timed(log: Callable[[str], None], what: str, run: Callable[[], JobResult], killed_ok: bool = False) -> JobResult:
     outcome = run()
     said = "killed as planned" if killed_ok and outcome.returncode == -9 else outcome.error or "ok"
-    log(f"{what}: {said} ({outcome.wall_seconds:.1f} s)")
+    if outcome.result:  # the job's figures, so a run cut short still leaves them in the log
+        said += " " + ", ".join(f"{k} {v:.4g}" for k, v in outcome.result.items()
+                                if isinstance(v, float) and k not in ("note",))[:120]
+    log(f"{what}: {said} ({outcome.wall_seconds:.1f} s, {outcome.cpu_seconds:.1f} s of CPU)")
     return outcome
 
 
@@ -298,26 +326,22 @@ def _recover_ours(config: TrainConfig, pool: str, jobs: Jobs, log) -> dict:
 
 
 def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
-    from .embedding import CONTENDERS, OPTIMIZERS, torchrec_missing
+    from .embedding import CONTENDERS, OPTIMIZERS
     from .worker import config_to_json
 
-    missing = torchrec_missing()
     rows = []
     for pooling in plan.embedding_poolings:
         config = dataclasses.replace(plan.config, pooling=pooling)
         for optimizer in OPTIMIZERS:
             for contender in CONTENDERS:
                 row = {"contender": contender, "optimizer": optimizer, "pooling": pooling}
-                if contender == "torchrec" and missing:
-                    row["reason"] = missing
-                else:
-                    warmup, timed = plan.embedding_steps
-                    outcome = _timed(log, f"embedding {contender} {optimizer} pooling {pooling}",
-                                     lambda: jobs.forked({"job": "embedding", "config": config_to_json(config),
-                                                          "contender": contender, "optimizer": optimizer,
-                                                          "pool": f"{prefix}-emb.pool", "warmup": warmup,
-                                                          "timed": timed}))
-                    row.update(outcome.result or {"reason": outcome.error})
+                warmup, timed = plan.embedding_steps
+                outcome = _timed(log, f"embedding {contender} {optimizer} pooling {pooling}",
+                                 lambda: jobs.forked({"job": "embedding", "config": config_to_json(config),
+                                                      "contender": contender, "optimizer": optimizer,
+                                                      "pool": f"{prefix}-emb.pool", "warmup": warmup,
+                                                      "timed": timed}))
+                row.update(outcome.result or {"reason": outcome.error})  # a result may be a reason too
                 rows.append(row)
     return rows
 

@@ -101,8 +101,11 @@ def run_job(job: dict) -> dict:
     if kind == "nothing":
         return {}
     if kind == "embedding":
-        from .embedding import measure
+        from .embedding import measure, torchrec_missing
 
+        missing = torchrec_missing() if job["contender"] == "torchrec" else None
+        if missing:
+            return {"reason": missing}
         return measure(job["contender"], job["optimizer"], config, pool_path=job["pool"],
                        warmup=job["warmup"], timed=job["timed"])
     if kind == "bandwidth":
@@ -117,6 +120,19 @@ def quiet_library_warnings() -> None:
     the bench's output; errors still reach stderr."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.(distributed|optim|sparse)")
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+def warm_imports() -> None:
+    """Import now what jobs would import lazily (DCP; torch._dynamo, which the first torch optimizer
+    pulls in; torchrec where installed): the fork server runs this once, instead of every job
+    paying seconds of imports inside its measurement."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    from torch.distributed.checkpoint import state_dict  # noqa: F401
+
+    from .embedding import torchrec_missing
+
+    torchrec_missing()
 
 
 quiet_library_warnings()
