@@ -353,7 +353,7 @@ def _add_bench(sub) -> None:
 
 def _run_bench(args) -> int:
     from .bench.plot import require_matplotlib, save_plot
-    from .bench.report import format_text, targets
+    from .bench.report import format_text
     from .bench.suite import full_plan, quick_plan, run_bench
 
     if args.plot is not None:
@@ -363,7 +363,6 @@ def _run_bench(args) -> int:
             raise CxlTrainError(f"{args.plot}: cannot write into {folder}")
     results = run_bench(quick_plan() if args.quick else full_plan(),
                         log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
-    results["targets"] = targets(results)
     print(format_text(results))
     if args.plot is not None:
         save_plot(results, args.plot)

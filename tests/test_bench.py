@@ -100,6 +100,7 @@ def test_full_checkpoint_round_trip(kind, shm_dir):
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+    opts[1].param_groups[0]["lr"] = 2.5e-4  # as an LR scheduler would have left it: not a tensor
     path = str(shm_dir / "ckpt")
     if kind == "torch":
         torch.save(plain.full_state(model, opts), path)
@@ -112,11 +113,13 @@ def test_full_checkpoint_round_trip(kind, shm_dir):
     for table in fresh.tables:
         table.weight.data.zero_()
     assert not torch.equal(fresh.tables[0].weight, model.tables[0].weight)
+    assert fresh_opts[1].param_groups[0]["lr"] != 2.5e-4
     (plain.load_torch_state if kind == "torch" else plain.load_dcp_state)(fresh, fresh_opts, path)
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value), key
     adam, fresh_adam = opts[1].state_dict()["state"], fresh_opts[1].state_dict()["state"]
     assert all(torch.equal(adam[i]["exp_avg_sq"], fresh_adam[i]["exp_avg_sq"]) for i in adam)
+    assert fresh_opts[1].param_groups[0]["lr"] == 2.5e-4
 
 
 def test_periodic_saves_fall_in_the_timed_window(shm_dir):

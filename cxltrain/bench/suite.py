@@ -26,7 +26,7 @@ from typing import Callable
 from ..config import TrainConfig
 from ..knobs import KNOBS
 from .methods import Method, step_methods, unavailable
-from .report import machine_info
+from .report import machine_info, targets
 
 GB = 1e9
 
@@ -189,6 +189,7 @@ def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -
     results["bandwidth"] = _bandwidth(plan, jobs, log)
     results["seconds"] = time.perf_counter() - started
     results["job_cpu_seconds"] = jobs.cpu_seconds
+    results["targets"] = targets(results)
     return results
 
 

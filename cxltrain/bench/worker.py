@@ -28,6 +28,7 @@ import torch
 
 from ..config import TrainConfig
 from ..knobs import KNOBS
+from ..trainer import build_source
 from . import plain
 
 
@@ -60,7 +61,7 @@ def _plain_save(config: TrainConfig, torch_path: str, dcp_path: str, steps: int)
 
     model = plain.plain_model(config)
     opts = plain.optimizers(model, config)
-    source = plain.build_source(config)
+    source = build_source(config)
     for b in range(steps):  # so the optimizers have state to save
         model.loss(source.batch(b)).backward()
         for opt in opts:
