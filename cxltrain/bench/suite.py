@@ -6,7 +6,8 @@ process that loads nothing) and the job that crashes on purpose run as new Pytho
 still a fresh process (no earlier job's tables, caches or threads), without paying torch's import
 each time.
 
-    results = run_bench(full_plan())     # a dict, see report.py for its layout; ~6-8 min here
+    if __name__ == "__main__":           # the fork server imports the main module again
+        results = run_bench(full_plan())  # a dict, see report.py for its layout
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ def _timed(log: Callable[[str], None], what: str, run: Callable[[], JobResult], 
 
 
 def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+    from .plain import remove
     from .worker import config_to_json
 
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -219,8 +221,12 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
             row = {"method": method.name, "label": method.label, "pooling": pooling, "baseline": method.baseline}
             reason = unavailable(method, fields)
             if reason is None:
-                outcome = _timed(log, f"steps {method.name} pooling {pooling}",
-                                 lambda: jobs.forked(_step_job(method, config, plan, prefix, config_to_json)))
+                job = _step_job(method, config, plan, prefix, config_to_json)
+                try:
+                    outcome = _timed(log, f"steps {method.name} pooling {pooling}", lambda: jobs.forked(job))
+                finally:  # a job that died (or was interrupted) leaves its pool or checkpoint
+                    for path in (job["pool"], job["pool"] + ".creating") if "pool" in job else (job["path"],):
+                        remove(path)
                 reason = outcome.error
             if reason is not None:
                 row["reason"] = reason
@@ -238,8 +244,10 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
 
 
 def _step_job(method: Method, config: TrainConfig, plan: BenchPlan, prefix: str, to_json) -> dict:
+    from ..trainer import WARMUP_STEPS
+
     if method.family == "ours":
-        config = dataclasses.replace(config, steps=5 + plan.ours_timed, **method.overrides)
+        config = dataclasses.replace(config, steps=WARMUP_STEPS + plan.ours_timed, **method.overrides)
         return {"job": "ours-steps", "config": to_json(config), "pool": f"{prefix}-{method.name}.pool"}
     warmup, timed = plan.plain_timed[(method.save, method.every)]
     return {"job": "plain-steps", "config": to_json(config), "save": method.save, "every": method.every,
