@@ -2,7 +2,7 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-slow clean
+.PHONY: setup train test test-slow bench bench-extras clean
 
 setup:
 	@bash tools/bootstrap.sh
@@ -15,6 +15,19 @@ test: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+# The bench's optional contenders: matplotlib for --plot, and torchrec with FBGEMM's CPU kernels.
+# --no-deps throughout the torchrec set: torchrec asks for fbgemm-gpu (the CUDA build) and tensordict
+# and torchmetrics for torch, which would replace the CPU torch; their other needs are listed here.
+TORCHREC_SET := torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 tensordict cloudpickle "pyvers>=0.2,<0.3" \
+	pyre-extensions typing-inspect mypy-extensions torchmetrics lightning-utilities
+
+bench-extras: setup
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m pip install -q --no-deps $(TORCHREC_SET)
+
+bench: bench-extras
+	$(BIN)/cxltrain bench --plot bench.png $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

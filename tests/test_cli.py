@@ -17,11 +17,11 @@ SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", 
          "--no-progress"]
 
 
-def cxltrain(*args, env=None, **popen):
+def cxltrain(*args, env=None, timeout=300, **popen):
     """Run the command line; `popen`: more subprocess.run arguments (user=, preexec_fn=)."""
     script = Path(sys.executable).with_name("cxltrain")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=300,
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, **popen)
 
 

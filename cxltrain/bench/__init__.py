@@ -1,0 +1,12 @@
+"""`cxltrain bench`: ours against the usual ways of checkpointing and of training embedding tables,
+on the same model, data and machine (issue 5).
+
+Layer: above the trainer, beside the command line. Modules:
+    methods.py    the checkpointing methods and what a crash loses under each (torch-free)
+    plain.py      the plain-PyTorch DLRM baseline and its torch.save / DCP checkpoints
+    embedding.py  lookup + update throughput: ours, nn.EmbeddingBag + torch optimizers, torchrec/FBGEMM
+    bandwidth.py  memory copy bandwidth, the ceiling for row gathers
+    worker.py     one measurement in a fresh process
+    suite.py      runs every measurement, one after the other
+    report.py     the text report and the targets;  plot.py  the plot
+"""

@@ -1,0 +1,51 @@
+"""The bench's plot: step-time ratio against the work a crash loses, one point per method.
+
+matplotlib is the optional extra `bench` (pip install -e '.[bench]'); `require_matplotlib` says so
+in one line before any measurement starts.
+"""
+
+from __future__ import annotations
+
+from ..errors import CxlTrainError
+
+
+def require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CxlTrainError("--plot needs matplotlib: pip install -e '.[bench]' (or make bench-extras)") from None
+
+
+def points(results: dict) -> list[tuple[str, float, int]]:
+    """(label, step-time ratio, batches lost) of every measured method that loses a bounded number of
+    batches, at the first pooling (the methods that lose everything have no place on a log axis)."""
+    first = results["steps"][0]["pooling"]
+    return [(r["label"], r["ratio"], r["batches_lost"]) for r in results["steps"]
+            if r["pooling"] == first and r.get("ratio") is not None and r.get("batches_lost") is not None]
+
+
+def save_plot(results: dict, path: str) -> None:
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, ratio, lost in points(results):
+        ax.scatter([lost], [ratio], s=40)
+        ax.annotate(label, (lost, ratio), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("batches a crash can lose (log)")
+    ax.set_ylabel("step time / no checkpoint (log)")
+    m = results["machine"]
+    ax.set_title(f"{m['cpu']}, {m['threads']} threads", fontsize=9)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise CxlTrainError(f"{path}: cannot write the plot: {e.strerror}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,363 @@
+"""`cxltrain bench`: every measurement, one after the other, each in a fresh process.
+
+Jobs that time a process's whole life (recovery: `cxltrain recover`, torch.load, DCP load, and a
+process that loads nothing) and the job that crashes on purpose run as new Python processes
+(`python -m ...`). The others are forked from a fork server that has imported torch once: each is
+still a fresh process (no earlier job's tables, caches or threads), without paying torch's import
+each time.
+
+    if __name__ == "__main__":           # the fork server imports the main module again
+        results = run_bench(full_plan())  # a dict, see report.py for its layout
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable
+
+from ..config import TrainConfig
+from ..knobs import KNOBS
+from .methods import Method, step_methods, unavailable
+from .report import machine_info, targets
+
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchPlan:
+    """What one `cxltrain bench` run measures, and how long it samples each thing."""
+
+    name: str                                # "full" or "quick"
+    config: TrainConfig                      # model, data and batch for every measurement
+    step_poolings: tuple[int, ...]           # pooling of the step-time runs; the first gets every method
+    ours_timed: int                          # steps timed per ours run (after the trainer's warm-up)
+    periods: tuple[int, int]                 # k of the plain checkpoints every k batches
+    plain_timed: dict                        # (save, every) -> (warm-up, timed steps)
+    recovery_rows: tuple[int, ...]           # rows per table of the recovery sizes
+    embedding_poolings: tuple[int, ...]
+    embedding_steps: tuple[int, int]         # (warm-up, timed)
+    copy_bytes: int
+    job_timeout_s: int
+
+
+def full_plan() -> BenchPlan:
+    """The configuration of issue 5: 8 x 1M x 64 tables, batch 2048, skewed ids, 2 threads."""
+    # k = 1: a checkpoint every step (few steps: each costs 1-3 s); k = 100: whole periods, two for
+    # DCP so that one save overlaps the steps after it
+    timed = {("none", 1): (5, 40), ("torch", 1): (3, 8), ("torch", 100): (5, 100),
+             ("dcp", 1): (3, 6), ("dcp", 100): (5, 200)}
+    # rows per table for 0.5, 1, 2, 4 GB of tables (8 tables x 64 fp32 = 2,048 bytes per row index)
+    return BenchPlan(name="full", config=TrainConfig(), step_poolings=(1, 20), ours_timed=40, periods=(1, 100), plain_timed=timed,
+                     recovery_rows=(250_000, 500_000, 1_000_000, 2_000_000), embedding_poolings=(1, 20),
+                     embedding_steps=(5, 30), copy_bytes=1 << 30, job_timeout_s=1200)
+
+
+def quick_plan() -> BenchPlan:
+    """The whole path on a tiny model, in seconds: for tests, not for figures."""
+    config = TrainConfig(batch_size=64, num_tables=2, rows=1000, dim=8, bottom_mlp=(16,), top_mlp=(16,))
+    timed = {("none", 1): (1, 4), ("torch", 1): (1, 2), ("torch", 4): (1, 4), ("dcp", 1): (1, 2), ("dcp", 4): (1, 4)}
+    return BenchPlan(name="quick", config=config, step_poolings=(1,), ours_timed=4, periods=(1, 4), plain_timed=timed, recovery_rows=(1000,),
+                     embedding_poolings=(1,), embedding_steps=(1, 3), copy_bytes=1 << 20, job_timeout_s=120)
+
+
+def scratch_dir() -> str:
+    """Where pools and checkpoint files go: memory-backed, like the tables they stand for."""
+    if KNOBS.pool_dir:
+        return KNOBS.pool_dir
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+# ---------------------------------------------------------------------------------------------
+# running jobs
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class JobResult:
+    result: dict | None
+    error: str | None      # one line: why there is no result
+    wall_seconds: float
+    returncode: int | None = None
+    cpu_seconds: float = 0.0   # user + system time of the job's process: its cost on an idle machine
+
+
+def _cpu_seconds(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _in_fork(job: dict, conn) -> None:
+    from .worker import run_job
+
+    try:
+        result = run_job(job)
+        conn.send(("ok", result, _cpu_seconds(resource.RUSAGE_SELF)))
+    except BaseException as e:  # the parent reports it as this job's reason, one line
+        traceback.print_exc()
+        conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0], _cpu_seconds(resource.RUSAGE_SELF)))
+    finally:
+        conn.close()
+
+
+class Jobs:
+    """Runs jobs one at a time: forked from a fork server, or as new Python processes."""
+
+    def __init__(self, timeout_s: int) -> None:
+        self.timeout_s = timeout_s
+        self.cpu_seconds = 0.0  # all jobs so far
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["cxltrain.bench.worker", "cxltrain.bench.preload"])
+
+    def forked(self, job: dict) -> JobResult:
+        """Run `job` (worker.run_job) in a process forked from the fork server."""
+        return self._count(self._forked(job))
+
+    def _forked(self, job: dict) -> JobResult:
+        receive, send = self._ctx.Pipe(duplex=False)
+        started = time.perf_counter()
+        process = self._ctx.Process(target=_in_fork, args=(job, send))
+        process.start()
+        send.close()
+        outcome = None
+        try:
+            if receive.poll(self.timeout_s):
+                try:
+                    outcome = receive.recv()
+                except EOFError:  # died before it could answer
+                    pass
+            process.join(5 if outcome is not None else 0.1)
+        finally:  # also on Ctrl-C: no job outlives the bench
+            if process.is_alive():
+                process.kill()
+                process.join()
+        wall = time.perf_counter() - started
+        if outcome is None:
+            why = (f"timed out after {self.timeout_s} s" if process.exitcode in (None, -9) and wall >= self.timeout_s
+                   else f"its process died (exit {process.exitcode})")
+            return JobResult(None, why, wall, process.exitcode)
+        status, value, cpu = outcome
+        return JobResult(value if status == "ok" else None, None if status == "ok" else value, wall, process.exitcode,
+                         cpu)
+
+    def fresh(self, argv: list[str], env: dict | None = None) -> JobResult:
+        """`python <argv>` in a new process; its result is the last stdout line (JSON)."""
+        return self._count(self._fresh(argv, env))
+
+    def _count(self, outcome: JobResult) -> JobResult:
+        self.cpu_seconds += outcome.cpu_seconds
+        return outcome
+
+    def _fresh(self, argv: list[str], env: dict | None) -> JobResult:
+        started, cpu = time.perf_counter(), _cpu_seconds(resource.RUSAGE_CHILDREN)
+        try:
+            done = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                                  timeout=self.timeout_s, env={**os.environ, **(env or {})})
+        except subprocess.TimeoutExpired:
+            return JobResult(None, f"timed out after {self.timeout_s} s", time.perf_counter() - started)
+        wall, cpu = time.perf_counter() - started, _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu
+        lines = done.stdout.strip().splitlines()
+        if done.returncode != 0 or not lines:
+            last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            return JobResult(None, last[:200], wall, done.returncode, cpu)
+        return JobResult(json.loads(lines[-1]), None, wall, done.returncode, cpu)
+
+    def worker(self, job: dict, env: dict | None = None) -> JobResult:
+        return self.fresh(["-m", "cxltrain.bench.worker", json.dumps(job)], env)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sections
+# ---------------------------------------------------------------------------------------------
+def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -> dict:
+    from .worker import config_to_json
+
+    started = time.perf_counter()
+    jobs = Jobs(plan.job_timeout_s)
+    where = scratch_dir()
+    tag = f"cxltrain-bench-{os.getpid()}"
+    results = {"machine": machine_info(KNOBS.threads), "config": config_to_json(plan.config),
+               "quick": plan.name == "quick", "scratch_dir": where}
+    results["steps"] = _step_times(plan, jobs, os.path.join(where, tag), log)
+    results["recovery"] = _recovery(plan, jobs, os.path.join(where, tag), log)
+    results["embedding"] = _embedding(plan, jobs, os.path.join(where, tag), log)
+    results["bandwidth"] = _bandwidth(plan, jobs, log)
+    results["seconds"] = time.perf_counter() - started
+    results["job_cpu_seconds"] = jobs.cpu_seconds
+    results["targets"] = targets(results)
+    return results
+
+
+def _timed(log: Callable[[str], None], what: str, run: Callable[[], JobResult], killed_ok: bool = False) -> JobResult:
+    outcome = run()
+    said = "killed as planned" if killed_ok and outcome.returncode == -9 else outcome.error or "ok"
+    if outcome.result:  # the job's figures, so a run cut short still leaves them in the log
+        said += " " + ", ".join(f"{k} {v:.4g}" for k, v in outcome.result.items()
+                                if isinstance(v, float) and k not in ("note",))[:120]
+    log(f"{what}: {said} ({outcome.wall_seconds:.1f} s, {outcome.cpu_seconds:.1f} s of CPU)")
+    return outcome
+
+
+def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+    from .plain import remove
+    from .worker import config_to_json
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    rows = []
+    for pooling in plan.step_poolings:
+        config = dataclasses.replace(plan.config, pooling=pooling)
+        # beyond the first pooling, only the baselines and strict mode (each run costs a minute there)
+        methods = step_methods(plan.periods)
+        if pooling != plan.step_poolings[0]:
+            methods = [m for m in methods if m.name in ("ours-off", "ours-strict", "plain")]
+        measured: dict[str, dict] = {}
+        for method in methods:
+            row = {"method": method.name, "label": method.label, "pooling": pooling, "baseline": method.baseline}
+            reason = unavailable(method, fields)
+            if reason is None:
+                job = _step_job(method, config, plan, prefix, config_to_json)
+                try:
+                    outcome = _timed(log, f"steps {method.name} pooling {pooling}", lambda: jobs.forked(job))
+                finally:  # a job that died (or was interrupted) leaves its pool or checkpoint
+                    for path in (job["pool"], job["pool"] + ".creating") if "pool" in job else (job["path"],):
+                        remove(path)
+                reason = outcome.error
+            if reason is not None:
+                row["reason"] = reason
+            else:
+                row.update(_step_row(method, outcome.result))
+                measured[method.name] = row
+            rows.append(row)
+        for row in rows:
+            base = measured.get(row["baseline"])
+            if row["pooling"] == pooling and "mean_ms" in row and base is not None:
+                row["ratio"] = row["mean_ms"] / base["mean_ms"]
+        if "plain" in measured and "ours-off" in measured:
+            measured["ours-off"]["plain_over_ours_off"] = measured["plain"]["mean_ms"] / measured["ours-off"]["mean_ms"]
+    return rows
+
+
+def _step_job(method: Method, config: TrainConfig, plan: BenchPlan, prefix: str, to_json) -> dict:
+    from ..trainer import WARMUP_STEPS
+
+    if method.family == "ours":
+        config = dataclasses.replace(config, steps=WARMUP_STEPS + plan.ours_timed, **method.overrides)
+        return {"job": "ours-steps", "config": to_json(config), "pool": f"{prefix}-{method.name}.pool"}
+    warmup, timed = plan.plain_timed[(method.save, method.every)]
+    return {"job": "plain-steps", "config": to_json(config), "save": method.save, "every": method.every,
+            "path": f"{prefix}-{method.name}.ckpt", "warmup": warmup, "timed": timed}
+
+
+def _step_row(method: Method, result: dict) -> dict:
+    """Step ms, batches a crash loses, bytes written per batch, for one measured method."""
+    row = {"mean_ms": result["mean_ms"], "median_ms": result.get("median_ms")}
+    if method.family == "ours":
+        stats = result["checkpoint_stats"]
+        row["batches_lost"] = method.batches_lost()
+        if stats and stats["batches"]:
+            written = stats["undo_bytes"] + stats["dense_bytes"] + stats["rows_persisted"] * result["row_bytes"]
+            row["bytes_per_batch"] = written / stats["batches"]
+        else:
+            row["bytes_per_batch"] = 0.0
+        return row
+    row["batches_lost"] = method.batches_lost(result["overlap_steps"])
+    row["full_checkpoint_bytes"] = result["state_bytes"]
+    row["bytes_per_batch"] = 0.0 if method.save == "none" else result["state_bytes"] / method.every
+    if method.save == "dcp":
+        row["overlap_steps"] = result["overlap_steps"]
+    return row
+
+
+def _recovery(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> dict:
+    """Ours (a pool killed mid-batch, then `cxltrain recover`) vs torch.load and DCP load of a full
+    checkpoint, per table size; all in fresh processes."""
+    from .plain import remove
+    from .worker import config_to_json
+
+    nothing = _timed(log, "recovery: a process that loads nothing", lambda: jobs.worker({"job": "nothing"}))
+    sizes = []
+    for rows in plan.recovery_rows:
+        config = dataclasses.replace(plan.config, rows=rows, steps=6)
+        entry = {"rows": rows, "table_gb": config.num_tables * rows * config.dim * 4 / GB}
+        pool, torch_path, dcp_path = f"{prefix}-recover.pool", f"{prefix}-recover.pt", f"{prefix}-recover.dcp"
+        try:
+            entry.update(_recover_ours(config, pool, jobs, log))
+            remove(pool)
+            saved = _timed(log, f"recovery {rows:,} rows: plain model, torch.save + dcp.save",
+                           lambda: jobs.forked({"job": "plain-save", "config": config_to_json(config), "steps": 2,
+                                                "torch_path": torch_path, "dcp_path": dcp_path}))
+            if saved.error is not None:
+                entry["torch_reason"] = entry["dcp_reason"] = saved.error
+            else:
+                entry["full_checkpoint_bytes"] = saved.result["state_bytes"]
+                for name, path in (("torch", torch_path), ("dcp", dcp_path)):
+                    loaded = _timed(log, f"recovery {rows:,} rows: {name} load",
+                                    lambda: jobs.worker({"job": f"{name}-load", "config": config_to_json(config),
+                                                         "path": path}))
+                    remove(path)  # before the next load: /dev/shm is memory
+                    if loaded.error is not None:
+                        entry[f"{name}_reason"] = loaded.error
+                    else:
+                        entry[f"{name}_seconds"] = loaded.result["seconds"]
+                        entry[f"{name}_process_seconds"] = loaded.wall_seconds
+        finally:
+            for path in (pool, pool + ".creating", torch_path, dcp_path):
+                remove(path)
+        sizes.append(entry)
+    return {"nothing_process_seconds": nothing.wall_seconds if nothing.error is None else None,
+            "nothing_reason": nothing.error, "sizes": sizes}
+
+
+def _recover_ours(config: TrainConfig, pool: str, jobs: Jobs, log) -> dict:
+    """Train a pool and SIGKILL it half-way through updating the tables in batch 3, then time
+    `cxltrain recover` on it in a fresh process."""
+    from .worker import config_to_json
+
+    crash_at = f"update:mid:{config.num_tables * 3 + 1}"  # table 0's update of batch 3 (0-based)
+    built = _timed(log, f"recovery {config.rows:,} rows: ours, killed mid-batch",
+                   lambda: jobs.worker({"job": "ours-crash", "config": config_to_json(config), "pool": pool},
+                                       env={"CXLTRAIN_CRASH_AT": crash_at}), killed_ok=True)
+    if built.returncode != -9:
+        return {"ours_reason": f"the training run was not killed as planned ({built.error or 'it finished'})"}
+    recovered = _timed(log, f"recovery {config.rows:,} rows: cxltrain recover",
+                       lambda: jobs.fresh(["-m", "cxltrain", "recover", pool, "--json"]))
+    if recovered.error is not None:
+        return {"ours_reason": recovered.error}
+    return {"ours_seconds": recovered.result["seconds"], "ours_process_seconds": recovered.wall_seconds,
+            "ours_rows_restored": recovered.result["rows_restored"],
+            "ours_batches_rolled_back": recovered.result["batches_rolled_back"]}
+
+
+def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+    from .embedding import CONTENDERS, OPTIMIZERS
+    from .worker import config_to_json
+
+    rows = []
+    for pooling in plan.embedding_poolings:
+        config = dataclasses.replace(plan.config, pooling=pooling)
+        for optimizer in OPTIMIZERS:
+            for contender in CONTENDERS:
+                row = {"contender": contender, "optimizer": optimizer, "pooling": pooling}
+                warmup, timed = plan.embedding_steps
+                outcome = _timed(log, f"embedding {contender} {optimizer} pooling {pooling}",
+                                 lambda: jobs.forked({"job": "embedding", "config": config_to_json(config),
+                                                      "contender": contender, "optimizer": optimizer,
+                                                      "pool": f"{prefix}-emb.pool", "warmup": warmup,
+                                                      "timed": timed}))
+                row.update(outcome.result or {"reason": outcome.error})  # a result may be a reason too
+                rows.append(row)
+    return rows
+
+
+def _bandwidth(plan: BenchPlan, jobs: Jobs, log) -> dict:
+    from .worker import config_to_json
+
+    outcome = _timed(log, "copy bandwidth", lambda: jobs.forked(
+        {"job": "bandwidth", "config": config_to_json(plan.config), "nbytes": plan.copy_bytes}))
+    return outcome.result or {"reason": outcome.error}

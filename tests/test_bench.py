@@ -1,0 +1,181 @@
+"""`cxltrain bench`: the whole path on a tiny model, the plain-PyTorch baseline, the method table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from cxltrain.bench import methods, plain
+from cxltrain.bench.report import targets
+from cxltrain.bench.suite import _step_row
+from cxltrain.config import TrainConfig
+from cxltrain.trainer import build_model, build_source
+from test_cli import assert_one_line_error, cxltrain
+
+TINY = TrainConfig(batch_size=32, num_tables=2, rows=500, dim=8, bottom_mlp=(16,), top_mlp=(16,))
+
+
+def test_quick_bench_end_to_end(shm_dir):
+    """Every method, recovery size, contender and the bandwidth either has numbers or says why not,
+    and nothing is left in the scratch folder."""
+    plot = shm_dir / "plot.png"
+    # ~30 s on an idle machine; the long limit is for a shared one (this checks results, not time)
+    result = cxltrain("bench", "--quick", "--json", *(["--plot", plot] if _has_matplotlib() else []),
+                      env={"CXLTRAIN_POOL_DIR": str(shm_dir)}, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["quick"] and out["machine"]["threads"] == 2 and out["config"]["rows"] == 1000
+    names = {m.name for m in methods.step_methods((1, 4))}
+    assert {r["method"] for r in out["steps"]} == names
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for row in out["steps"]:
+        method = next(m for m in methods.step_methods((1, 4)) if m.name == row["method"])
+        if methods.unavailable(method, fields):
+            assert row["reason"].startswith("not available in this build")
+            continue
+        assert "reason" not in row, row
+        assert row["mean_ms"] > 0 and row["ratio"] > 0 and row["bytes_per_batch"] >= 0
+        assert row["batches_lost"] == method.batches_lost(row.get("overlap_steps", 0))
+    strict = next(r for r in out["steps"] if r["method"] == "ours-strict")
+    assert strict["batches_lost"] == 1 and strict["bytes_per_batch"] > 0
+    [size] = out["recovery"]["sizes"]
+    for name in ("ours", "torch", "dcp"):
+        assert size[f"{name}_seconds"] > 0 and size[f"{name}_process_seconds"] > size[f"{name}_seconds"], size
+    assert size["ours_batches_rolled_back"] == 1  # it was killed mid-batch, and recovery undid that batch
+    assert out["recovery"]["nothing_process_seconds"] > 0
+    assert {(r["contender"], r["optimizer"]) for r in out["embedding"]} == \
+        {(c, o) for c in ("ours", "torch", "torchrec") for o in ("sgd", "adagrad")}
+    for row in out["embedding"]:
+        assert row.get("ms", 0) > 0 or row["reason"].startswith("not installed"), row
+    assert out["bandwidth"]["numpy_1_thread_gbps"] > 0 and out["bandwidth"]["gather_gbps"] > 0
+    assert [t["name"].split(":")[0] for t in out["targets"]][:3] == [
+        "strict per-batch step time / no checkpoint", "recovery of 0.00 GB of tables, s",
+        "recovery time, largest / smallest tables"]
+    assert "machine:" in result.stdout and "targets" in result.stdout
+    assert sorted(p.name for p in shm_dir.iterdir()) == (["plot.png"] if _has_matplotlib() else [])
+    if _has_matplotlib():
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_bench_plot_refusals_are_one_line_and_immediate(tmp_path):
+    where = tmp_path / "missing-folder" / "plot.png"
+    result = cxltrain("bench", "--quick", "--plot", where)
+    if _has_matplotlib():
+        assert_one_line_error(result, match="cannot write into")
+    else:
+        assert_one_line_error(result, match="--plot needs matplotlib")
+    assert result.stdout == ""  # refused before measuring anything
+
+
+def test_plain_model_is_the_same_dlrm():
+    """Same MLP weights and initial table values as `cxltrain train`'s model: the same logits."""
+    ours = build_model(TINY)
+    ours.materialize()
+    theirs = plain.plain_model(TINY)
+    batch = build_source(TINY).batch(0)
+    with torch.no_grad():
+        assert torch.equal(ours(batch), theirs(batch))
+    assert all(isinstance(t, torch.nn.EmbeddingBag) and t.sparse for t in theirs.tables)
+
+
+@pytest.mark.parametrize("kind", ["torch", "dcp"])
+def test_full_checkpoint_round_trip(kind, shm_dir):
+    """A full checkpoint read back into a fresh, uninitialised model: differs before, equal after."""
+    model = plain.plain_model(TINY)
+    opts = plain.optimizers(model, TINY)
+    source = build_source(TINY)
+    for b in range(2):
+        model.loss(source.batch(b)).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    opts[1].param_groups[0]["lr"] = 2.5e-4  # as an LR scheduler would have left it: not a tensor
+    path = str(shm_dir / "ckpt")
+    if kind == "torch":
+        torch.save(plain.full_state(model, opts), path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(plain.dcp_state(model, opts), checkpoint_id=path)
+    fresh = plain.plain_model(TINY, initialize=False)
+    fresh_opts = plain.optimizers(fresh, TINY)
+    for table in fresh.tables:
+        table.weight.data.zero_()
+    assert not torch.equal(fresh.tables[0].weight, model.tables[0].weight)
+    assert fresh_opts[1].param_groups[0]["lr"] != 2.5e-4
+    (plain.load_torch_state if kind == "torch" else plain.load_dcp_state)(fresh, fresh_opts, path)
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    adam, fresh_adam = opts[1].state_dict()["state"], fresh_opts[1].state_dict()["state"]
+    assert all(torch.equal(adam[i]["exp_avg_sq"], fresh_adam[i]["exp_avg_sq"]) for i in adam)
+    assert fresh_opts[1].param_groups[0]["lr"] == 2.5e-4
+
+
+def test_periodic_saves_fall_in_the_timed_window(shm_dir):
+    """torch.save every 2 over 4 timed steps writes twice: the window carries its cost."""
+    path = str(shm_dir / "ckpt")
+    saved = []
+    real_save = torch.save
+    try:
+        torch.save = lambda state, f: saved.append(f) or real_save(state, f)
+        result = plain.train_steps(TINY, save="torch", every=2, path=path, warmup=1, timed=4)
+    finally:
+        torch.save = real_save
+    assert len(saved) == 2
+    assert result["state_bytes"] > TINY.num_tables * TINY.rows * TINY.dim * 4  # tables, MLPs, Adam state
+    assert not (shm_dir / "ckpt").exists()  # the checkpoint goes when the run ends
+
+
+def test_batches_lost_per_method():
+    by_name = {m.name: m for m in methods.step_methods((1, 100))}
+    assert by_name["ours-off"].batches_lost() is None
+    assert by_name["ours-strict"].batches_lost() == 1
+    assert by_name["ours-relaxed"].batches_lost() == 100   # the dense state, dense_every batches old
+    assert by_name["ours-sync-undo"].batches_lost() == 1
+    assert by_name["plain"].batches_lost() is None
+    assert by_name["plain-torch-100"].batches_lost(overlap_steps=7) == 100
+    assert by_name["plain-dcp-100"].batches_lost(overlap_steps=7) == 107  # the save in flight too
+
+
+def test_methods_need_the_fields_they_override():
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    for method in methods.step_methods():
+        reason = methods.unavailable(method, fields)
+        assert (reason is None) == (set(method.overrides) <= fields), method.name
+    relaxed = next(m for m in methods.step_methods() if m.name == "ours-relaxed")
+    assert methods.unavailable(relaxed, fields | {"mode"}) is None
+    assert "mode" in methods.unavailable(relaxed, fields - {"mode"})
+
+
+def test_bytes_per_batch():
+    strict = next(m for m in methods.step_methods() if m.name == "ours-strict")
+    stats = {"batches": 4, "undo_bytes": 1000, "dense_bytes": 400, "rows_persisted": 10}
+    row = _step_row(strict, {"mean_ms": 5.0, "checkpoint_stats": stats, "row_bytes": 260})
+    assert row["bytes_per_batch"] == (1000 + 400 + 10 * 260) / 4 and row["batches_lost"] == 1
+    dcp = next(m for m in methods.step_methods() if m.name == "plain-dcp-100")
+    row = _step_row(dcp, {"mean_ms": 5.0, "median_ms": 4.0, "state_bytes": 2000, "overlap_steps": 3})
+    assert row["bytes_per_batch"] == 20 and row["batches_lost"] == 103
+
+
+def test_targets_hold_and_miss():
+    results = {"steps": [{"method": "ours-strict", "pooling": 1, "ratio": 1.04}],
+               "recovery": {"sizes": [{"table_gb": 0.5, "ours_seconds": 0.05}, {"table_gb": 2.05, "ours_seconds": 0.4},
+                                      {"table_gb": 4.1, "ours_seconds": 0.2}]},
+               "embedding": [{"contender": "ours", "optimizer": "sgd", "pooling": 1, "ms": 3.0},
+                             {"contender": "torch", "optimizer": "sgd", "pooling": 1, "ms": 2.0}]}
+    held = {t["name"]: t["held"] for t in targets(results)}
+    assert held == {"strict per-batch step time / no checkpoint": True,
+                    "recovery of 2.05 GB of tables, s": True,
+                    "recovery time, largest / smallest tables": False,     # 0.2 / 0.05 = 4x
+                    "embedding sgd pooling 1: ours / nn.EmbeddingBag time": False}
