@@ -148,10 +148,9 @@ def describe_model() -> str:
     return text
 
 
-class EADRCXLDevice(EmulatedCXLDevice):
-    """Power loss with eADR: the CPU caches are inside the persistence domain, so a store is durable
-    once it is made (the shared mapping is the media) and flush has nothing to do; drain still
-    orders (SFENCE through libpmem when present)."""
+class _FlushWritesNothing:
+    """For domains where a flush changes nothing durable (eADR: already durable; none: never):
+    flushes are still checked and still count as the crash tests' flush points."""
 
     def flush(self, offset: int, length: int) -> None:
         self._check_range(offset, length)
@@ -160,6 +159,12 @@ class EADRCXLDevice(EmulatedCXLDevice):
     def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
         self._check_range(offset, 0)
         crash_point(FLUSH_POINT)
+
+
+class EADRCXLDevice(_FlushWritesNothing, EmulatedCXLDevice):
+    """Power loss with eADR: the CPU caches are inside the persistence domain, so a store is durable
+    once it is made (the shared mapping is the media) and flush has nothing to do; drain still
+    orders (SFENCE through libpmem when present)."""
 
 
 class PowerLossCXLDevice(EmulatedCXLDevice):
@@ -259,18 +264,10 @@ class PowerLossCXLDevice(EmulatedCXLDevice):
         return f"<{type(self).__name__} {self.kind} power-loss {self.path} {self.size} bytes {mode}>"
 
 
-class VolatileCXLDevice(PowerLossCXLDevice):
+class VolatileCXLDevice(_FlushWritesNothing, PowerLossCXLDevice):
     """Power loss with no persistence domain at all (volatile CXL memory): flush makes nothing
     durable, so a kill loses every store since the pool was opened. Closing the pool normally
     writes the private view back whole: the process ended, the machine (and its memory) did not."""
-
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
-        crash_point(FLUSH_POINT)
-
-    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
-        self._check_range(offset, 0)
-        crash_point(FLUSH_POINT)
 
     def close(self) -> None:
         if self._media is not None and self._array is not None:
