@@ -203,8 +203,9 @@ def _flush_cases(rows: int, dim: int, num_tables: int, folder: str, stack: conte
 
     def copy_lines(sets):
         for picks in sets:
-            native.copy_lines(lossy.address, lossy._media_address, size, 0, dim * 4, rows, picks)
-            native.copy_lines(lossy.address, lossy._media_address, size, w_bytes, 4, rows, picks)
+            with lossy.media_lock:  # as the device's own flush_rows does
+                native.copy_lines(lossy.address, lossy._media_address, size, 0, dim * 4, rows, picks)
+                native.copy_lines(lossy.address, lossy._media_address, size, w_bytes, 4, rows, picks)
 
     if native.built():
         cases.append(("copy_lines.ours", prepare(lossy), copy_lines))

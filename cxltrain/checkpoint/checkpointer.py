@@ -107,7 +107,6 @@ class CheckpointStats:
                 "commit_lag_mean": self.commit_lag_sum / per_batch}
 
 
-
 def summary_line(stats: dict) -> str:
     """One line for `train`, from CheckpointStats.to_json()."""
     return (f"checkpoint: training thread waited {stats['wait_ms_per_batch']:.2f} ms/batch, "
@@ -187,8 +186,6 @@ class BatchGuard:
         self._next = batch + 1
 
 
-
-
 class Checkpointer(BatchGuard):
     """Drives the protocol for the tables and dense state of one run over one pool.
 
@@ -214,7 +211,7 @@ class Checkpointer(BatchGuard):
         self.durable = root.batch            # the batch the durable root names (set by the worker)
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
         self._commit_ticket: Ticket | None = None
-        self._captures: list[Ticket] = []    # the batch in flight's capture jobs
+        self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs
         self._dirty: dict[int, list[tuple[object, torch.Tensor]]] = {}  # batch -> (table, rows) updated
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
