@@ -253,7 +253,7 @@ def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):
     from .emulation.costmodel import AccessCounts
 
     stats = rt.stats
-    gather_rows = gather_bytes = write_rows = write_bytes = persist_bytes = flush_calls = 0
+    gather_rows = gather_bytes = write_rows = write_bytes = flush_calls = 0
     for table in model.tables:
         weights = rt.pool.region(table.weight_region)
         state_stride = rt.pool.region(table.state_region).row_stride if table.optimizer.state_columns else 0
@@ -263,14 +263,14 @@ def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):
         gather_bytes += table.stats.lookups * row_bytes + captured * (weights.row_stride + state_stride)
         write_rows += table.stats.rows_updated
         write_bytes += table.stats.rows_updated * (row_bytes + table.optimizer.state_columns * 4)
-        persist_bytes += captured * (weights.row_stride + state_stride)
         flush_calls += captured * (2 if state_stride else 1)
-    log_bytes = drains = 0
-    if stats is not None:
+    log_bytes = drains = row_bytes_persisted = 0
+    if stats is not None:  # the checkpointer counts the bytes it persists: rows at commits, records, snapshots
         log_bytes = stats.undo_bytes + stats.dense_bytes
+        row_bytes_persisted = stats.row_bytes
         drains = 2 * sum(t.stats.updates for t in model.tables) + 3 * stats.commits
     totals = dict(gather_bytes=gather_bytes, gather_rows=gather_rows, write_bytes=write_bytes, write_rows=write_rows,
-                  persist_bytes=persist_bytes + log_bytes, flush_calls=flush_calls, drains=drains, log_bytes=log_bytes)
+                  persist_bytes=row_bytes_persisted + log_bytes, flush_calls=flush_calls, drains=drains, log_bytes=log_bytes)
     return AccessCounts(**{name: round(value / steps) for name, value in totals.items()})
 
 
