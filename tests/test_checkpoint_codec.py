@@ -526,22 +526,19 @@ def test_too_deep_or_cyclic_trees_are_value_errors():
         encode(cycle)
 
 
-def test_a_copied_dense_state_stays_as_it_was_while_training_goes_on():
-    """What the pipelined checkpointer hands its worker: the state at a batch boundary, unchanged by
-    the next optimizer step, encoding exactly as the live state did at that boundary."""
-    from cxltrain.checkpoint.dense import DenseState
+def test_a_layout_holds_the_same_bytes_as_the_encoding():
+    """lay_out's pieces (what the checkpointer copies straight into a dense slot) tile exactly the
+    bytes encode returns, padding included, with the blobs as views of the live tensors."""
+    from cxltrain.checkpoint.codec import lay_out
 
-    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    optimizer = torch.optim.Adam(model.parameters())
-    state = DenseState(model, [optimizer], [], {}, {"run": 1})
-
-    def step():
-        model(torch.randn(5, 3)).sum().backward()
-        optimizer.step()
-
-    step()
-    live_then = encode(state.capture(1))
-    copied = state.capture_copy(1)
-    step()
-    assert encode(copied) == live_then != encode(state.capture(1))
-    assert_same(decode(encode(copied)), decode(live_then))
+    weight = torch.randn(4, 3)
+    tree = {"w": weight, "empty": torch.zeros(0), "a": np.arange(5), "b": b"xyz", "rng": (3, tuple(range(700)), None),
+            "n": [1, 2.5, -(1 << 70)]}
+    encoded = lay_out(tree)
+    pieces = list(encoded.pieces())
+    assert [offset for offset, _ in pieces] == sorted(offset for offset, _ in pieces)
+    assert all(offset + len(raw) <= next_offset for (offset, raw), (next_offset, _) in zip(pieces, pieces[1:]))
+    assert b"".join(bytes(raw) for _, raw in pieces) == encode(tree) and encoded.nbytes == len(encode(tree))
+    assert_same(decode(b"".join(bytes(raw) for _, raw in pieces)), tree)
+    weight.add_(1)  # a blob is a view of the live tensor: copy it before the tensor changes again
+    assert torch.equal(decode(b"".join(bytes(raw) for _, raw in encoded.pieces()))["w"], weight)

@@ -25,8 +25,10 @@ Why committing b while b+1 updates the same rows in place is still correct:
     its batch is >= b+1, the target of commit(b)'s root: recovery keeps and restores it, so the row
     goes back to its value after b — what commit(b) promised. Restoring newest first, the oldest
     record wins when several batches touched a row.
-  * The snapshot of b is the dense state at b's boundary: copied on the training thread before
-    b+1's optimizer step can change it; the worker only encodes and writes the copy.
+  * The snapshot of b is the dense state at b's boundary: copied on the training thread, straight
+    into the free dense slot, before b+1's optimizer step can change it; the worker only checksums
+    it and writes the slot's header. The free slot is the one the durable root does not name, and
+    commit(b-1) is finished before the copy starts, so no root in flight can name it either.
   * Records are reclaimed only after the root that no longer needs them is durable (U3), on the
     same thread that appends, so the ring is never reused under a live record.
   * One worker thread runs every job, so records are appended in batch order and a commit's ring
@@ -297,11 +299,16 @@ class Checkpointer(BatchGuard):
             super().detach()
 
     def _hand_over_commit(self, done: int, snapshot: bool) -> None:
-        self._wait_for_commit()  # the lag bound: one commit in flight
-        tree = None
-        if snapshot:  # pipelined, the worker encodes it while b+1 changes the live tensors: a copy
-            tree = self.state.capture_copy(done) if self._worker.pipelined else self.state.capture(done)
-        self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, tree)))
+        self._wait_for_commit()  # the lag bound: one commit in flight; its root now names the other slot
+        written = None
+        if snapshot:
+            # The dense state as it is at this boundary, copied once, straight from the live tensors
+            # into the slot the durable root does not name, before b+1 can change them; the worker
+            # checksums it and makes the slot valid (seal) after persisting the rows.
+            slot = dense.free_slot(self.pool)
+            written = slot, dense.write_payload(self.pool, slot, codec.lay_out(self.state.capture(done)))
+            self.stats.dense_bytes += written[1]
+        self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, written)))
         self.committed = done
         if snapshot:
             self.dense_committed = done
@@ -365,21 +372,19 @@ class Checkpointer(BatchGuard):
                 return
             yield
 
-    def _commit_steps(self, done: int, tree: dict | None) -> Iterator[None]:
+    def _commit_steps(self, done: int, written: tuple[int, int] | None) -> Iterator[None]:
         """The commit at `done` batches, in steps the worker may interleave captures with.
-        tree: the dense state at `done` (a copy when pipelined), or None when no snapshot is due."""
+        written: (slot, payload bytes) of the dense state at `done`, already durable in that slot
+        (write_payload), or None when no snapshot is due."""
         rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
         dirty = [entry for batch in sorted(b for b in self._dirty if b < done) for entry in self._dirty.pop(batch)]
         if not rows_late:
             yield from self._persist_rows(dirty)
         crash_point("commit:between-rows-and-snapshot")
         fields = {}
-        if tree is not None:
-            blob = codec.encode(tree)
-            yield
-            slot = dense.free_slot(self.pool)
-            dense.write_snapshot(self.pool, slot, done, blob)
-            self.stats.dense_bytes += len(blob)
+        if written is not None:
+            slot, nbytes = written
+            dense.seal_snapshot(self.pool, slot, done, nbytes)
             self.stats.snapshots += 1
             fields = dict(dense_slot=slot, dense_batch=done)
             crash_point("commit:before-root")

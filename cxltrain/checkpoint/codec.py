@@ -130,8 +130,10 @@ class _Encoder:
             if depth >= MAX_DEPTH:
                 raise ValueError(f"cannot encode {_path(path)}: containers nest deeper than {MAX_DEPTH}")
             if kind is list or kind is tuple:
-                return ["l" if kind is list else "t",
-                        [self.node(item, path + (i,), depth + 1) for i, item in enumerate(x)]]
+                tag = "l" if kind is list else "t"
+                if all(type(item) is int for item in x) and (not x or _INT64_MIN <= min(x) and max(x) <= _INT64_MAX):
+                    return [tag, list(x)]  # the nodes of plain ints (e.g. python's RNG state), without a call each
+                return [tag, [self.node(item, path + (i,), depth + 1) for i, item in enumerate(x)]]
             items = [self.item(key, value, path, depth + 1) for key, value in x.items()]
             node = ["d" if kind is dict else "o", items]
             if hasattr(x, "_metadata"):
@@ -168,6 +170,38 @@ class _Encoder:
         return ["A", name, list(a.shape), *self.blob(flat.view(np.uint8))]
 
 
+class Layout:
+    """A tree laid out in the format above but not yet assembled: the header and manifest, and where
+    each blob goes. `pieces()` covers [0, nbytes) exactly, so a writer can store the blobs straight
+    from the live tensors into their destination (one copy) instead of assembling bytes first."""
+
+    def __init__(self, head: bytes, data_start: int, blobs: list, data_end: int) -> None:
+        self.head = head              # header + manifest
+        self.data_start = data_start  # 64-aligned offset of the data area
+        self.blobs = blobs            # [(offset in the data area, uint8 array or bytes)]
+        self.nbytes = data_start + data_end
+
+    def pieces(self):
+        """(offset, bytes-like) in increasing offset order, zero padding included: everything encode()
+        would return, piece by piece; the arrays are views of the live tensors (no copy)."""
+        yield 0, self.head + bytes(self.data_start - len(self.head))
+        pos = self.data_start
+        for offset, raw in self.blobs:
+            if self.data_start + offset > pos:
+                yield pos, bytes(self.data_start + offset - pos)
+            yield self.data_start + offset, raw
+            pos = self.data_start + offset + len(raw)
+
+
+def lay_out(tree) -> Layout:
+    """Lay `tree` out (see encode) without copying its tensors."""
+    enc = _Encoder()
+    root = enc.node(tree, (), 0)
+    manifest = json.dumps(root, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    head = HEADER.pack(MAGIC, VERSION, 0, len(manifest), len(enc.blobs)) + manifest
+    return Layout(head, _align(len(head)), enc.blobs, enc.end)
+
+
 def encode(tree) -> bytes:
     """Serialize `tree` (see the module docstring) into one self-describing bytes object.
 
@@ -175,18 +209,7 @@ def encode(tree) -> bytes:
     Raises TypeError naming the path, e.g. "state['opt']['state'][3]['exp_avg']", for a value
     or dict key of an unsupported type, and ValueError for containers nested deeper than MAX_DEPTH.
     """
-    enc = _Encoder()
-    root = enc.node(tree, (), 0)
-    manifest = json.dumps(root, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-    data_start = _align(HEADER.size + len(manifest))
-    parts = [HEADER.pack(MAGIC, VERSION, 0, len(manifest), len(enc.blobs)), manifest]
-    pos = HEADER.size + len(manifest)
-    for offset, raw in enc.blobs:
-        parts.append(bytes(data_start + offset - pos))
-        parts.append(raw)
-        pos = data_start + offset + len(raw)
-    parts.append(bytes(data_start + enc.end - pos))  # the data area starts aligned even when empty
-    return b"".join(parts)
+    return b"".join(raw for _, raw in lay_out(tree).pieces())
 
 
 # ---------------------------------------------------------------------------------------------

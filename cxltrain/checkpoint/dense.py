@@ -43,11 +43,6 @@ class DenseState:
                 "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata,
                 "threads": torch.get_num_threads()}
 
-    def capture_copy(self, batch: int) -> dict:
-        """capture(), with every tensor and array copied: stays as it is while training goes on
-        (state_dict() hands out the live tensors)."""
-        return _copied(self.capture(batch))
-
     def check(self, tree: dict, where: str) -> None:
         """Raise RecoveryError unless the snapshot fits the live model, optimizers and schedulers."""
         if len(tree["optimizers"]) != len(self.optimizers) or len(tree["schedulers"]) != len(self.schedulers):
@@ -88,23 +83,6 @@ class DenseState:
                           "need not end bit-identical to an uninterrupted one", stacklevel=2)
 
 
-def _copied(tree):
-    """`tree` with its containers rebuilt and its tensors and arrays cloned; other leaves (numbers,
-    strings, bytes) are immutable and shared. Far cheaper than copy.deepcopy on a state dict."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, np.ndarray):
-        return tree.copy()
-    if isinstance(tree, dict):
-        out = type(tree)((key, _copied(value)) for key, value in tree.items())
-        if hasattr(tree, "_metadata"):  # state_dict()'s module versions, encoded with it
-            out._metadata = _copied(tree._metadata)
-        return out
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_copied(value) for value in tree)
-    return tree
-
-
 def free_slot(pool: Pool) -> int:
     """The dense slot (1 or 2) the durable root does not name: the one a new snapshot may overwrite."""
     return 2 if pool.root.dense_slot == 1 else 1
@@ -114,18 +92,46 @@ def slot_region(pool: Pool, slot: int):
     return pool.region(layout.DENSE_REGIONS[slot - 1])
 
 
-def write_snapshot(pool: Pool, slot: int, batch: int, blob: bytes) -> None:
-    """Store an encoded snapshot in dense slot `slot` (1 or 2) and make it durable."""
+def write_snapshot(pool: Pool, slot: int, batch: int, tree: dict) -> None:
+    """Store the snapshot `tree` (DenseState.capture) in dense slot `slot` (1 or 2), durably."""
+    seal_snapshot(pool, slot, batch, write_payload(pool, slot, codec.lay_out(tree)))
+
+
+# Pieces at least this big are copied with the device's copy_persist (non-temporal stores where it
+# has them); smaller ones (the manifest, padding, RNG states, scalars) are plain stores, flushed once.
+_STREAM_BYTES = 16 << 10
+
+
+def write_payload(pool: Pool, slot: int, encoded: codec.Layout) -> int:
+    """Copy an encoded snapshot straight from the live tensors into slot `slot`'s payload and make
+    it durable; returns its length. The slot stays invalid (its header untouched) until
+    seal_snapshot. Must not overlap a write of the dense state it copies."""
     region = slot_region(pool, slot)
-    if layout.DENSE_HEADER.size + len(blob) > region.size:
-        raise CheckpointError(f"the dense state ({len(blob):,} bytes encoded) does not fit the pool's dense slots "
-                              f"({max(0, region.size - layout.DENSE_HEADER.size):,} bytes); create the pool with larger "
-                              "slots (Runtime(dense_slot_bytes=...))")
+    if layout.DENSE_HEADER.size + encoded.nbytes > region.size:
+        raise CheckpointError(f"the dense state ({encoded.nbytes:,} bytes encoded) does not fit the pool's dense "
+                              f"slots ({max(0, region.size - layout.DENSE_HEADER.size):,} bytes); create the pool "
+                              "with larger slots (Runtime(dense_slot_bytes=...))")
+    device, start = pool.device, region.offset + layout.DENSE_HEADER.size
+    for offset, raw in encoded.pieces():
+        src = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, bytes) else raw
+        if src.size >= _STREAM_BYTES:
+            device.copy_persist(start + offset, src)
+        else:
+            device.array[start + offset : start + offset + src.size] = src
+            device.flush(start + offset, src.size)
+    device.drain()
+    return encoded.nbytes
+
+
+def seal_snapshot(pool: Pool, slot: int, batch: int, nbytes: int) -> None:
+    """Make slot `slot` valid for `batch`: checksum the `nbytes` payload write_payload made durable
+    and write the header."""
+    region = slot_region(pool, slot)
+    start = region.offset + layout.DENSE_HEADER.size
     uuid = pool.superblock.uuid
-    pool.device.copy_persist(region.offset + layout.DENSE_HEADER.size, np.frombuffer(blob, dtype=np.uint8))
-    # ORDERING: the payload is durable before the header that makes the slot valid
-    pool.device.copy_persist(region.offset, layout.pack_dense_header(batch, len(blob),
-                                                                     _payload_checksum(blob, uuid, batch), uuid, slot))
+    crc = _payload_checksum(pool.device.array[start : start + nbytes], uuid, batch)
+    # ORDERING: the payload is durable (write_payload) before the header that makes the slot valid
+    pool.device.copy_persist(region.offset, layout.pack_dense_header(batch, nbytes, crc, uuid, slot))
 
 
 def read_snapshot(pool: Pool, slot: int, batch: int) -> dict:

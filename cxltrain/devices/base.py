@@ -108,10 +108,17 @@ class Device(abc.ABC):
 
     def copy_persist(self, offset: int, data: np.ndarray | bytes) -> None:
         """Store `data` at `offset` and make it durable. Backends with non-temporal stores override."""
-        src = np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray)) else data.view(np.uint8).reshape(-1)
+        src = self._source_bytes(data)
         self._check_range(offset, src.size)
         self.array[offset : offset + src.size] = src
         self.persist(offset, src.size)
+
+    @staticmethod
+    def _source_bytes(data: np.ndarray | bytes) -> np.ndarray:
+        """copy_persist's `data` as a contiguous uint8 array [nbytes] (a view when it already is one)."""
+        if isinstance(data, (bytes, bytearray)):
+            return np.frombuffer(data, dtype=np.uint8)
+        return np.ascontiguousarray(data.view(np.uint8).reshape(-1))
 
     def close(self) -> None:
         """Drop this device's reference to the mapping; it is unmapped when the last view goes."""

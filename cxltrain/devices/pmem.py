@@ -69,8 +69,7 @@ class PmemDevice(Device):
     def copy_persist(self, offset: int, data) -> None:
         if not self.is_pmem:
             return super().copy_persist(offset, data)
-        src = np.ascontiguousarray(np.frombuffer(data, dtype=np.uint8) if isinstance(data, (bytes, bytearray))
-                                   else data.view(np.uint8).reshape(-1))
+        src = self._source_bytes(data)
         self._check_range(offset, src.size)
         # non-temporal stores for large copies, then one fence
         self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
