@@ -108,6 +108,10 @@ def _add_train(sub) -> None:
     p.add_argument("--no-pipeline", action="store_false", dest="pipeline",
                    help="checkpoint on the training thread (undo capture and commits on the critical path) "
                         "instead of a background worker")
+    p.add_argument("--background-capture", action="store_true",
+                   help="capture undo records on the background worker during forward instead of on the "
+                        "training thread right before each update (pays off where the worker has a core of "
+                        "its own; on 2 cores it costs more)")
     _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -178,7 +182,7 @@ def _run_train(args) -> int:
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
-                         mode=args.mode, pipeline=args.pipeline)
+                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture)
     config.validate()
     path = args.pool
     if path is None:

@@ -27,7 +27,8 @@ class TrainConfig:
     dense_every: int = 1               # dense snapshot every k batches (strict: and commit)
     mode: str = "strict"               # "strict": exact recovery; "relaxed": embeddings every batch,
                                        # dense state every dense_every batches (DESIGN §4)
-    pipeline: bool = True              # checkpoint on a background worker; False: on the training thread
+    pipeline: bool = True              # commits on a background worker; False: on the training thread
+    background_capture: bool = False   # undo captures on the worker too (pays off with a spare core)
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

@@ -60,8 +60,11 @@ class Runtime:
         mode: "strict" (recovery exact) or "relaxed" (embeddings committed every batch, the dense
             state every dense_every batches: after a crash it may be up to k batches older than the
             embeddings; `recovery.dense_lag` says by how many). See DESIGN §4.
-        pipeline: run undo captures and commits on a background worker (True), or on the training
-            thread (False: the synchronous baseline). Same durability either way.
+        pipeline: run commits on a background worker (True), or on the training thread (False: the
+            synchronous baseline). Same durability either way.
+        background_capture: with the pipeline, run the undo captures on the worker too, during
+            forward, instead of on the training thread right before each table's update. Pays off
+            where the worker has a core of its own (see checkpoint/checkpointer.py).
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
             snapshot; resuming a pool whose metadata differs is refused.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
@@ -75,7 +78,7 @@ class Runtime:
     def __init__(self, pool: str | os.PathLike, model: nn.Module,
                  optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
                  schedulers: Sequence = (), checkpoint: str = "undo", dense_every: int = 1,
-                 mode: str = "strict", pipeline: bool = True,
+                 mode: str = "strict", pipeline: bool = True, background_capture: bool = False,
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
         if checkpoint not in CHECKPOINT_MODES:
@@ -99,7 +102,7 @@ class Runtime:
             raise ConfigError("optimizers must be torch.optim.Optimizer instances")
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
-        self.mode, self.pipeline = mode, bool(pipeline)
+        self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
         self.backend = backend
         self.tables = _persistent_tables(model)
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
@@ -178,7 +181,7 @@ class Runtime:
             self.restarted = present
             self._start_fresh(pool, tables_present=present)
         self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
-                                    pipeline=self.pipeline)
+                                    pipeline=self.pipeline, background_capture=self.background_capture)
                        if self.checkpoint == "undo" else BatchGuard(pool, tables))
 
     def _resume(self, pool: Pool) -> None:

@@ -125,7 +125,8 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
 
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str) -> Runtime:
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
-                   mode=config.mode, pipeline=config.pipeline, metadata=config.run_metadata(),
+                   mode=config.mode, pipeline=config.pipeline,
+                   background_capture=config.background_capture, metadata=config.run_metadata(),
                    undo_ring_bytes=undo_ring_bytes(config, model))
 
 
@@ -222,11 +223,11 @@ class _StepClock:
         self.data = 0.0
         self.started: float | None = None
 
-    def _totals(self) -> tuple[float, float, float, float, float]:
+    def _totals(self) -> tuple[float, ...]:
         stats = self.rt.stats
         return (self.model.embedding_forward_seconds, sum(t.stats.update_seconds for t in self.model.tables),
-                stats.training_lookup_seconds if stats else 0.0, stats.capture_wait_seconds if stats else 0.0,
-                stats.training_boundary_seconds if stats else 0.0)
+                *((stats.training_lookup_seconds, stats.training_capture_seconds + stats.capture_wait_seconds,
+                   stats.training_boundary_seconds) if stats else (0.0, 0.0, 0.0)))
 
     def start(self) -> None:
         self.started = time.perf_counter()
@@ -236,13 +237,15 @@ class _StepClock:
         if self.started is None or timed_steps <= 0:
             return StepSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         total = time.perf_counter() - self.started
-        emb_fwd, emb_upd, lookup, capture_wait, boundary = (a - b for a, b in zip(self._totals(), self.before))
+        emb_fwd, emb_upd, lookup, capture, boundary = (a - b for a, b in zip(self._totals(), self.before))
         ms = 1000.0 / timed_steps
-        # the checkpointer's time inside the table lookups counts as checkpointing, not as forward;
-        # its wait in backward (before the update's own clock starts) and at batch ends are outside both
+        # the checkpointer's time inside the table lookups (handing captures over) and updates
+        # (capturing, or waiting for the worker's capture) counts as checkpointing; its time at
+        # batch ends is outside both
         return StepSplit(data=self.data * ms, embedding_forward=(emb_fwd - lookup) * ms,
-                         embedding_backward_update=emb_upd * ms, checkpoint=(lookup + capture_wait + boundary) * ms,
-                         mlp=(total - self.data - emb_fwd - emb_upd - capture_wait - boundary) * ms, total=total * ms)
+                         embedding_backward_update=(emb_upd - capture) * ms,
+                         checkpoint=(lookup + capture + boundary) * ms,
+                         mlp=(total - self.data - emb_fwd - emb_upd - boundary) * ms, total=total * ms)
 
 
 def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):

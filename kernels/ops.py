@@ -41,6 +41,18 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def unique_rows(indices: torch.Tensor, table_rows: int) -> torch.Tensor:
+    """The sorted distinct values [U] int64 of indices [N] int64, each checked against [0, table_rows)."""
+    _check("indices", indices, torch.int64, 1)
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(indices, table_rows)
+        return torch.unique(indices, sorted=True)
+    out = torch.empty(indices.numel(), dtype=torch.int64)
+    count = lib.unique_rows(indices.data_ptr(), indices.numel(), table_rows, out.data_ptr())
+    return out[:count]
+
+
 def scatter_rows(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
     """table[rows] = src in place: table [R, P] float32, rows [U] int64 unique, src [U, P]."""
     _check("table", table, torch.float32, 2)

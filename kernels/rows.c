@@ -8,6 +8,7 @@
  *
  *   copy_rows                    gather or scatter whole rows between a table and a dense block
  *   sparse_update                duplicate reduction + SGD or row-wise Adagrad, in place
+ *   unique_rows                  the sorted distinct row ids of a lookup list (an undo record's rows)
  *   capture_undo                 old weights, old state and row ids into an undo-record payload,
  *                                with non-temporal stores and one SFENCE
  *   flush_rows                   write back each run of adjacent rows (libpmem's pmem_flush, or
@@ -316,6 +317,49 @@ out:
     return status;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The sorted unique rows of a lookup list (what an undo record holds), by the same radix sort
+ * ------------------------------------------------------------------------------------------- */
+/* 0 on success, 1 bad index (at *bad), -1 out of memory; *unique rows written to out. */
+static int unique_rows_nogil(const int64_t *keys, Py_ssize_t n, int64_t table_rows, int64_t *out,
+                             Py_ssize_t *unique, Py_ssize_t *bad)
+{
+    *bad = first_bad_row(keys, n, table_rows);
+    if (*bad >= 0)
+        return 1;
+    int64_t *order = malloc((size_t)(n ? n : 1) * sizeof *order);
+    if (!order || sort_lookups(keys, n, table_rows, order) != 0) {
+        free(order);
+        return -1;
+    }
+    Py_ssize_t u = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (u == 0 || keys[order[i]] != out[u - 1])
+            out[u++] = keys[order[i]];
+    free(order);
+    *unique = u;
+    return 0;
+}
+
+static PyObject *unique_rows(PyObject *self, PyObject *args)
+{
+    unsigned long long keys, out;
+    Py_ssize_t n, unique = 0, bad = -1;
+    long long table_rows;
+    if (!PyArg_ParseTuple(args, "KnLK", &keys, &n, &table_rows, &out))
+        return NULL;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = unique_rows_nogil((const int64_t *)(uintptr_t)keys, n, table_rows, (int64_t *)(uintptr_t)out, &unique,
+                               &bad);
+    Py_END_ALLOW_THREADS
+    if (status == 1)
+        return raise_bad_row((const int64_t *)(uintptr_t)keys, bad, table_rows);
+    if (status != 0)
+        return PyErr_NoMemory();
+    return PyLong_FromSsize_t(unique);
+}
+
 static PyObject *sparse_update(PyObject *self, PyObject *args)
 {
     struct update_args a;
@@ -577,6 +621,8 @@ static PyMethodDef methods[] = {
     {"sparse_update", sparse_update, METH_VARARGS,
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
      "bags, offsets, mean, psw, lr, eps, out_rows) -> unique row count"},
+    {"unique_rows", unique_rows, METH_VARARGS,
+     "unique_rows(keys, n, table_rows, out) -> U: the sorted distinct row ids of keys [n] into out [U]"},
     {"capture_undo", capture_undo, METH_VARARGS,
      "capture_undo(old_weights, old_state, old_rows, weights, row_bytes, state, state_bytes, table_rows, rows, "
      "count)"},

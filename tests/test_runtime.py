@@ -313,12 +313,13 @@ def test_a_torn_record_header_ends_the_log(shm_dir):
     """A header that never became valid: by U1 no store of its batch was issued, so recovery must
     stop there — shown by tearing the last record's header of a batch that died between forward
     (records written) and backward (no store), with the tail mark not yet covering that record (a
-    crash inside its append), and recovering to the same batch."""
+    crash inside its append), and recovering to the same batch. Captures in forward are the
+    background ones (by default they happen in backward, right before each table's update)."""
     path = shm_dir / "p.pool"
     train_steps(path, 2)
     model, optimizer, scheduler = make_run()
     with pytest.raises(KeyboardInterrupt):
-        with cxltrain.Runtime(path, model, optimizer, schedulers=[scheduler]) as rt:
+        with cxltrain.Runtime(path, model, optimizer, schedulers=[scheduler], background_capture=True) as rt:
             for batch in rt.batches(make_batch, stop=3):
                 model.loss(batch)  # forward only: both tables' records of batch 2 are in the ring
                 raise KeyboardInterrupt("crash")

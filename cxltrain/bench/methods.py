@@ -52,7 +52,9 @@ def step_methods(periods: tuple[int, int] = (1, 100)) -> list[Method]:
             Method("ours-relaxed", "ours", "ours, relaxed (dense every 100)", "ours-off",
                    {"checkpoint": "undo", **PENDING_OVERRIDES["ours-relaxed"]}),
             Method("ours-sync-undo", "ours", "ours, undo logging on the critical path", "ours-off",
-                   {"checkpoint": "undo", **PENDING_OVERRIDES["ours-sync-undo"]})]
+                   {"checkpoint": "undo", **PENDING_OVERRIDES["ours-sync-undo"]}),
+            Method("ours-strict-bgcap", "ours", "ours, strict, undo capture on the worker", "ours-off",
+                   {"checkpoint": "undo", "background_capture": True})]
     plain = [Method("plain", "plain", "PyTorch, no checkpoint", "plain")]
     for save, label in (("torch", "torch.save"), ("dcp", "dcp.async_save")):
         plain += [Method(f"plain-{save}-{k}", "plain", f"PyTorch, {label} every {k}", "plain", save=save, every=k)

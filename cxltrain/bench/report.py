@@ -4,7 +4,9 @@ The results dict (also the --json output) holds:
     machine    cpu, cores, memory_gb, torch, threads, python
     config     the TrainConfig every measurement used
     steps      one row per (method, pooling): mean_ms (checkpoint cost included), median_ms, ratio
-               (to its baseline), batches_lost (None: all), bytes_per_batch; or reason
+               (to its baseline), batches_lost (None: all), bytes_per_batch; or reason. Where a
+               method ran several times (runs_ms: each run's mean, in run order), the row is its
+               median run
     recovery   nothing_process_seconds, and per size: ours_seconds / ours_process_seconds,
                torch_seconds / torch_process_seconds, dcp_seconds / dcp_process_seconds (or *_reason)
     embedding  one row per (contender, optimizer, pooling): ms, mlookups_per_s; or reason
@@ -89,6 +91,9 @@ def format_text(results: dict) -> str:
             continue
         lines.append(f"  {r['label']:<44} {r['pooling']:>4} {r['mean_ms']:>8.1f} {_num(r.get('ratio'), '.2f'):>6} "
                      f"{_lost(r['batches_lost']):>5} {r['bytes_per_batch'] / 1e6:>9.2f}")
+        if "runs_ms" in r:
+            lines.append(f"  {'  runs (ms, in order; the row is the median)':<44} {r['pooling']:>4}  "
+                         + ", ".join(f"{ms:.1f}" for ms in r["runs_ms"]))
         if "plain_over_ours_off" in r:
             lines.append(f"  {'  (PyTorch plain / ours no checkpoint)':<44} {r['pooling']:>4} {'':>8} "
                          f"{r['plain_over_ours_off']:>6.2f}")

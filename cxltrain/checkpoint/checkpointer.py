@@ -2,11 +2,10 @@
 
 Per batch b, for each table it looks up with gradients:
 
-    forward of b    capture: the table's rows R(b) as they are now (after b-1's update, U4) go into
-                    the undo ring; the job is handed to the worker and forward goes on
-    backward of b   before_update waits until that record is durable (U1) — the only wait on the
-                    training thread, and only when the capture is late — then the fused optimizer
-                    updates R(b) in place in the pool
+    forward of b    capture: the table's looked-up rows R(b) are noted
+    backward of b   before_update: R(b) as they are now (after b-1's update, U4) go into the undo
+                    ring, durably (U1), on the training thread right before the fused optimizer
+                    updates R(b) in place in the pool — the rows are then in cache for the update
     end of b        the dense state is copied as it is at b's boundary; the commit of b (persist
                     the rows updated since the last commit and the snapshot (U2), write the root
                     naming b+1 as the recovery target, reclaim the records it covers (U3)) is handed
@@ -29,16 +28,25 @@ Why committing b while b+1 updates the same rows in place is still correct:
     into the free dense slot, before b+1's optimizer step can change it; the worker only checksums
     it and writes the slot's header. The free slot is the one the durable root does not name, and
     commit(b-1) is finished before the copy starts, so no root in flight can name it either.
-  * Records are reclaimed only after the root that no longer needs them is durable (U3), on the
-    same thread that appends, so the ring is never reused under a live record.
-  * One worker thread runs every job, so records are appended in batch order and a commit's ring
-    start is computed against the records that exist.
+  * Records are reclaimed only after the root that no longer needs them is durable (U3); the ring's
+    bookkeeping is one lock's (the worker reclaims while the training thread appends), so the ring
+    is never reused under a live record.
+  * Records are appended by one thread (the training thread, or the worker), in batch order. A
+    commit's ring start is computed under the ring's lock: the first live record of a batch it does
+    not cover, or the head, where the next one goes (recovery's scan follows a wrap from there).
   * At most one commit is in flight: end of b+1 waits for commit(b) (the commit lag is at most one
     batch, the wait is counted). A capture of b+2 that finds the ring full (it may need the space
-    commit(b+1) reclaims) runs that commit to its end first (back-pressure, counted).
+    commit(b+1) reclaims) first waits for that commit (back-pressure, counted).
 
-With the pipeline off (pipeline=False) every job runs inline on the training thread: undo logging
-on the critical path, the baseline `cxltrain bench` compares against.
+With the pipeline off (pipeline=False) the commits run inline on the training thread too: undo
+logging and commits on the critical path, the baseline `cxltrain bench` compares against.
+
+Where the capture runs: on the training thread, inside backward (above), by default. With
+background_capture=True it is handed to the worker in b's forward instead, and before_update
+waits for it (only when it is late) — DESIGN §4's overlap, which pays off where the worker has a
+core of its own. On a 2-core machine it cost more than it hid (`cxltrain bench` measures both):
+the worker's Python takes the GIL from the training thread, and its gathers miss the cache that
+the training thread's update then misses again.
 
 When the ring has no room for another batch like the largest seen so far, a commit is taken early
 rather than letting the next capture fail; the time that costs the training thread is counted.
@@ -57,6 +65,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..faults import crash_point, planted
+from ..kernels import ops as row_ops
 from ..pool import Pool
 from ..pool_format import ROOT_RELAXED
 from . import codec, dense
@@ -88,7 +97,8 @@ class CheckpointStats:
     lag_wait_seconds: float = 0.0    # training thread, at a batch end: the previous commit ran late
     commit_lag_max: int = 0          # batches the training thread was ahead of the durable root
     commit_lag_sum: int = 0          # (measured at each batch end, after handing its commit over)
-    training_lookup_seconds: float = 0.0    # training thread in capture() (the capture itself when inline)
+    training_lookup_seconds: float = 0.0    # training thread, in forward: handing captures to the worker
+    training_capture_seconds: float = 0.0   # training thread, in backward: undo captures (not background)
     training_boundary_seconds: float = 0.0  # training thread at batch ends (the commit itself when inline)
 
     @property
@@ -99,7 +109,8 @@ class CheckpointStats:
     @property
     def training_seconds(self) -> float:
         """All the time the checkpointer took from the training thread."""
-        return self.training_lookup_seconds + self.capture_wait_seconds + self.training_boundary_seconds
+        return (self.training_lookup_seconds + self.training_capture_seconds + self.capture_wait_seconds
+                + self.training_boundary_seconds)
 
     def to_json(self) -> dict:
         per_batch = max(self.batches, 1)
@@ -198,7 +209,7 @@ class Checkpointer(BatchGuard):
     """
 
     def __init__(self, pool: Pool, tables: list, state: dense.DenseState, *, dense_every: int = 1,
-                 mode: str = "strict", pipeline: bool = True) -> None:
+                 mode: str = "strict", pipeline: bool = True, background_capture: bool = False) -> None:
         if dense_every < 1:
             raise CheckpointError(f"dense_every must be >= 1, got {dense_every}")
         if mode not in MODES:
@@ -212,8 +223,10 @@ class Checkpointer(BatchGuard):
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
         self.durable = root.batch            # the batch the durable root names (set by the worker)
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
+        self.background_capture = pipeline and background_capture
         self._commit_ticket: Ticket | None = None
-        self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs
+        self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs (background)
+        self._lookups: list[tuple[object, torch.Tensor]] = []  # ... its lookups not yet captured (inline)
         self._dirty: dict[int, list[tuple[object, torch.Tensor]]] = {}  # batch -> (table, rows) updated
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
@@ -228,13 +241,16 @@ class Checkpointer(BatchGuard):
     def begin_batch(self, batch: int) -> None:
         super().begin_batch(batch)
         self._batch_bytes = 0
-        self._captures = []
+        self._captures, self._lookups = [], []
 
     def capture(self, table, indices: torch.Tensor) -> int:
         """Called by a table's forward, with gradients on, before its backward can update the rows
-        `indices` [N] look up: hand the capture of their current values to the worker. Returns the
-        batch, which the table hands back to before_update."""
+        `indices` [N] look up: note them for before_update, or hand their capture to the worker
+        (background_capture). Returns the batch, which the table hands back to before_update."""
         batch = self._check_in_batch(table)
+        if not self.background_capture:
+            self._lookups.append((table, indices))
+            return batch
         started = time.perf_counter()
         ticket = self._worker.submit_capture(lambda: self._capture(batch, table, indices))
         self._captures.append((table.name, ticket))
@@ -242,9 +258,19 @@ class Checkpointer(BatchGuard):
         return batch
 
     def before_update(self, table, batch: int) -> None:
-        """Called by a table's backward before it stores into its rows: waits until every capture
-        of this table in this batch is durable (U1 is enforced in ring.UndoRing.append)."""
+        """Called by a table's backward before it stores into its rows: captures this table's
+        lookups of this batch, or waits until the worker has, so that their records are durable
+        first (U1 is enforced in ring.UndoRing.append)."""
         super().before_update(table, batch)
+        if not self.background_capture:
+            mine = [indices for owner, indices in self._lookups if owner is table]
+            if mine:
+                started = time.perf_counter()
+                self._lookups = [entry for entry in self._lookups if entry[0] is not table]
+                for indices in mine:
+                    self._capture(batch, table, indices)
+                self.stats.training_capture_seconds += time.perf_counter() - started
+            return
         for name, ticket in self._captures:
             if name == table.name:
                 self.stats.capture_wait_seconds += self._worker.wait(ticket)
@@ -255,7 +281,8 @@ class Checkpointer(BatchGuard):
         super().end_batch(batch)
         for _, ticket in self._captures:  # captures of tables that got no backward: done before the commit
             self.stats.capture_wait_seconds += self._worker.wait(ticket)
-        self._captures = []
+        # lookups whose backward never ran changed nothing: no record needed
+        self._captures, self._lookups = [], []
         self.stats.batches += 1
         self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
         done = batch + 1
@@ -283,7 +310,7 @@ class Checkpointer(BatchGuard):
         started = time.perf_counter()
         if self.committed != done or self.dense_committed != done:
             self._hand_over_commit(done, snapshot=True)
-        self._wait_for_commit()
+        self.stats.lag_wait_seconds += self._wait_for_commit()
         self.stats.training_boundary_seconds += time.perf_counter() - started
 
     def detach(self) -> None:
@@ -299,7 +326,10 @@ class Checkpointer(BatchGuard):
             super().detach()
 
     def _hand_over_commit(self, done: int, snapshot: bool) -> None:
-        self._wait_for_commit()  # the lag bound: one commit in flight; its root now names the other slot
+        self.stats.lag_wait_seconds += self._wait_for_commit()  # the lag bound: one commit in flight
+        # (and its root now names the other dense slot); the rows of every batch before `done`
+        # (captured: end_batch waited for the background ones) go to this commit
+        dirty = [entry for batch in sorted(b for b in self._dirty if b < done) for entry in self._dirty.pop(batch)]
         written = None
         if snapshot:
             # The dense state as it is at this boundary, copied once, straight from the live tensors
@@ -308,21 +338,34 @@ class Checkpointer(BatchGuard):
             slot = dense.free_slot(self.pool)
             written = slot, dense.write_payload(self.pool, slot, codec.lay_out(self.state.capture(done)))
             self.stats.dense_bytes += written[1]
-        self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, written)))
+        self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, dirty, written)))
         self.committed = done
         if snapshot:
             self.dense_committed = done
 
-    def _wait_for_commit(self) -> None:
-        if self._commit_ticket is not None:
-            self.stats.lag_wait_seconds += self._worker.wait(self._commit_ticket)
-            self._commit_ticket = None
+    def _wait_for_commit(self) -> float:
+        """Wait until the commit in flight, if any, is done; returns the seconds waited."""
+        if self._commit_ticket is None:
+            return 0.0
+        waited = self._worker.wait(self._commit_ticket)
+        self._commit_ticket = None
+        return waited
 
-    # -- worker thread (or inline) ----------------------------------------------------------
+    def _finish_commit_for_room(self) -> bool:
+        """A capture found the ring full: run or await the commit in flight, whose reclaim frees
+        it. False when there is none."""
+        if self.background_capture:  # on the worker thread, which runs the commit's steps itself
+            return self._worker.finish_commit()
+        if self._commit_ticket is None:
+            return False
+        self._wait_for_commit()
+        return True
+
+    # -- the capture: training thread, or worker (background_capture) ------------------------
     def _capture(self, batch: int, table, indices: torch.Tensor) -> None:
         started = time.perf_counter()
-        rows = torch.unique(indices, sorted=True)
         weights, state = table.storage()
+        rows = row_ops.unique_rows(indices.contiguous(), weights.shape[0])
         if planted("capture-before-update"):  # test-only: U4 broken on purpose (see below)
             weights, state = self._stale_copy(table, weights, state)
         weight_region = self.pool.region(table.weight_region)
@@ -336,7 +379,7 @@ class Checkpointer(BatchGuard):
                 size = append()
             except RingFull:
                 waited = time.perf_counter()
-                if not self._worker.finish_commit():  # its reclaim frees the ring
+                if not self._finish_commit_for_room():
                     raise
                 self.stats.ring_full_waits += 1
                 self.stats.ring_full_seconds += time.perf_counter() - waited
@@ -372,12 +415,12 @@ class Checkpointer(BatchGuard):
                 return
             yield
 
-    def _commit_steps(self, done: int, written: tuple[int, int] | None) -> Iterator[None]:
+    def _commit_steps(self, done: int, dirty: list, written: tuple[int, int] | None) -> Iterator[None]:
         """The commit at `done` batches, in steps the worker may interleave captures with.
-        written: (slot, payload bytes) of the dense state at `done`, already durable in that slot
-        (write_payload), or None when no snapshot is due."""
+        dirty: [(table, rows)] updated since the last commit; written: (slot, payload bytes) of the
+        dense state at `done`, already durable in that slot (write_payload), or None when no
+        snapshot is due."""
         rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
-        dirty = [entry for batch in sorted(b for b in self._dirty if b < done) for entry in self._dirty.pop(batch)]
         if not rows_late:
             yield from self._persist_rows(dirty)
         crash_point("commit:between-rows-and-snapshot")

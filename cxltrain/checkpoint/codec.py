@@ -157,6 +157,8 @@ class _Encoder:
         if name is None or t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
             raise TypeError(f"cannot encode {_path(path)}: tensor of dtype {t.dtype}, device {t.device}, "
                             f"layout {t.layout} (need a CPU strided tensor of {', '.join(_TORCH_DTYPES)})")
+        if name != "bfloat16" and t.is_contiguous() and not t.is_neg():  # the common case, ~3x cheaper
+            return ["T", name, list(t.shape), *self.blob(t.detach().numpy().reshape(-1).view(np.uint8))]
         # A lazily negated view holds un-negated bits; contiguous() copies only strided views.
         flat = t.detach().resolve_neg().contiguous().reshape(-1)
         return ["T", name, list(t.shape), *self.blob(flat.view(torch.uint8).numpy())]

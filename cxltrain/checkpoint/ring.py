@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 
 import numpy as np
 import torch
@@ -34,7 +35,10 @@ class RingFull(CheckpointError):
 
 class UndoRing:
     """Writer side of the ring. It starts empty, at (start, start_seq) of the current generation:
-    the checkpointer only writes after recovery has begun a fresh generation."""
+    the checkpointer only writes after recovery has begun a fresh generation.
+
+    One thread appends; another may reclaim and ask for the start concurrently: the live-record
+    bookkeeping (where records are, head, next seq) changes only under `_lock`."""
 
     def __init__(self, pool: Pool, generation: int, start: int, start_seq: int) -> None:
         self.pool = pool
@@ -45,6 +49,7 @@ class UndoRing:
         self.next_seq = start_seq
         self.marked = start_seq      # the tail mark covers records [0, marked) of this generation
         self._live: collections.deque[LiveRecord] = collections.deque()
+        self._lock = threading.Lock()
         # kept as a running total: the training thread reads it while the worker appends
         self.live_bytes = 0
 
@@ -82,7 +87,8 @@ class UndoRing:
         row_bytes = weights_region.row_stride
         state_bytes = state_region.row_stride if state_region is not None else 0
         size = layout.record_bytes(count, row_bytes, state_bytes)
-        offset = self._place(size)
+        with self._lock:  # placed against the live records; reclaim can only free more meanwhile
+            offset = self._place(size)
         base = self.region.offset + offset
         device = self.pool.device
         payload_len = layout.payload_bytes(count, row_bytes, state_bytes)
@@ -102,10 +108,11 @@ class UndoRing:
         else:
             device.array[base : base + layout.UNDO_HEADER.size] = np.frombuffer(
                 header.pack(self.pool.superblock.uuid), dtype=np.uint8)
-        self._live.append(LiveRecord(offset, size, self.next_seq, batch))
-        self.live_bytes += size
-        self.head = offset + size
-        self.next_seq += 1
+        with self._lock:
+            self._live.append(LiveRecord(offset, size, self.next_seq, batch))
+            self.live_bytes += size
+            self.head = offset + size
+            self.next_seq += 1
         return size
 
     def mark_tail(self) -> None:
@@ -123,15 +130,17 @@ class UndoRing:
     def start_after_reclaim(self, target: int) -> tuple[int, int]:
         """(ring_start, ring_start_seq) for a root whose recovery target is `target` batches: the
         oldest record that root still needs, or the head when it needs none. Changes nothing."""
-        for record in self._live:
-            if record.batch >= target:
-                return record.offset, record.seq
-        return self.head, self.next_seq
+        with self._lock:
+            for record in self._live:
+                if record.batch >= target:
+                    return record.offset, record.seq
+            return self.head, self.next_seq
 
     def reclaim(self, target: int) -> None:
         """Forget records of batches < target. Call only once a root with that target is durable (U3)."""
-        while self._live and self._live[0].batch < target:
-            self.live_bytes -= self._live.popleft().size
+        with self._lock:
+            while self._live and self._live[0].batch < target:
+                self.live_bytes -= self._live.popleft().size
 
 
 # ---------------------------------------------------------------------------------------------
