@@ -112,13 +112,26 @@ def write_payload(pool: Pool, slot: int, encoded: codec.Layout) -> int:
                               f"slots ({max(0, region.size - layout.DENSE_HEADER.size):,} bytes); create the pool "
                               "with larger slots (Runtime(dense_slot_bytes=...))")
     device, start = pool.device, region.offset + layout.DENSE_HEADER.size
+    stored = [0, 0]  # a run of adjacent small pieces stored and not yet flushed: one flush for all
+
+    def flush_stored():
+        if stored[1] > stored[0]:
+            device.flush(start + stored[0], stored[1] - stored[0])
+        stored[0] = stored[1]
+
     for offset, raw in encoded.pieces():
         src = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, bytes) else raw
         if src.size >= _STREAM_BYTES:
+            flush_stored()
             device.copy_persist(start + offset, src)
+            stored[:] = [offset + src.size] * 2
         else:
             device.array[start + offset : start + offset + src.size] = src
-            device.flush(start + offset, src.size)
+            if offset != stored[1]:
+                flush_stored()
+                stored[0] = offset
+            stored[1] = offset + src.size
+    flush_stored()
     device.drain()
     return encoded.nbytes
 
