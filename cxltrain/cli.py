@@ -220,7 +220,9 @@ def _run_train(args) -> int:
         print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
     if result.checkpoint == "undo":
         dense_part = "" if args.mode == "strict" else f", relaxed: dense state every {args.dense_every}"
-        print(f"checkpoint: every batch durable ({'pipelined' if args.pipeline else 'synchronous'}{dense_part}); "
+        where = ("pipelined, undo capture on the worker" if args.background_capture
+                 else "pipelined" if args.pipeline else "synchronous")
+        print(f"checkpoint: every batch durable ({where}{dense_part}); "
               f"the pool is committed at batch {result.batch}")
         if result.checkpoint_stats is not None:
             print(summary_line(result.checkpoint_stats))

@@ -10,8 +10,8 @@ kills it — SIGKILL, which under the emulated device's power-loss model is a po
 
 then recovers and exports the pool in this process, compares the export with an uninterrupted run
 of as many batches (every tensor with torch.equal, and its dtype), resumes training to the end and
-compares again. Some trials also take dense snapshots every 3 batches, or get an undo ring so small
-that it wraps and forces early commits.
+compares again. Some trials also take dense snapshots every 3 batches, get an undo ring so small
+that it wraps and forces early commits, or capture undo records on the worker (background_capture).
 
 A trial is defined by (seed, trial number), so `--seed S --trial K` replays it with the same plan
 (a timed kill lands at the same delay, not at the same instruction; named points and flush counts
@@ -94,6 +94,7 @@ class TrialPlan:
     dense_every: int
     small_ring: bool
     knobs: dict
+    background_capture: bool = False  # undo captures on the worker, in forward
 
     def describe(self) -> str:
         what = f"killed {self.delay * 1000:.0f} ms into training" if self.kind == "time" else f"killed at {self.crash_at}"
@@ -101,6 +102,7 @@ class TrialPlan:
             what += f", recovery killed at {self.recover_crash_at}"
         extras = [f"dense every {self.dense_every}"] if self.dense_every > 1 else []
         extras += ["small undo ring"] if self.small_ring else []
+        extras += ["capture on the worker"] if self.background_capture else []
         return what + (f" ({', '.join(extras)})" if extras else "")
 
 
@@ -292,10 +294,11 @@ class Torture:
                 recover_at = rng.choice(RECOVERY_POINTS)
         trial_knobs = {**self.device.knobs(rng.randrange(1 << 31)), "threads": 1,
                        "undo_ring_bytes": SMALL_RING_BYTES if small_ring else 0}
-        return TrialPlan(number, kind, crash_at, delay, recover_at, dense_every, small_ring, trial_knobs)
+        background = rng.random() < 0.25
+        return TrialPlan(number, kind, crash_at, delay, recover_at, dense_every, small_ring, trial_knobs, background)
 
     def _config(self, plan: TrialPlan) -> TrainConfig:
-        return dataclasses.replace(self.config, dense_every=plan.dense_every)
+        return dataclasses.replace(self.config, dense_every=plan.dense_every, background_capture=plan.background_capture)
 
     # -- children ------------------------------------------------------------------------------
     def _start_training(self, pool: str, plan: TrialPlan, log: str):
@@ -377,6 +380,7 @@ class Torture:
         train = ["cxltrain", "train", "--pool", "REPLAY.pool", "--steps", str(c.steps), "--batch-size",
                  str(c.batch_size), "--num-tables", str(c.num_tables), "--rows", str(c.rows), "--dim", str(c.dim),
                  "--seed", str(c.seed), "--dense-every", str(c.dense_every), "--no-progress"]
+        train += ["--background-capture"] if c.background_capture else []
         lines = [shlex.join(again)]
         if plan.kind != "time":
             lines.append(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(train)

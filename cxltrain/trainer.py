@@ -71,7 +71,8 @@ class TrainResult:
     restarted: bool                    # the pool held the tables but no committed checkpoint: started over
     checkpoint: str                    # "undo" or "off"
     mode: str                          # "strict" or "relaxed"
-    pipeline: bool                     # checkpointing on a background worker
+    pipeline: bool                     # commits on a background worker
+    background_capture: bool           # undo captures on the worker too
     recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
     recovery_seconds: float
     checkpoint_stats: dict | None      # CheckpointStats of this run (None with checkpoint "off")
@@ -208,6 +209,7 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
                        eval_auc=eval_auc, eval_logloss=eval_loss, rows_updated_per_batch=rows_updated,
                        split_ms=split, restarted=rt.restarted, checkpoint=config.checkpoint,
                        mode=config.mode, pipeline=config.pipeline,
+                       background_capture=config.background_capture and config.pipeline,
                        recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
                        checkpoint_stats=None if stats is None else stats.to_json(), device_model=device.model,
                        cost_model=modelled_costs(model, rt, steps),

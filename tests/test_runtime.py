@@ -136,7 +136,13 @@ def test_stats_count_the_work(shm_dir):
 def test_synchronous_and_pipelined_runs_end_bit_identical(shm_dir):
     sync, _ = train_steps(shm_dir / "s.pool", 6, pipeline=False)
     piped, _ = train_steps(shm_dir / "p.pool", 6)
+    background, _ = train_steps(shm_dir / "b.pool", 6, background_capture=True)
     assert_same(state_of(shm_dir / "s.pool"), state_of(shm_dir / "p.pool"))
+    assert_same(state_of(shm_dir / "b.pool"), state_of(shm_dir / "p.pool"))
+    # where each capture ran: inside backward on the training thread, or handed over in forward
+    assert piped.stats.training_capture_seconds > 0 == piped.stats.training_lookup_seconds
+    assert background.stats.training_capture_seconds == 0 < background.stats.training_lookup_seconds
+    assert background.stats.undo_bytes == piped.stats.undo_bytes == sync.stats.undo_bytes
     assert sync.stats.commit_lag_max == 0 and sync.stats.wait_seconds == 0   # nothing to wait for inline
     assert piped.stats.commit_lag_max <= 1 and piped.stats.commits == sync.stats.commits == 6
     assert piped.stats.to_json()["bytes_persisted_per_batch"] == sync.stats.to_json()["bytes_persisted_per_batch"] > 0
