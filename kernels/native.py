@@ -23,6 +23,7 @@ The two row-set flushes, for devices (rows int64 [U], sorted ascending, unique):
 from __future__ import annotations
 
 import sys
+import zlib
 
 import numpy as np
 
@@ -77,6 +78,19 @@ def copy_lines(view_address: int, media_address: int, map_size: int, offset: int
     check_rows(rows)
     _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows, rows.ctypes.data,
                           rows.size)
+
+
+def crc32(data, seed: int = 0) -> int:
+    """zlib.crc32(data, seed), the same value, computed by the native kernel when it is built and
+    enabled (folded with carry-less multiply where the CPU has it, ~3x zlib's speed here).
+    data: bytes-like, or a C-contiguous numpy array of any dtype (its bytes)."""
+    native = lib()
+    if native is None:
+        return zlib.crc32(data, seed)
+    raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
+    if not raw.flags.c_contiguous:
+        raise ValueError("crc32 needs contiguous bytes")
+    return native.crc32(raw.ctypes.data, raw.nbytes, seed & 0xFFFFFFFF)
 
 
 def _require():

@@ -15,6 +15,7 @@
  *                                CLWB/CLFLUSHOPT), optionally followed by one drain
  *   copy_lines                   the power-loss emulator's flush: whole 64-byte lines of each run
  *                                of rows copied from the process's view to the media view
+ *   crc32                        zlib's CRC-32, folded with carry-less multiply where the CPU has it
  *
  * Determinism: floats are added in a fixed order (a row's gradients in lookup order), the build
  * turns off implicit FMA contraction (-ffp-contract=off), and the update steps use explicit fmaf,
@@ -596,6 +597,136 @@ static PyObject *copy_lines(PyObject *self, PyObject *args)
 }
 
 
+/* ---------------------------------------------------------------------------------------------
+ * CRC-32 exactly as zlib's crc32() computes it (the IEEE polynomial, reflected, inverted before
+ * and after), ~5x faster on CPUs with carry-less multiply: the pool's checksums stay the same
+ * values, and zlib.crc32 stays the fallback.
+ *
+ * Bits are reflected: in a 16-byte little-endian load, bit j is the coefficient of x^(127-j) of
+ * that chunk of the message polynomial. Folding: a chunk A = A_hi x^64 + A_lo that D bits of
+ * message follow is replaced by a polynomial of degree < 128 congruent to A x^D mod P:
+ * A_hi (x^(63+D) mod P) x + A_lo (x^(D-1) mod P) x. The extra x is what PCLMULQDQ of two
+ * reflected 64-bit values adds (their product lands one bit short of the reflected 128-bit
+ * position); each constant is x^e mod P, bit-reflected into the top half of a 64-bit lane.
+ * What is left at the end, 16 bytes congruent to everything folded, and the last < 16 bytes go
+ * through the byte table.
+ * ------------------------------------------------------------------------------------------- */
+#define CRC32_POLY_NORMAL 0x04C11DB7u   /* P without its x^32 term, bit k = coefficient of x^k */
+#define CRC32_POLY_REFLECTED 0xEDB88320u
+
+static uint32_t crc_table[256];
+static uint64_t fold_512[2], fold_128[2]; /* [0]: for A_hi (low lane), [1]: for A_lo (high lane) */
+static int crc_clmul;
+
+static uint32_t reflect32(uint32_t v)
+{
+    uint32_t r = 0;
+    for (int i = 0; i < 32; i++)
+        r |= ((v >> i) & 1u) << (31 - i);
+    return r;
+}
+
+/* x^e mod P, bit-reflected into bits 32..63 (the lane layout PCLMULQDQ multiplies). */
+static uint64_t x_pow_mod_reflected(int e)
+{
+    uint32_t v = 1; /* x^0 */
+    for (int i = 0; i < e; i++)
+        v = (v << 1) ^ ((v & 0x80000000u) ? CRC32_POLY_NORMAL : 0);
+    return (uint64_t)reflect32(v) << 32;
+}
+
+static void crc32_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = (c & 1) ? (c >> 1) ^ CRC32_POLY_REFLECTED : c >> 1;
+        crc_table[i] = c;
+    }
+    fold_512[0] = x_pow_mod_reflected(63 + 512), fold_512[1] = x_pow_mod_reflected(512 - 1);
+    fold_128[0] = x_pow_mod_reflected(63 + 128), fold_128[1] = x_pow_mod_reflected(128 - 1);
+}
+
+/* The CRC register (not inverted) after `n` more bytes. */
+static uint32_t crc32_bytes(uint32_t reg, const unsigned char *p, size_t n)
+{
+    while (n--)
+        reg = crc_table[(reg ^ *p++) & 0xFF] ^ (reg >> 8);
+    return reg;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("pclmul,sse4.1")))
+static inline __m128i crc_fold(__m128i a, __m128i k, __m128i next)
+{
+    return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(a, k, 0x00), _mm_clmulepi64_si128(a, k, 0x11)), next);
+}
+
+/* n >= 64 */
+__attribute__((target("pclmul,sse4.1")))
+static uint32_t crc32_folded(uint32_t reg, const unsigned char *p, size_t n)
+{
+    const __m128i k512 = _mm_set_epi64x((long long)fold_512[1], (long long)fold_512[0]);
+    const __m128i k128 = _mm_set_epi64x((long long)fold_128[1], (long long)fold_128[0]);
+    /* the register so far enters as the first 32 message bits (XORed in), as in the byte loop */
+    __m128i x0 = _mm_xor_si128(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128((int)reg));
+    __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 16));
+    __m128i x2 = _mm_loadu_si128((const __m128i *)(p + 32));
+    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 48));
+    for (p += 64, n -= 64; n >= 64; p += 64, n -= 64) { /* four lanes, each 512 bits on */
+        x0 = crc_fold(x0, k512, _mm_loadu_si128((const __m128i *)p));
+        x1 = crc_fold(x1, k512, _mm_loadu_si128((const __m128i *)(p + 16)));
+        x2 = crc_fold(x2, k512, _mm_loadu_si128((const __m128i *)(p + 32)));
+        x3 = crc_fold(x3, k512, _mm_loadu_si128((const __m128i *)(p + 48)));
+    }
+    x1 = crc_fold(x0, k128, x1); /* the lanes into one, 128 bits at a time */
+    x2 = crc_fold(x1, k128, x2);
+    x3 = crc_fold(x2, k128, x3);
+    for (; n >= 16; p += 16, n -= 16)
+        x3 = crc_fold(x3, k128, _mm_loadu_si128((const __m128i *)p));
+    unsigned char last[16];
+    _mm_storeu_si128((__m128i *)last, x3);
+    return crc32_bytes(crc32_bytes(0, last, 16), p, n);
+}
+#endif
+
+static uint32_t crc32_update(uint32_t crc, const unsigned char *p, size_t n)
+{
+    uint32_t reg = ~crc;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (crc_clmul && n >= 64)
+        return ~crc32_folded(reg, p, n);
+#endif
+    return ~crc32_bytes(reg, p, n);
+}
+
+static PyObject *crc32(PyObject *self, PyObject *args)
+{
+    unsigned long long address;
+    Py_ssize_t length;
+    unsigned int seed;
+    if (!PyArg_ParseTuple(args, "KnI", &address, &length, &seed))
+        return NULL;
+    if (length < 0) {
+        PyErr_SetString(PyExc_ValueError, "crc32 length must be >= 0");
+        return NULL;
+    }
+    uint32_t crc;
+    if (length >= (64 << 10)) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = crc32_update(seed, (const unsigned char *)(uintptr_t)address, (size_t)length);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = crc32_update(seed, (const unsigned char *)(uintptr_t)address, (size_t)length);
+    }
+    return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *crc32_folding(PyObject *self, PyObject *unused)
+{
+    return PyBool_FromLong(crc_clmul);
+}
+
 static PyObject *cpu_flush_name(PyObject *self, PyObject *unused)
 {
     static const char *names[] = {"none", "clflushopt", "clwb"};
@@ -611,7 +742,10 @@ static void detect_cpu(void)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
         update_rows = update_rows_fma;
+    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        crc_clmul = (ecx & bit_PCLMUL) && (ecx & bit_SSE4_1);
 #endif
+    crc32_init();
 }
 
 static PyMethodDef methods[] = {
@@ -631,6 +765,8 @@ static PyMethodDef methods[] = {
     {"copy_lines", copy_lines, METH_VARARGS,
      "copy_lines(view, media, map_size, offset, stride, table_rows, rows, count)"},
     {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
+    {"crc32", crc32, METH_VARARGS, "crc32(address, length, seed) -> zlib.crc32 of those bytes, continuing seed"},
+    {"crc32_folding", crc32_folding, METH_NOARGS, "whether crc32 folds with carry-less multiply on this CPU"},
     {NULL, NULL, 0, NULL},
 };
 

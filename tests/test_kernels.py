@@ -374,3 +374,59 @@ print(ops.sparse_update("sgd", w, None, torch.tensor([1, 1]), torch.ones(2, 2), 
     assert out.stdout.strip() == "[1] [-2.0, -2.0]"
     warnings = [line for line in out.stderr.splitlines() if "native row kernels not built" in line]
     assert len(warnings) == 1, out.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# unique_rows and crc32
+# ---------------------------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 999), max_size=300))
+def test_unique_rows_are_torch_unique(ids):
+    indices = torch.tensor(ids, dtype=torch.int64)
+    for flag in (1, 0):
+        with knobs.override(native_kernels=flag):
+            assert torch.equal(ops.unique_rows(indices, 1000), torch.unique(indices, sorted=True))
+
+
+def test_unique_rows_refuses_an_index_out_of_range():
+    for flag in (1, 0):
+        with knobs.override(native_kernels=flag), pytest.raises(IndexError, match="1000 is out of range"):
+            ops.unique_rows(torch.tensor([3, 1000, 2]), 1000)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 63), st.sampled_from([0, 1, 0xFFFFFFFF, 0x12345678]), st.integers(0, 99))
+def test_crc32_is_zlibs(length, start, seed, content):
+    """Any length (lengths spread evenly: most fold through the 64-byte loop), any alignment (the
+    data starts `start` bytes into a buffer), any seed."""
+    import zlib
+
+    data = np.random.default_rng(content).integers(0, 256, length, dtype=np.uint8).tobytes()
+    buffer = np.zeros(start + len(data) + 8, dtype=np.uint8)
+    buffer[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    view = buffer[start : start + len(data)]
+    for flag in (1, 0):
+        with knobs.override(native_kernels=flag):
+            assert native.crc32(view, seed) == native.crc32(data, seed) == zlib.crc32(data, seed)
+
+
+def test_crc32_of_large_buffers_and_continuations():
+    import zlib
+
+    rng = np.random.default_rng(7)
+    big = rng.integers(0, 256, (8 << 20) + 13, dtype=np.uint8)
+    assert native.crc32(big) == zlib.crc32(big.tobytes())
+    a, b = big[: 1 << 20], big[1 << 20 :]
+    assert native.crc32(b, native.crc32(a)) == zlib.crc32(big.tobytes())
+    floats = rng.standard_normal(100_003).astype(np.float32)  # an array is its bytes
+    assert native.crc32(floats, 5) == zlib.crc32(floats.tobytes(), 5)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.crc32(floats[::2])
+
+
+def test_crc32_folds_with_carry_less_multiply_where_the_cpu_has_it():
+    """The fast path is the one the tests above check (not only the byte loop)."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if " pclmulqdq" not in flags or " sse4_1" not in flags:
+        pytest.skip("this CPU has no PCLMULQDQ/SSE4.1")
+    assert native.lib().crc32_folding()
