@@ -354,6 +354,8 @@ def _run_pool_create(args) -> int:
 
 
 def _report_json(report) -> dict:
+    from .pool_format import ROOT_RELAXED
+
     sb = report.superblock
     return {
         "path": report.path,
@@ -368,7 +370,8 @@ def _report_json(report) -> dict:
                    **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batch,
                        "ring_generation": s.root.ring_generation, "ring_start": s.root.ring_start,
                        "ring_start_seq": s.root.ring_start_seq,
-                       "dense_slot": " AB"[s.root.dense_slot].strip() or None, "dense_batch": s.root.dense_batch}
+                       "dense_slot": " AB"[s.root.dense_slot].strip() or None, "dense_batch": s.root.dense_batch,
+                       "relaxed": bool(s.root.flags & ROOT_RELAXED)}
                       if s.root else {})}
                   for s in report.slots],
         "batch": None if report.root is None else report.root.batch,
@@ -387,6 +390,8 @@ def _inspect_or_fail(path: str):
 
 
 def _run_pool_info(args) -> int:
+    from .pool_format import ROOT_RELAXED
+
     report = _inspect_or_fail(args.path)
     sb = report.superblock
     print(f"pool {report.path}: format v{sb.version}, {sb.pool_size:,} bytes, uuid {sb.uuid.hex()}")
@@ -395,7 +400,8 @@ def _run_pool_info(args) -> int:
                   else s.reason or "never written")
         if s.root is not None and s.root.dense_slot:
             detail += (f", dense snapshot in slot {' AB'[s.root.dense_slot]} (batch {s.root.dense_batch}), undo ring "
-                       f"generation {s.root.ring_generation} from offset {s.root.ring_start}")
+                       f"generation {s.root.ring_generation} from offset {s.root.ring_start}"
+                       + (", relaxed (the dense state may trail the embeddings)" if s.root.flags & ROOT_RELAXED else ""))
         winner = " (current)" if s.root is not None and s.root == report.root else ""
         print(f"root {'AB'[s.slot]}: {s.state}{winner}: {detail}")
     print(f"{'region':<24} {'kind':<18} {'dtype':<8} {'shape':<18} {'offset':>14} {'bytes':>14}")

@@ -242,6 +242,13 @@ class Runtime:
         if self._guard is not None and self._guard.in_flight is not None:
             self._guard.end_batch(self._guard.in_flight)
 
+    def wait_durable(self) -> float:
+        """Wait until every commit handed over so far is durable (the background worker has at most
+        one in flight); returns the seconds waited. The batch in flight, if any, is committed when
+        the loop asks for the next batch or the block exits, not by this."""
+        self._require_open()
+        return self._guard.wait_durable() if isinstance(self._guard, Checkpointer) else 0.0
+
     @property
     def stats(self) -> CheckpointStats | None:
         return self._guard.stats if isinstance(self._guard, Checkpointer) else None

@@ -154,6 +154,21 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
         return _run(config, model, source, rt, progress)
 
 
+def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step on batch `b`: forward, the loss (checked before backward), backward (the tables
+    update their rows in place in the pool), the dense optimizers' steps. Returns (logits [B], loss)."""
+    logits = model(batch)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    if not bool(torch.isfinite(loss)):  # before backward: neither tables nor MLPs take a NaN step
+        raise NonFiniteError(f"batch {b}: the loss is {loss.item()}; stopped before its backward, and the "
+                             "batch is not committed")
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return logits, loss
+
+
 def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool) -> TrainResult:
     first = rt.start_batch
     steps = max(0, config.steps - first)
@@ -178,15 +193,7 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
         b = rt.batch
         if b == timed_from:
             clock.start()
-        logits = model(batch)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        if not bool(torch.isfinite(loss)):  # before backward: neither tables nor MLPs take a NaN step
-            raise NonFiniteError(f"batch {b}: the loss is {loss.item()}; stopped before its backward, and the "
-                                 "batch is not committed")
-        loss.backward()  # embedding rows are updated in place in the pool here
-        for optimizer in rt.optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        logits, loss = train_step(model, batch, rt.optimizers, b)
         losses.append(loss.item())
         if b >= config.steps - tail:
             tail_logits.append(logits.detach())

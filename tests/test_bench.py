@@ -52,8 +52,12 @@ def test_quick_bench_end_to_end(shm_dir):
         assert row.get("ms", 0) > 0 or row["reason"].startswith("not installed"), row
     assert out["bandwidth"]["numpy_1_thread_gbps"] > 0 and out["bandwidth"]["gather_gbps"] > 0
     assert [t["name"].split(":")[0] for t in out["targets"]][:3] == [
-        "strict per-batch step time / no checkpoint", "recovery of 0.00 GB of tables, s",
-        "recovery time, largest / smallest tables"]
+        "strict per-batch step time / no checkpoint (side by side in one process)",
+        "recovery of 0.00 GB of tables, s", "recovery time, largest / smallest tables"]
+    [paired] = out["paired"]
+    assert paired["method"] == "ours-strict" and paired["base_ms"] > 0 and paired["method_ms"] > 0
+    assert len(paired["block_ratios"]) == paired["blocks"] == 2 and out["targets"][0]["value"] == paired["ratio"]
+    assert "side by side in one process" in result.stdout
     assert "machine:" in result.stdout and "targets" in result.stdout
     assert sorted(p.name for p in shm_dir.iterdir()) == (["plot.png"] if _has_matplotlib() else [])
     if _has_matplotlib():

@@ -69,7 +69,16 @@ def test_train_json_summary_and_pool_contents(shm_dir):
     assert "checkpoint: training thread waited" in result.stdout and "commit lag" in result.stdout
     current = max((r for r in info["roots"] if r["state"] == "valid"), key=lambda r: r["seq"])
     assert current["dense_batch"] == 30 and current["dense_slot"] in ("A", "B") and current["ring_generation"] == 1
+    assert current["relaxed"] is False and summary["background_capture"] is False
     assert names["t0.weight"]["shape"] == [2000, 16] and names["t0.optim"]["shape"] == [2000, 1]
+
+
+def test_pool_info_says_when_a_root_is_relaxed(shm_dir):
+    path = shm_dir / "r.pool"
+    assert cxltrain("train", "--pool", path, *SMALL, "--mode", "relaxed", "--dense-every", "4").returncode == 0
+    info = cxltrain("pool", "info", path, "--json").stdout
+    current = max((r for r in last_json(info)["roots"] if r["state"] == "valid"), key=lambda r: r["seq"])
+    assert current["relaxed"] is True and "relaxed (the dense state may trail the embeddings)" in info
 
 
 def test_train_is_deterministic_and_resumes_an_existing_pool(shm_dir):

@@ -449,3 +449,15 @@ def test_a_table_of_another_optimizer_is_refused(shm_dir):
     with pytest.raises(RecoveryError, match="has optimizer state in the pool"):
         with cxltrain.Runtime(shm_dir / "p.pool", model):
             pass
+
+
+def test_wait_durable_returns_once_the_commit_handed_over_is_durable(shm_dir):
+    model, optimizer, scheduler = make_run()
+    with cxltrain.Runtime(shm_dir / "p.pool", model, optimizer, schedulers=[scheduler]) as rt:
+        batches = rt.batches(make_batch, stop=3)
+        for _ in range(2):
+            model.loss(next(batches)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        # batch 1 is in flight; batch 0's commit was handed to the worker when the loop asked for batch 1
+        assert rt.wait_durable() >= 0 and rt.pool.root.batch == 1 and rt.stats.commits == 1

@@ -42,11 +42,14 @@ class BenchPlan:
     ours_timed: int                          # steps timed per ours run (after the trainer's warm-up)
     ours_rounds: int                         # runs of each of ours at the first pooling, interleaved
                                              # (off, strict, ..., off, strict, ...); a row is the median run
+    paired: tuple[str, ...]                  # methods also run side by side with ours-off in one process
+    paired_blocks: tuple[int, int, int]      # (warm-up steps, blocks each, steps per block)
     periods: tuple[int, int]                 # k of the plain checkpoints every k batches
     plain_timed: dict                        # (save, every) -> (warm-up, timed steps)
     recovery_rows: tuple[int, ...]           # rows per table of the recovery sizes
     embedding_poolings: tuple[int, ...]
     embedding_steps: tuple[int, int]         # (warm-up, timed)
+    embedding_rounds: int                    # runs of each contender, interleaved; a row is the median run
     copy_bytes: int
     job_timeout_s: int
 
@@ -61,18 +64,20 @@ def full_plan() -> BenchPlan:
     # ours: 3 interleaved rounds, because run-to-run noise on a shared 2-core box (~5-10%) is as
     # large as the effect the strict target is about
     return BenchPlan(name="full", config=TrainConfig(), step_poolings=(1, 20), ours_timed=40, ours_rounds=3,
+                     paired=("ours-strict", "ours-strict-bgcap"), paired_blocks=(5, 10, 10),
                      periods=(1, 100), plain_timed=timed,
                      recovery_rows=(250_000, 500_000, 1_000_000, 2_000_000), embedding_poolings=(1, 20),
-                     embedding_steps=(5, 30), copy_bytes=1 << 30, job_timeout_s=1200)
+                     embedding_steps=(5, 30), embedding_rounds=3, copy_bytes=1 << 30, job_timeout_s=1200)
 
 
 def quick_plan() -> BenchPlan:
     """The whole path on a tiny model, in seconds: for tests, not for figures."""
     config = TrainConfig(batch_size=64, num_tables=2, rows=1000, dim=8, bottom_mlp=(16,), top_mlp=(16,))
     timed = {("none", 1): (1, 4), ("torch", 1): (1, 2), ("torch", 4): (1, 4), ("dcp", 1): (1, 2), ("dcp", 4): (1, 4)}
-    return BenchPlan(name="quick", config=config, step_poolings=(1,), ours_timed=4, ours_rounds=2, periods=(1, 4),
+    return BenchPlan(name="quick", config=config, step_poolings=(1,), ours_timed=4, ours_rounds=2,
+                     paired=("ours-strict",), paired_blocks=(1, 2, 2), periods=(1, 4),
                      plain_timed=timed, recovery_rows=(1000,),
-                     embedding_poolings=(1,), embedding_steps=(1, 3), copy_bytes=1 << 20, job_timeout_s=120)
+                     embedding_poolings=(1,), embedding_steps=(1, 3), embedding_rounds=1, copy_bytes=1 << 20, job_timeout_s=120)
 
 
 def scratch_dir() -> str:
@@ -191,6 +196,7 @@ def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -
     results = {"machine": machine_info(KNOBS.threads), "config": config_to_json(plan.config),
                "quick": plan.name == "quick", "scratch_dir": where}
     results["steps"] = _step_times(plan, jobs, os.path.join(where, tag), log)
+    results["paired"] = _paired(plan, jobs, os.path.join(where, tag), log)
     results["recovery"] = _recovery(plan, jobs, os.path.join(where, tag), log)
     results["embedding"] = _embedding(plan, jobs, os.path.join(where, tag), log)
     results["bandwidth"] = _bandwidth(plan, jobs, log)
@@ -261,6 +267,21 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
                 row["ratio"] = row["mean_ms"] / base["mean_ms"]
         if "plain" in measured and "ours-off" in measured:
             measured["ours-off"]["plain_over_ours_off"] = measured["plain"]["mean_ms"] / measured["ours-off"]["mean_ms"]
+    return rows
+
+
+def _paired(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+    """Each of plan.paired against ours-off in one process, in alternating blocks (paired.py)."""
+    from .worker import config_to_json
+
+    warmup, blocks, block_steps = plan.paired_blocks
+    rows = []
+    for method in (m for m in step_methods(plan.periods) if m.name in plan.paired):
+        job = {"job": "ours-paired", "config": config_to_json(plan.config), "overrides": method.overrides,
+               "pools": [f"{prefix}-paired-off.pool", f"{prefix}-paired-{method.name}.pool"],
+               "warmup": warmup, "blocks": blocks, "block_steps": block_steps}
+        outcome = _timed(log, f"paired {method.name} / ours-off", lambda: jobs.forked(job))
+        rows.append({"method": method.name, "label": method.label, **(outcome.result or {"reason": outcome.error})})
     return rows
 
 
@@ -363,15 +384,24 @@ def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
     for pooling in plan.embedding_poolings:
         config = dataclasses.replace(plan.config, pooling=pooling)
         for optimizer in OPTIMIZERS:
+            runs: dict[str, list[dict]] = {contender: [] for contender in CONTENDERS}
+            for _ in range(plan.embedding_rounds):
+                for contender in CONTENDERS:
+                    if runs[contender] and "ms" not in runs[contender][-1]:
+                        continue  # no result the first time (e.g. torchrec missing): not again
+                    warmup, timed = plan.embedding_steps
+                    outcome = _timed(log, f"embedding {contender} {optimizer} pooling {pooling}",
+                                     lambda: jobs.forked({"job": "embedding", "config": config_to_json(config),
+                                                          "contender": contender, "optimizer": optimizer,
+                                                          "pool": f"{prefix}-emb.pool", "warmup": warmup,
+                                                          "timed": timed}))
+                    runs[contender].append(outcome.result or {"reason": outcome.error})  # a result may be a reason
             for contender in CONTENDERS:
                 row = {"contender": contender, "optimizer": optimizer, "pooling": pooling}
-                warmup, timed = plan.embedding_steps
-                outcome = _timed(log, f"embedding {contender} {optimizer} pooling {pooling}",
-                                 lambda: jobs.forked({"job": "embedding", "config": config_to_json(config),
-                                                      "contender": contender, "optimizer": optimizer,
-                                                      "pool": f"{prefix}-emb.pool", "warmup": warmup,
-                                                      "timed": timed}))
-                row.update(outcome.result or {"reason": outcome.error})  # a result may be a reason too
+                timed_runs = sorted((r for r in runs[contender] if "ms" in r), key=lambda r: r["ms"])
+                row.update(timed_runs[(len(timed_runs) - 1) // 2] if timed_runs else runs[contender][-1])
+                if len(timed_runs) > 1:
+                    row["runs_ms"] = [r["ms"] for r in runs[contender] if "ms" in r]
                 rows.append(row)
     return rows
 

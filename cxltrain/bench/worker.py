@@ -7,6 +7,8 @@ non-zero with its error on stderr.
 Jobs ("job" names one; "config" is a TrainConfig as a dict):
     ours-steps   {config, pool}                          cxltrain.trainer.train: step ms, checkpoint stats
     ours-crash   {config, pool}                          the same, run under CXLTRAIN_CRASH_AT (dies)
+    ours-paired  {config, overrides, pools, warmup, blocks, block_steps}   paired.paired_steps: config
+                 with checkpoints off against config with overrides, in alternating blocks
     plain-steps  {config, save, every, path, warmup, timed}   plain.train_steps
     plain-save   {config, torch_path, dcp_path, steps}   train a few steps, then torch.save and dcp.save
     torch-load   {config, path}  dcp-load {config, path}  read a full checkpoint back into a model
@@ -90,6 +92,16 @@ def run_job(job: dict) -> dict:
     config = config_from_json(job["config"]) if "config" in job else None
     if kind in ("ours-steps", "ours-crash"):
         return _ours_steps(config, job["pool"])
+    if kind == "ours-paired":
+        from .paired import paired_steps
+
+        try:
+            return paired_steps(dataclasses.replace(config, checkpoint="off"),
+                                dataclasses.replace(config, **job["overrides"]), tuple(job["pools"]),
+                                warmup=job["warmup"], blocks=job["blocks"], block_steps=job["block_steps"])
+        finally:
+            for pool in job["pools"]:
+                plain.remove(pool)
     if kind == "plain-steps":
         return plain.train_steps(config, save=job["save"], every=job["every"], path=job["path"],
                                  warmup=job["warmup"], timed=job["timed"])

@@ -313,6 +313,12 @@ class Checkpointer(BatchGuard):
         self.stats.lag_wait_seconds += self._wait_for_commit()
         self.stats.training_boundary_seconds += time.perf_counter() - started
 
+    def wait_durable(self) -> float:
+        """Wait for the commit in flight, if any (counted as a commit-lag wait); returns the seconds."""
+        waited = self._wait_for_commit()
+        self.stats.lag_wait_seconds += waited
+        return waited
+
     def detach(self) -> None:
         """Stop the worker (what it has queued still runs: at most the commit handed over last and
         captures of the batch in flight, which is never committed), then let go of the tables.
