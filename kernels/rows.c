@@ -223,6 +223,12 @@ static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, i
     const Py_ssize_t dim = a->dim;                                                                \
     for (Py_ssize_t j = 0; j < a->n;) {                                                           \
         const int64_t row = a->indices[order[j]];                                                 \
+        if (j + PREFETCH_ROWS < a->n) { /* a row some lookups ahead: its weights and state */     \
+            const int64_t ahead = a->indices[order[j + PREFETCH_ROWS]];                           \
+            prefetch_row((const char *)(a->weight + ahead * a->w_stride), (size_t)dim * 4, 1);    \
+            if (a->rule != RULE_SGD)                                                              \
+                __builtin_prefetch(a->state + ahead * a->s_stride, 1);                            \
+        }                                                                                         \
         for (Py_ssize_t d = 0; d < dim; d++)                                                      \
             acc[d] = 0.0f;                                                                        \
         for (; j < a->n && a->indices[order[j]] == row; j++) {                                    \
