@@ -53,7 +53,7 @@ KINDS = ("time", "point", "flush", "recovery")
 PROTOCOL_POINTS = {
     "undo:between-payload-and-header": "tables",
     "update:mid": "tables",
-    "commit:mid-rows": "commits",
+    "update:rows-flushed": "tables",   # (the emulated devices flush rows at their update, not in commits)
     "commit:between-rows-and-snapshot": "commits",
     "commit:before-root": "commits",
     "commit:torn-root": "commits",

@@ -361,6 +361,8 @@ class _BagLookup(torch.autograd.Function):
             if table.checkpointer is not None:
                 table.checkpointer.before_update(table, ctx.batch)
             unique_rows = table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
+            if table.checkpointer is not None:
+                table.checkpointer.after_update(table, ctx.batch, unique_rows)
             stats = table.stats
             stats.updates += 1
             stats.lookups += indices.numel()

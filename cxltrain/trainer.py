@@ -235,7 +235,8 @@ class _StepClock:
     def _totals(self) -> tuple[float, ...]:
         stats = self.rt.stats
         return (self.model.embedding_forward_seconds, sum(t.stats.update_seconds for t in self.model.tables),
-                *((stats.training_lookup_seconds, stats.training_capture_seconds + stats.capture_wait_seconds,
+                *((stats.training_lookup_seconds,
+                   stats.training_capture_seconds + stats.capture_wait_seconds + stats.training_flush_seconds,
                    stats.training_boundary_seconds) if stats else (0.0, 0.0, 0.0)))
 
     def start(self) -> None:

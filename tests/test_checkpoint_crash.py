@@ -117,14 +117,14 @@ def test_resume_after_a_clean_stop_equals_one_run(shm_dir, ref_dir):
 NAMED = [
     ("undo:between-payload-and-header", 2 * TABLES + 2, 2),  # batch 2, second table's record half-made
     ("update:mid", 3 * TABLES + 1, 3),                         # batch 3, first table half-updated
-    ("commit:mid-rows", 4, 3),                                 # batch 3: one table's rows flushed
+    ("update:rows-flushed", 3 * TABLES + 1, 3),                # batch 3, first table's updated rows flushed
     ("commit:between-rows-and-snapshot", 5, 4),                # batch 4: rows durable, no snapshot yet
     ("commit:before-root", 7, 6),                              # batch 6: rows and snapshot durable, no root
 ]
 # Points in a batch's own capture and update: pipelined, the commit of the batch before may still
 # be running on the worker when they are reached, so the pool may hold one batch less. Points inside
 # a commit are exact either way.
-IN_BATCH = {"undo:between-payload-and-header", "update:mid"}
+IN_BATCH = {"undo:between-payload-and-header", "update:mid", "update:rows-flushed"}
 
 
 def expected_batches(point: str, expected: int, pipeline: bool) -> range:
