@@ -109,6 +109,13 @@ class EmulatedCXLDevice(Device):
         if self._pmem is not None:
             self._pmem.pmem_drain()
 
+    def persist_streamed(self, offset: int, length: int) -> None:
+        if self._pmem is None:
+            return super().persist_streamed(offset, length)
+        self._check_range(offset, length)
+        self._account(length)
+        self._pmem.pmem_drain()  # as on a DAX device: the stores went around the caches
+
     def copy_persist(self, offset: int, data) -> None:
         if self._pmem is None:
             return super().copy_persist(offset, data)
@@ -170,6 +177,7 @@ class _FlushWritesNothing:
         crash_point(FLUSH_POINT)
 
     copy_persist = Device.copy_persist  # stores, then the flush above (the libpmem copy is for ADR)
+    persist_streamed = Device.persist_streamed
 
 
 class EADRCXLDevice(_FlushWritesNothing, EmulatedCXLDevice):

@@ -127,13 +127,14 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
 
 
 def capture_undo(old_weights: np.ndarray, old_state: np.ndarray, old_rows: np.ndarray, weights: torch.Tensor,
-                 state: torch.Tensor | None, rows: torch.Tensor) -> None:
+                 state: torch.Tensor | None, rows: torch.Tensor) -> bool:
     """Fill an undo record's payload (the three views layout.split_payload gives) with the rows'
     current values: old_weights uint8 [U, P*4] := weights[rows], old_state uint8 [U, K*4] :=
     state[rows], old_rows int64 [U] := rows. weights [R, P] and state [R, K] float32, rows [U] int64.
 
     The C kernel writes with non-temporal stores and ends with one SFENCE: the payload goes towards
-    memory without displacing the caches, and the caller's persist has little left to write back.
+    memory without displacing the caches. Returns whether it did (True: the caller needs no cache
+    write-back, Device.persist_streamed; False: ordinary stores, Device.persist).
     """
     _check("weights", weights, torch.float32, 2)
     _check("rows", rows, torch.int64, 1)
@@ -148,13 +149,15 @@ def capture_undo(old_weights: np.ndarray, old_state: np.ndarray, old_rows: np.nd
     lib = native.lib()
     if lib is None:
         _check_bounds(rows, weights.shape[0])
-        return torch_rows.capture_undo(
+        torch_rows.capture_undo(
             torch.from_numpy(old_weights.view(np.float32)),
             None if state is None else torch.from_numpy(old_state.view(np.float32)),
             torch.from_numpy(old_rows), weights, state, rows)
+        return False
     lib.capture_undo(old_weights.ctypes.data, old_state.ctypes.data if state is not None else 0,
                      old_rows.ctypes.data, weights.data_ptr(), weights.shape[1] * 4, _address(state), state_bytes,
                      weights.shape[0], rows.data_ptr(), count)
+    return bool(lib.STREAMS)
 
 
 def _check(name: str, tensor, dtype: torch.dtype, dim: int) -> None:

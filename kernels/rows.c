@@ -782,5 +782,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", "Native CPU 
 PyMODINIT_FUNC PyInit__rows(void)
 {
     detect_cpu();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+#if defined(__x86_64__)
+    const int streams = 1;
+#else
+    const int streams = 0;
+#endif
+    /* STREAMS: capture_undo writes with non-temporal stores (else ordinary ones, to be flushed) */
+    if (m && PyModule_AddIntConstant(m, "STREAMS", streams) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 import subprocess
 import sys
 
@@ -250,7 +251,10 @@ def test_capture_undo_equals_torch(seed, rows, width, k, count, skew):
         start = (-raw.ctypes.data) % 16 + 4 * skew
         payload = raw[start : start + picks.numel() * (width * 4 + k * 4 + 8)]
         with knobs.override(native_kernels=flag):
-            ops.capture_undo(*split_payload(payload, picks.numel(), width * 4, k * 4), weights, state, picks)
+            streamed = ops.capture_undo(*split_payload(payload, picks.numel(), width * 4, k * 4), weights, state,
+                                        picks)
+        # non-temporal stores (the caller then persists with a fence only) from the x86 kernel alone
+        assert streamed == (bool(flag) and native.lib() is not None and platform.machine() == "x86_64")
         payloads.append(payload.copy())
     assert np.array_equal(payloads[0], payloads[1])
     w_end = picks.numel() * width * 4

@@ -93,13 +93,17 @@ class UndoRing:
         device = self.pool.device
         payload_len = layout.payload_bytes(count, row_bytes, state_bytes)
         payload = device.array[base + layout.UNDO_HEADER.size : base + layout.UNDO_HEADER.size + payload_len]
-        row_ops.capture_undo(*layout.split_payload(payload, count, row_bytes, state_bytes), weights, state, rows)
+        streamed = row_ops.capture_undo(*layout.split_payload(payload, count, row_bytes, state_bytes), weights, state,
+                                        rows)
         header = layout.UndoHeader(weights_region.index, self.generation, self.next_seq, batch, count, row_bytes,
                                    state_bytes, layout.payload_checksum(payload, self.pool.superblock.uuid,
                                                                         self.generation, self.next_seq),
                                    None if state_region is None else state_region.index)
         if not planted("skip-undo-persist"):  # test-only: U1's persists left out on purpose
-            device.persist(base + layout.UNDO_HEADER.size, payload_len)
+            if streamed:  # non-temporal stores: no cache lines to write back
+                device.persist_streamed(base + layout.UNDO_HEADER.size, payload_len)
+            else:
+                device.persist(base + layout.UNDO_HEADER.size, payload_len)
             crash_point("undo:between-payload-and-header")
             # U1 — undo before overwrite: the payload is durable before the header that makes it
             # valid, and the whole record is durable when append returns, which the caller does

@@ -85,6 +85,13 @@ class Device(abc.ABC):
         self.flush(offset, length)
         self.drain()
 
+    def persist_streamed(self, offset: int, length: int) -> None:
+        """Make [offset, offset+length) durable after it was written with non-temporal stores (the
+        native undo capture's). Where those go around the caches into the persistence domain
+        (libpmem's backends) a fence is all that is left, as in pmem_memcpy_persist; elsewhere
+        this is persist()."""
+        self.persist(offset, length)
+
     def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
         """Flush rows `rows` (sorted ascending, int64 [U]) of a table at `offset` with `stride`-byte
         rows; no ordering until drain(). Adjacent rows go as one range, so the skewed, clustered

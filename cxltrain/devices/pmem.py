@@ -66,6 +66,12 @@ class PmemDevice(Device):
         else:
             self.flush(offset, length)
 
+    def persist_streamed(self, offset: int, length: int) -> None:
+        if not self.is_pmem:
+            return super().persist_streamed(offset, length)
+        self._check_range(offset, length)
+        self._pmem.pmem_drain()
+
     def copy_persist(self, offset: int, data) -> None:
         if not self.is_pmem:
             return super().copy_persist(offset, data)
