@@ -109,9 +109,9 @@ def _add_train(sub) -> None:
                    help="checkpoint on the training thread (undo capture and commits on the critical path) "
                         "instead of a background worker")
     p.add_argument("--background-capture", action="store_true",
-                   help="capture undo records on the background worker during forward instead of on the "
-                        "training thread right before each update (pays off where the worker has a core of "
-                        "its own; on 2 cores it costs more)")
+                   help="the background worker also captures undo records (during forward) and flushes "
+                        "updated rows (during the next batch), instead of the training thread around each "
+                        "update: pays off where the worker has a core of its own; on 2 cores it costs more")
     _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -220,7 +220,7 @@ def _run_train(args) -> int:
         print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
     if result.checkpoint == "undo":
         dense_part = "" if args.mode == "strict" else f", relaxed: dense state every {args.dense_every}"
-        where = ("pipelined, undo capture on the worker" if args.background_capture
+        where = ("pipelined, capture and row flushes on the worker" if args.background_capture
                  else "pipelined" if args.pipeline else "synchronous")
         print(f"checkpoint: every batch durable ({where}{dense_part}); "
               f"the pool is committed at batch {result.batch}")

@@ -28,7 +28,7 @@ class TrainConfig:
     mode: str = "strict"               # "strict": exact recovery; "relaxed": embeddings every batch,
                                        # dense state every dense_every batches (DESIGN §4)
     pipeline: bool = True              # commits on a background worker; False: on the training thread
-    background_capture: bool = False   # undo captures on the worker too (pays off with a spare core)
+    background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

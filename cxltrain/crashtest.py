@@ -53,7 +53,8 @@ KINDS = ("time", "point", "flush", "recovery")
 PROTOCOL_POINTS = {
     "undo:between-payload-and-header": "tables",
     "update:mid": "tables",
-    "update:rows-flushed": "tables",   # (the emulated devices flush rows at their update, not in commits)
+    "update:rows-flushed": "tables",   # rows flushed at their update (the default on emulated devices)
+    "commit:mid-rows": "commits",      # ... or by the commit (capture and flushes on the worker)
     "commit:between-rows-and-snapshot": "commits",
     "commit:before-root": "commits",
     "commit:torn-root": "commits",
@@ -102,7 +103,7 @@ class TrialPlan:
             what += f", recovery killed at {self.recover_crash_at}"
         extras = [f"dense every {self.dense_every}"] if self.dense_every > 1 else []
         extras += ["small undo ring"] if self.small_ring else []
-        extras += ["capture on the worker"] if self.background_capture else []
+        extras += ["capture and flushes on the worker"] if self.background_capture else []
         return what + (f" ({', '.join(extras)})" if extras else "")
 
 

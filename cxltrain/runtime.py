@@ -62,9 +62,11 @@ class Runtime:
             embeddings; `recovery.dense_lag` says by how many). See DESIGN §4.
         pipeline: run commits on a background worker (True), or on the training thread (False: the
             synchronous baseline). Same durability either way.
-        background_capture: with the pipeline, run the undo captures on the worker too, during
-            forward, instead of on the training thread right before each table's update. Pays off
-            where the worker has a core of its own (see checkpoint/checkpointer.py).
+        background_capture: with the pipeline, the worker also takes the undo captures (during
+            forward, instead of the training thread right before each table's update) and the row
+            flushes (during the next batch, instead of right after each update): DESIGN §4 as
+            written, which pays off where the worker has a core of its own (see
+            checkpoint/checkpointer.py).
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
             snapshot; resuming a pool whose metadata differs is refused.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed

@@ -53,7 +53,7 @@ def step_methods(periods: tuple[int, int] = (1, 100)) -> list[Method]:
                    {"checkpoint": "undo", **PENDING_OVERRIDES["ours-relaxed"]}),
             Method("ours-sync-undo", "ours", "ours, undo logging on the critical path", "ours-off",
                    {"checkpoint": "undo", **PENDING_OVERRIDES["ours-sync-undo"]}),
-            Method("ours-strict-bgcap", "ours", "ours, strict, undo capture on the worker", "ours-off",
+            Method("ours-strict-bgcap", "ours", "ours, strict, capture+flush on the worker", "ours-off",
                    {"checkpoint": "undo", "background_capture": True})]
     plain = [Method("plain", "plain", "PyTorch, no checkpoint", "plain")]
     for save, label in (("torch", "torch.save"), ("dcp", "dcp.async_save")):

@@ -44,12 +44,13 @@ Why committing b while b+1 updates the same rows in place is still correct:
 With the pipeline off (pipeline=False) the commits run inline on the training thread too: undo
 logging and commits on the critical path, the baseline `cxltrain bench` compares against.
 
-Where the capture runs: on the training thread, inside backward (above), by default. With
-background_capture=True it is handed to the worker in b's forward instead, and before_update
-waits for it (only when it is late) — DESIGN §4's overlap, which pays off where the worker has a
-core of its own. On a 2-core machine it cost more than it hid (`cxltrain bench` measures both):
-the worker's Python takes the GIL from the training thread, and its gathers miss the cache that
-the training thread's update then misses again.
+Where the capture and the row flushes run: on the training thread, inside backward (above), by
+default. With background_capture=True the worker takes both, as DESIGN §4 has it: the capture is
+handed over in b's forward (before_update waits for it, only when it is late) and the rows are
+flushed by the commit during b+1 — the overlap that pays off where the worker has a core of its
+own. On a 2-core machine it cost more than it hid (`cxltrain bench` measures both): the worker's
+Python takes the GIL from the training thread, its gathers miss the cache that the training
+thread's update then misses again, and its flushes find the rows no longer in this core's cache.
 
 When the ring has no room for another batch like the largest seen so far, a commit is taken early
 rather than letting the next capture fail; the time that costs the training thread is counted.
@@ -233,10 +234,12 @@ class Checkpointer(BatchGuard):
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
         self.background_capture = pipeline and background_capture
         # Where a flush is a cache-line write-back, the updated rows are flushed right after their
-        # update, while this core still holds them (measured: ~3 ms a batch cheaper here than the
-        # worker flushing them during the next batch); where it is a system call (msync), the
-        # worker does it. The planted U2 bug needs the commit to flush the rows (after its root).
-        self.flush_at_update = pool.device.is_pmem and not planted("commit-before-rows")
+        # update, while this core still holds them (measured: ~3 ms a batch cheaper on 2 cores than
+        # the worker flushing them during the next batch); where it is a system call (msync), and
+        # with background_capture (a worker with a core of its own), the worker does it. The
+        # planted U2 bug needs the commit to flush the rows (after its root).
+        self.flush_at_update = (pool.device.is_pmem and not self.background_capture
+                                and not planted("commit-before-rows"))
         self._commit_ticket: Ticket | None = None
         self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs (background)
         self._lookups: list[tuple[object, torch.Tensor]] = []  # ... its lookups not yet captured (inline)
