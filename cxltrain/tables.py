@@ -43,6 +43,7 @@ from .pool_format import RegionKind
 from .errors import ConfigError, NonFiniteError, PoolError
 from .faults import crash_armed, crash_point
 from .kernels import rows as row_kernels
+from .kernels import ops as row_ops
 
 MODES = ("sum", "mean")
 
@@ -351,8 +352,8 @@ class _BagLookup(torch.autograd.Function):
         if indices.numel():
             started = time.perf_counter()
             # per lookup, the gradient is grad_out's row (times a per-sample weight): all finite if these are
-            finite = bool(torch.isfinite(grad_out).all()) and (
-                per_sample_weights is None or bool(torch.isfinite(per_sample_weights).all()))
+            finite = row_ops.all_finite(grad_out) and (
+                per_sample_weights is None or row_ops.all_finite(per_sample_weights))
             if not finite:
                 # stop, never store: rows updated with NaN/inf would be silently wrong from now on
                 batch = "" if ctx.batch is None else f" in batch {ctx.batch}"

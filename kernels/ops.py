@@ -41,6 +41,17 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether a float32 tensor holds no inf or NaN (any shape; a strided one is copied first)."""
+    if values.dtype != torch.float32 or values.device.type != "cpu":
+        return bool(torch.isfinite(values).all())
+    lib = native.lib()
+    if lib is None:
+        return bool(torch.isfinite(values).all())
+    values = values.contiguous()
+    return lib.all_finite(values.data_ptr(), values.numel())
+
+
 def unique_rows(indices: torch.Tensor, table_rows: int) -> torch.Tensor:
     """The sorted distinct values [U] int64 of indices [N] int64, each checked against [0, table_rows)."""
     _check("indices", indices, torch.int64, 1)

@@ -434,3 +434,15 @@ def test_crc32_folds_with_carry_less_multiply_where_the_cpu_has_it():
     if " pclmulqdq" not in flags or " sse4_1" not in flags:
         pytest.skip("this CPU has no PCLMULQDQ/SSE4.1")
     assert native.lib().crc32_folding()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 3000), st.integers(0, 10**6), st.sampled_from([None, float("nan"), float("inf"), -float("inf")]))
+def test_all_finite_is_torchs(count, where, bad):
+    values = torch.randn(count) * 1e30  # large but finite
+    if bad is not None and count:
+        values[where % count] = bad
+    for flag in (1, 0):
+        with knobs.override(native_kernels=flag):
+            assert ops.all_finite(values) == bool(torch.isfinite(values).all())
+            assert ops.all_finite(values.reshape(-1, 1)[::2]) == bool(torch.isfinite(values[::2]).all())
