@@ -2,7 +2,8 @@
 
 A copy of n bytes reads n and writes n; the figures are bytes copied per second (GB = 1e9 bytes),
 as memcpy benchmarks report them. Row gathers are measured the way the checkpointer captures undo
-records (torch.index_select of the batch's unique rows [U, P] out of a table [R, P], ring.py).
+records: the native capture kernel (kernels/rows.c capture_undo: the batch's unique rows [U, P] of a
+table [R, P] gathered with non-temporal stores), as ring.py calls it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from ..config import TrainConfig
+from ..kernels import ops
 from ..trainer import build_source
 
 
@@ -45,8 +47,11 @@ def gather_bandwidth(config: TrainConfig, threads: int, repeats: int = 20) -> di
     torch.set_num_threads(threads)
     table = torch.rand(config.rows, config.dim)
     rows = torch.unique(build_source(config).batch(0).values[0])
-    out = torch.empty(rows.numel(), config.dim)
-    gbps = _best_gbps(out.numel() * 4, lambda: torch.index_select(table, 0, rows, out=out), repeats)
+    payload = np.empty(rows.numel() * (config.dim * 4 + 8), dtype=np.uint8)  # old rows, then their ids
+    old_rows = payload[: rows.numel() * config.dim * 4].reshape(rows.numel(), config.dim * 4)
+    old_ids = payload[rows.numel() * config.dim * 4 :].view(np.int64)
+    streamed = ops.capture_undo(old_rows, np.empty((rows.numel(), 0), np.uint8), old_ids, table, None, rows)
+    gbps = _best_gbps(old_rows.size, lambda: ops.capture_undo(old_rows, None, old_ids, table, None, rows), repeats)
     return {"rows": rows.numel(), "row_bytes": config.dim * 4, "gather_gbps": gbps,
-            "note": "torch.index_select, as the undo capture gathers rows today"}
+            "note": "the undo capture's kernel" + (", non-temporal stores" if streamed else "")}
 
