@@ -336,7 +336,7 @@ class Checkpointer(BatchGuard):
         started = time.perf_counter()
         if self.committed != done or self.dense_committed != done:
             self._hand_over_commit(done, snapshot=True)
-        self.stats.lag_wait_seconds += self._wait_for_commit()
+        self.wait_durable()
         self.stats.training_boundary_seconds += time.perf_counter() - started
 
     def wait_durable(self) -> float:
@@ -362,9 +362,8 @@ class Checkpointer(BatchGuard):
             # U2 — rows before commit (rows flushed at their update): their flushes, issued on this
             # thread, are complete before the commit that names them is handed to the worker.
             self.pool.device.drain()
-        self.stats.lag_wait_seconds += self._wait_for_commit()  # the lag bound: one commit in flight
-        # (and its root now names the other dense slot); the rows of every batch before `done`
-        # (captured: end_batch waited for the background ones) go to this commit
+        self.wait_durable()  # the lag bound: one commit in flight (its root now names the other dense slot)
+        # the rows of every batch before `done` (captured: end_batch waited for the background ones)
         dirty = [entry for batch in sorted(b for b in self._dirty if b < done) for entry in self._dirty.pop(batch)]
         written = None
         if snapshot:
