@@ -259,10 +259,20 @@ def entry_checksum(raw: bytes, uuid: bytes, index: int) -> int:
 def checksum(data: bytes, uuid: bytes = b"", index: int = 0) -> int:
     """CRC-32 (zlib's) of `data`, seeded with the pool UUID and a slot/entry index (taken modulo 2**32: an
     index read from a damaged structure may be any u64, and must fail the check, not overflow)."""
-    seed = zlib.crc32(uuid + (index & 0xFFFFFFFF).to_bytes(4, "little"))
+    return checksum_more(data, checksum_seed(uuid, index))
+
+
+def checksum_seed(uuid: bytes = b"", index: int = 0) -> int:
+    """What checksum(data, uuid, index) starts from: checksum_more(data, seed) is the same value, and a
+    checksum can go on piece by piece (checksum_more(b, checksum_more(a, seed)) sums a + b)."""
+    return zlib.crc32(uuid + (index & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
+def checksum_more(data, crc: int) -> int:
+    """The CRC-32 `crc` continued over `data` (bytes, or a C-contiguous numpy array: its bytes)."""
     if (data.nbytes if isinstance(data, np.ndarray) else len(data)) < _NATIVE_CRC_BYTES:
-        return zlib.crc32(data, seed)
-    return native.crc32(data, seed)  # the same value, faster for payloads (undo records, snapshots)
+        return zlib.crc32(data, crc)
+    return native.crc32(data, crc)  # the same value, faster for payloads (undo records, snapshots)
 
 
 # From here on the native CRC (kernels/rows.c) beats zlib's even counting its call overhead.

@@ -19,7 +19,9 @@ neighbour slows every variant alike; medians over the batches):
       emulated CXL device with libpmem — C (one call per row set) vs the Python loop (one ctypes
       pmem_flush per run of adjacent rows); skipped without libpmem;
   copy_lines: the power-loss device's flush of the same row sets, C vs its Python loop
-      (one ctypes memmove per run).
+      (one ctypes memmove per run);
+  checksum: CRC-32 of a 4 MiB buffer (a dense snapshot's size), native (lib().crc32_path()) vs
+      zlib.crc32.
 
 This module sits above the kernels it measures: it builds tables, devices and data, imported
 when run() is called.
@@ -57,7 +59,7 @@ def run(*, batches: int = 30, rows: int = 1_000_000, dim: int = 64, batch_size: 
     try:
         with contextlib.ExitStack() as stack:
             cases = _lookup_update_cases(rows, dim) + _kernel_cases(rows, dim, folder, stack)
-            cases += _flush_cases(rows, dim, num_tables, folder, stack)
+            cases += _flush_cases(rows, dim, num_tables, folder, stack) + _checksum_cases()
             for batch in data:
                 for name, prepare, step in cases:
                     args = prepare(batch)
@@ -70,14 +72,15 @@ def run(*, batches: int = 30, rows: int = 1_000_000, dim: int = 64, batch_size: 
     ratio = {}
     for name in ms:
         group, variant = name.rsplit(".", 1)
-        for base in ("torch", "python", "torch_kernels"):
+        for base in ("torch", "python", "torch_kernels", "zlib"):
             if variant == "ours" and f"{group}.{base}" in ms:
                 ratio[f"{group}: {base} / ours"] = ms[f"{group}.{base}"] / ms[name]
     unique = statistics.mean(int(torch.unique(b.values[0]).numel()) for b in data)
     return {"ms": ms, "ratio": ratio,
             "setup": {"rows": rows, "dim": dim, "batch_size": batch_size, "tables": num_tables, "batches": batches,
                       "threads": threads, "unique_rows_per_table": unique, "native": native.built(),
-                      "cpu_flush": native.cpu_flush() if native.built() else None}}
+                      "cpu_flush": native.cpu_flush() if native.built() else None,
+                      "crc32_path": native.lib().crc32_path() if native.built() else None}}
 
 
 def _lookup_update_cases(rows: int, dim: int):
@@ -155,7 +158,7 @@ def _kernel_cases(rows: int, dim: int, folder: str, stack: contextlib.ExitStack)
         """What UndoRing.append does around the capture: checksum the payload, persist it."""
         capture(views, picks, flag)
         length = views[2].ctypes.data + views[2].nbytes - ring.ctypes.data
-        zlib.crc32(ring[:length])
+        (native.crc32 if flag else zlib.crc32)(ring[:length])  # as layout.payload_checksum picks
         ring_device.persist(0, length)
 
     def append_torch(views, picks):
@@ -210,6 +213,15 @@ def _flush_cases(rows: int, dim: int, num_tables: int, folder: str, stack: conte
     if native.built():
         cases.append(("copy_lines.ours", prepare(lossy), copy_lines))
     cases.append(("copy_lines.python", prepare(lossy), commit_flush(lossy, 0)))
+    return cases
+
+
+def _checksum_cases():
+    """CRC-32 of the same 4 MiB each batch (in cache after the first: a snapshot just copied is)."""
+    data = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
+    cases = [("checksum.zlib", lambda batch: (data,), zlib.crc32)]
+    if native.built():
+        cases.append(("checksum.ours", lambda batch: (data,), native.crc32))
     return cases
 
 

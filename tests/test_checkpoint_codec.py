@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cxltrain.checkpoint.codec import (HEADER, MAGIC, MAX_DEPTH, capture_rng, decode, encode,
+from cxltrain.checkpoint.codec import (HEADER, MAGIC, MAX_DEPTH, LayoutCache, capture_rng, decode, encode,
                                        restore_rng)
 from cxltrain.errors import PoolCorruptError
 
@@ -542,3 +542,104 @@ def test_a_layout_holds_the_same_bytes_as_the_encoding():
     assert_same(decode(b"".join(bytes(raw) for _, raw in pieces)), tree)
     weight.add_(1)  # a blob is a view of the live tensor: copy it before the tensor changes again
     assert torch.equal(decode(b"".join(bytes(raw) for _, raw in encoded.pieces()))["w"], weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayoutCache: lay_out again and again, always the bytes encode gives
+# ---------------------------------------------------------------------------------------------
+def laid_out_bytes(layout) -> bytes:
+    return b"".join(raw if isinstance(raw, bytes) else raw.tobytes() for _, raw in layout.pieces())
+
+
+def assert_cached_is_encode(cache: LayoutCache, tree) -> None:
+    assert laid_out_bytes(cache.lay_out(tree)) == encode(tree)
+
+
+def dense_tree(model, optimizer, batch: int, scheduler=None) -> dict:
+    """A tree shaped like DenseState.capture's."""
+    return {"batch": batch, "model": model.state_dict(), "optimizers": [optimizer.state_dict()],
+            "schedulers": [] if scheduler is None else [scheduler.state_dict()], "rng": capture_rng(),
+            "tables": {"emb": "t0"}, "metadata": {"lr": 0.1}, "threads": 2}
+
+
+def test_layout_cache_reuses_a_training_runs_manifest_and_stays_exact():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    cache = LayoutCache(counters=("batch",))
+    for batch in (0, 1, 2, 9, 10, 11, 99, 100, 12345):  # the counter's digits change the manifest's length
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        torch.rand(1)  # the RNG moves: its state tensor is a fresh copy each capture
+        assert_cached_is_encode(cache, dense_tree(model, optimizer, batch))
+    assert (cache.misses, cache.hits) == (1, 8)  # only the first is laid out afresh
+    with torch.no_grad():  # a parameter given new memory is read from there
+        model[0].weight.data = model[0].weight.data.clone() + 1
+    assert_cached_is_encode(cache, dense_tree(model, optimizer, 7))
+    assert cache.hits == 9
+
+
+def test_layout_cache_follows_a_scheduler_by_laying_out_afresh():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    cache = LayoutCache(counters=("batch",))
+    for batch in range(5):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        assert_cached_is_encode(cache, dense_tree(model, optimizer, batch, scheduler))
+    assert cache.hits == 0  # its counters and the learning rate change every batch
+
+
+BASE = {"batch": 3, "a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "f": 0.5, "i": 1, "flag": True,
+        "l": [1, 2], "d": {"x": 1, "y": 2}, "o": OrderedDict(p=torch.ones(2)), "b": b"abc",
+        "n": np.arange(3, dtype=np.int64), "t": (torch.zeros(2, dtype=torch.int64), None)}
+MUTATIONS = {
+    "counter": lambda t: t.update(batch=t["batch"] * 1000 + 7),
+    "tensor values": lambda t: t["a"].add_(1),
+    "fresh tensor, same shape": lambda t: t.update(a=torch.full((2, 3), 7.0)),
+    "tensor shape": lambda t: t.update(a=torch.zeros(3, 2)),
+    "tensor dtype": lambda t: t.update(a=t["a"].double()),
+    "bfloat16": lambda t: t.update(a=t["a"].bfloat16()),
+    "transposed view": lambda t: t.update(a=torch.arange(6, dtype=torch.float32).reshape(3, 2).t()),
+    "negated view": lambda t: t.update(a=torch.arange(6, dtype=torch.float32).reshape(2, 3)._neg_view()),
+    "int to equal float": lambda t: t.update(i=1.0),
+    "bool to equal int": lambda t: t.update(flag=1),
+    "negative zero": lambda t: t.update(f=-0.0 if t["f"] == 0.0 else 0.0),
+    "float bits": lambda t: t.update(f=math.nextafter(t["f"], 1.0)),
+    "list to tuple": lambda t: t.update(l=tuple(t["l"])),
+    "dict order": lambda t: t.update(d=dict(reversed(list(t["d"].items())))),
+    "ordered to plain dict": lambda t: t.update(o=dict(t["o"])),
+    "metadata": lambda t: t.update(o=OrderedDict(t["o"])) or setattr(t["o"], "_metadata", {"": {"version": 2}}),
+    "bytes": lambda t: t.update(b=b"abd"),
+    "ndarray values": lambda t: t.update(n=t["n"] + 1),
+    "reversed ndarray": lambda t: t.update(n=np.arange(3, dtype=np.int64)[::-1]),
+    "one tensor twice": lambda t: t.update(t=(t["a"], t["a"])),
+    "new key": lambda t: t.update(z=None),
+    "counter not an int": lambda t: t.update(batch=2.5),
+}
+
+
+@fast(150)
+@given(st.lists(st.sampled_from(sorted(MUTATIONS)), max_size=8))
+def test_layout_cache_is_encode_after_any_change(changes):
+    """Every change a tree can go through between two batches — values, shapes, types that compare
+    equal (1 and 1.0, 0.0 and -0.0), order, views, sharing — and the cache still gives encode's bytes."""
+    tree = {key: (value.clone() if isinstance(value, torch.Tensor) else value.copy() if hasattr(value, "copy")
+                  else value) for key, value in BASE.items()}
+    tree["o"] = OrderedDict(p=torch.ones(2))
+    cache = LayoutCache(counters=("batch",))
+    assert_cached_is_encode(cache, tree)
+    for change in changes:
+        tree = dict(tree)
+        MUTATIONS[change](tree)
+        assert_cached_is_encode(cache, tree)
+        assert_cached_is_encode(cache, dict(tree))  # the same again: reused
+
+
+def test_layout_cache_refuses_what_lay_out_refuses():
+    cache = LayoutCache(counters=("batch",))
+    with pytest.raises(TypeError, match=r"state\['x'\]: unsupported type .*function"):
+        cache.lay_out({"batch": 1, "x": lambda: 0})
+    assert_cached_is_encode(cache, [1, 2])  # not a dict: laid out, never cached

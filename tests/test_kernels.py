@@ -398,20 +398,34 @@ def test_unique_rows_refuses_an_index_out_of_range():
             ops.unique_rows(torch.tensor([3, 1000, 2]), 1000)
 
 
+def _crc_paths():
+    """The CRC-32 paths this CPU has, each switched on in turn (the best one restored after)."""
+    lib = native.lib()
+    best = lib.crc32_path()
+    names = ["bytes", "pclmul", "vpclmul"]
+    try:
+        for name in names[: names.index(best) + 1]:
+            lib.crc32_path(name)
+            yield name
+    finally:
+        lib.crc32_path(best)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 5000), st.integers(0, 63), st.sampled_from([0, 1, 0xFFFFFFFF, 0x12345678]), st.integers(0, 99))
 def test_crc32_is_zlibs(length, start, seed, content):
-    """Any length (lengths spread evenly: most fold through the 64-byte loop), any alignment (the
-    data starts `start` bytes into a buffer), any seed."""
+    """Any length (lengths spread evenly: most fold through the 64- and 256-byte loops), any
+    alignment (the data starts `start` bytes into a buffer), any seed, on every path the CPU has."""
     import zlib
 
     data = np.random.default_rng(content).integers(0, 256, length, dtype=np.uint8).tobytes()
     buffer = np.zeros(start + len(data) + 8, dtype=np.uint8)
     buffer[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
     view = buffer[start : start + len(data)]
-    for flag in (1, 0):
-        with knobs.override(native_kernels=flag):
-            assert native.crc32(view, seed) == native.crc32(data, seed) == zlib.crc32(data, seed)
+    for path in _crc_paths():
+        assert native.crc32(view, seed) == native.crc32(data, seed) == zlib.crc32(data, seed), path
+    with knobs.override(native_kernels=0):
+        assert native.crc32(view, seed) == zlib.crc32(data, seed)
 
 
 def test_crc32_of_large_buffers_and_continuations():
@@ -419,21 +433,30 @@ def test_crc32_of_large_buffers_and_continuations():
 
     rng = np.random.default_rng(7)
     big = rng.integers(0, 256, (8 << 20) + 13, dtype=np.uint8)
-    assert native.crc32(big) == zlib.crc32(big.tobytes())
-    a, b = big[: 1 << 20], big[1 << 20 :]
-    assert native.crc32(b, native.crc32(a)) == zlib.crc32(big.tobytes())
     floats = rng.standard_normal(100_003).astype(np.float32)  # an array is its bytes
-    assert native.crc32(floats, 5) == zlib.crc32(floats.tobytes(), 5)
+    for path in _crc_paths():
+        assert native.crc32(big) == zlib.crc32(big.tobytes()), path
+        a, b = big[: (1 << 20) + 5], big[(1 << 20) + 5 :]
+        assert native.crc32(b, native.crc32(a)) == zlib.crc32(big.tobytes()), path
+        assert native.crc32(floats, 5) == zlib.crc32(floats.tobytes(), 5), path
     with pytest.raises(ValueError, match="contiguous"):
         native.crc32(floats[::2])
 
 
-def test_crc32_folds_with_carry_less_multiply_where_the_cpu_has_it():
-    """The fast path is the one the tests above check (not only the byte loop)."""
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    if " pclmulqdq" not in flags or " sse4_1" not in flags:
+def test_crc32_folds_with_the_widest_carry_less_multiply_the_cpu_has():
+    """The fast paths are the ones the tests above check (not only the byte loop), and a path the
+    CPU lacks is refused."""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    if not {"pclmulqdq", "sse4_1"} <= flags:
         pytest.skip("this CPU has no PCLMULQDQ/SSE4.1")
-    assert native.lib().crc32_folding()
+    best = "vpclmul" if {"vpclmulqdq", "avx512f"} <= flags else "pclmul"
+    assert native.lib().crc32_path() == best
+    assert list(_crc_paths())[-1] == best and native.lib().crc32_path() == best
+    if best == "pclmul":
+        with pytest.raises(ValueError, match="not one this CPU has"):
+            native.lib().crc32_path("vpclmul")
+    with pytest.raises(ValueError, match="not one this CPU has"):
+        native.lib().crc32_path("crc32c")
 
 
 @settings(max_examples=100, deadline=None)

@@ -28,8 +28,8 @@ Why committing b while b+1 updates the same rows in place is still correct:
     goes back to its value after b — what commit(b) promised. Restoring newest first, the oldest
     record wins when several batches touched a row.
   * The snapshot of b is the dense state at b's boundary: copied on the training thread, straight
-    into the free dense slot, before b+1's optimizer step can change it; the worker only checksums
-    it and writes the slot's header. The free slot is the one the durable root does not name, and
+    into the free dense slot (and checksummed as it goes), before b+1's optimizer step can change
+    it; the worker only writes the slot's header. The free slot is the one the durable root does not name, and
     commit(b-1) is finished before the copy starts, so no root in flight can name it either.
   * Records are reclaimed only after the root that no longer needs them is durable (U3); the ring's
     bookkeeping is one lock's (the worker reclaims while the training thread appends), so the ring
@@ -248,6 +248,9 @@ class Checkpointer(BatchGuard):
         self._largest_batch_bytes = 0
         self._largest_record = 0
         self._stale: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # planted U4 bug only
+        # the dense state keeps its shape from batch to batch: its manifest is reused (measured: the
+        # layout cost ~0.4 ms a batch on the training thread, ~0.1 ms reused)
+        self._layouts = codec.LayoutCache(counters=("batch",))
 
     @property
     def pipelined(self) -> bool:
@@ -368,10 +371,10 @@ class Checkpointer(BatchGuard):
         written = None
         if snapshot:
             # The dense state as it is at this boundary, copied once, straight from the live tensors
-            # into the slot the durable root does not name, before b+1 can change them; the worker
-            # checksums it and makes the slot valid (seal) after persisting the rows.
+            # into the slot the durable root does not name, before b+1 can change them, checksummed
+            # as it goes; the worker makes the slot valid (seal) after persisting the rows.
             slot = dense.free_slot(self.pool)
-            written = slot, dense.write_payload(self.pool, slot, codec.lay_out(self.state.capture(done)))
+            written = slot, *dense.write_payload(self.pool, slot, done, self._layouts.lay_out(self.state.capture(done)))
             self.stats.dense_bytes += written[1]
         self._commit_ticket = self._worker.submit_commit(self._timed(self._commit_steps(done, dirty, written)))
         self.committed = done
@@ -451,21 +454,20 @@ class Checkpointer(BatchGuard):
                 return
             yield
 
-    def _commit_steps(self, done: int, dirty: list, written: tuple[int, int] | None) -> Iterator[None]:
+    def _commit_steps(self, done: int, dirty: list, written: tuple[int, int, int] | None) -> Iterator[None]:
         """The commit at `done` batches, in steps the worker may interleave captures with.
-        dirty: [(table, rows)] updated since the last commit; written: (slot, payload bytes) of the
-        dense state at `done`, already durable in that slot (write_payload), or None when no
-        snapshot is due."""
+        dirty: [(table, rows)] updated since the last commit; written: (slot, payload bytes, payload
+        checksum) of the dense state at `done`, already durable in that slot (write_payload), or
+        None when no snapshot is due."""
         rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
         if not rows_late:
             yield from self._persist_rows(dirty)
         crash_point("commit:between-rows-and-snapshot")
         fields = {}
         if written is not None:
-            slot, nbytes = written
-            dense.seal_snapshot(self.pool, slot, done, nbytes)
+            dense.seal_snapshot(self.pool, written[0], done, *written[1:])
             self.stats.snapshots += 1
-            fields = dict(dense_slot=slot, dense_batch=done)
+            fields = dict(dense_slot=written[0], dense_batch=done)
             crash_point("commit:before-root")
         start, start_seq = self.ring.start_after_reclaim(done)
         # U2 — rows before commit: every row updated in place since the last commit (flushed just

@@ -39,7 +39,9 @@ Containers nest at most `MAX_DEPTH` deep; shapes have at most `MAX_NDIM` dims.
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import random
 import re
 import struct
@@ -51,7 +53,7 @@ import torch
 
 from cxltrain.errors import PoolCorruptError
 
-__all__ = ["encode", "decode", "capture_rng", "restore_rng", "MAX_DEPTH", "MAX_NDIM"]
+__all__ = ["encode", "decode", "lay_out", "LayoutCache", "capture_rng", "restore_rng", "MAX_DEPTH", "MAX_NDIM"]
 
 # Blob bytes are written and read in host order; the format says little-endian.
 if sys.byteorder != "little":
@@ -105,6 +107,7 @@ class _Encoder:
 
     def __init__(self):
         self.blobs: list[tuple[int, np.ndarray | bytes]] = []  # (offset in data area, bytes)
+        self.arrays: list[int] = []  # indices of the blobs that are a tensor's or an ndarray's bytes
         self.cursor = 0  # next free 64-aligned offset in the data area
         self.end = 0     # where the last blob ends
 
@@ -118,6 +121,8 @@ class _Encoder:
 
     def node(self, x, path: tuple, depth: int):
         kind = type(x)
+        if kind is torch.Tensor:  # first: most nodes of a state dict are tensors
+            return self.tensor(x, path)
         if x is None or kind is bool or kind is str:
             return x
         if kind is int:
@@ -147,6 +152,8 @@ class _Encoder:
                         f"{kind.__module__}.{kind.__qualname__}")
 
     def item(self, key, value, path: tuple, depth: int) -> list:
+        if type(key) is str or type(key) is int and _INT64_MIN <= key <= _INT64_MAX:  # the node is the key itself
+            return [key, self.node(value, path + (key,), depth)]
         if not _is_key(key):
             raise TypeError(f"cannot encode {_path(path)}: dict key {key!r} of type {type(key).__qualname__} "
                             "is not str, int, float, bool, None or a tuple of those")
@@ -154,22 +161,36 @@ class _Encoder:
 
     def tensor(self, t: torch.Tensor, path: tuple) -> list:
         name = _TORCH_NAMES.get(t.dtype)
-        if name is None or t.device.type != "cpu" or t.layout != torch.strided or t.is_nested:
+        if name is None or not t.is_cpu or t.layout != torch.strided or t.is_nested:
             raise TypeError(f"cannot encode {_path(path)}: tensor of dtype {t.dtype}, device {t.device}, "
                             f"layout {t.layout} (need a CPU strided tensor of {', '.join(_TORCH_DTYPES)})")
-        if name != "bfloat16" and t.is_contiguous() and not t.is_neg():  # the common case, ~3x cheaper
-            return ["T", name, list(t.shape), *self.blob(t.detach().numpy().reshape(-1).view(np.uint8))]
-        # A lazily negated view holds un-negated bits; contiguous() copies only strided views.
-        flat = t.detach().resolve_neg().contiguous().reshape(-1)
-        return ["T", name, list(t.shape), *self.blob(flat.view(torch.uint8).numpy())]
+        self.arrays.append(len(self.blobs))
+        return ["T", name, list(t.shape), *self.blob(_tensor_bytes(t, name))]
 
     def ndarray(self, a: np.ndarray, path: tuple) -> list:
         name = _NUMPY_NAMES.get(a.dtype)
         if name is None:
             raise TypeError(f"cannot encode {_path(path)}: ndarray of dtype {a.dtype.str} "
                             f"(need native-order {', '.join(_NUMPY_DTYPES)})")
-        flat = np.ascontiguousarray(a).reshape(-1)
-        return ["A", name, list(a.shape), *self.blob(flat.view(np.uint8))]
+        self.arrays.append(len(self.blobs))
+        return ["A", name, list(a.shape), *self.blob(_array_bytes(a))]
+
+
+def _viewable(t: torch.Tensor, name: str) -> bool:
+    """Whether _tensor_bytes gives a view of the tensor's memory (not a copy)."""
+    return name != "bfloat16" and t.is_contiguous() and not t.is_neg()
+
+
+def _tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
+    """A tensor's bytes in C order, uint8 [nbytes]: a view of it when it can be (no copy)."""
+    if _viewable(t, name):  # the common case, ~3x cheaper
+        return (t.detach() if t.requires_grad else t).numpy().reshape(-1).view(np.uint8)
+    # A lazily negated view holds un-negated bits; contiguous() copies only strided views.
+    return t.detach().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _array_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
 class Layout:
@@ -198,10 +219,109 @@ class Layout:
 def lay_out(tree) -> Layout:
     """Lay `tree` out (see encode) without copying its tensors."""
     enc = _Encoder()
-    root = enc.node(tree, (), 0)
-    manifest = json.dumps(root, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
-    head = HEADER.pack(MAGIC, VERSION, 0, len(manifest), len(enc.blobs)) + manifest
-    return Layout(head, _align(len(head)), enc.blobs, enc.end)
+    return _assemble(_json(enc.node(tree, (), 0)), enc.blobs, enc.end)
+
+
+def _json(node) -> str:
+    return json.dumps(node, ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def _assemble(manifest: str, blobs: list, data_end: int) -> Layout:
+    raw = manifest.encode("ascii")
+    head = HEADER.pack(MAGIC, VERSION, 0, len(raw), len(blobs)) + raw
+    return Layout(head, _align(len(head)), blobs, data_end)
+
+
+class LayoutCache:
+    """lay_out for a tree laid out again and again — a run's dense state at every batch — at a
+    fraction of its cost when the tree keeps its shape.
+
+    The tree (a plain dict) is compared with the previous one at C speed: pickled, with each tensor
+    and ndarray pickled as its descriptor (dtype, shape, ...) instead of its values, and the
+    `counters` (int items of the tree, e.g. the batch) left out. Equal pickles mean equal shapes,
+    types, keys in the same order and equal scalars bit for bit (pickle writes floats' bits and tells
+    int, bool, float, list, tuple, dict and OrderedDict apart), so the previous manifest holds, with
+    the counters' new values; its blobs are the new tree's tensors and arrays, found in the same
+    order (pickle and the encoder both go depth first, a dict's items in order, then `_metadata`).
+    Anything else (another shape, an object twice, a counter that is not an int) is laid out afresh.
+    Either way the result is what lay_out(tree) gives."""
+
+    def __init__(self, counters: tuple[str, ...] = ()) -> None:
+        self.counters = counters
+        self.hits = self.misses = 0
+        self._skeleton: bytes | None = None
+        self._items: list[str] = []       # each top-level item's manifest text ([key, value] node)
+        self._blobs: list = []            # the last layout's blobs
+        self._arrays: list[int] = []      # which of them are tensors' or ndarrays' bytes
+        self._views_of: list[int] = []    # for each of those, the address it views, or 0 (a copy, an ndarray)
+        self._end = 0
+
+    def lay_out(self, tree) -> Layout:
+        if type(tree) is not dict or not all(type(tree.get(key)) is int and _INT64_MIN <= tree[key] <= _INT64_MAX
+                                             for key in self.counters):
+            self._skeleton = None
+            return lay_out(tree)
+        try:
+            skeleton, sources = _skeleton({key: None if key in self.counters else value for key, value in tree.items()})
+        except Exception:  # noqa: BLE001 — whatever pickle refuses, lay_out refuses with its own message (or lays out)
+            self._skeleton = None
+            return lay_out(tree)
+        if skeleton == self._skeleton and len(sources) == len(self._arrays):
+            blobs = list(self._blobs)
+            for index, view_of, source in zip(self._arrays, self._views_of, sources):
+                offset, old = blobs[index]
+                if type(source) is np.ndarray:
+                    raw = _array_bytes(source)
+                elif view_of and source.data_ptr() == view_of and source.is_contiguous() and not source.is_neg():
+                    continue  # the same memory as the last layout's view (whose tensor keeps it alive)
+                else:
+                    raw = _tensor_bytes(source, _TORCH_NAMES[source.dtype])
+                if raw.size != old.size:  # cannot be, with equal descriptors; refuse rather than misplace
+                    break
+                blobs[index] = offset, raw
+            else:
+                self.hits += 1
+                items = [_json([key, tree[key]]) if key in self.counters else text
+                         for key, text in zip(tree, self._items)]
+                return _assemble('["d",[' + ",".join(items) + "]]", blobs, self._end)
+        self.misses += 1
+        enc = _Encoder()
+        nodes = [enc.item(key, value, (), 1) for key, value in tree.items()]
+        # (an object met twice is pickled once: those trees are never reused)
+        self._skeleton = skeleton if len(sources) == len(enc.arrays) else None
+        self._items = [_json(node) for node in nodes]
+        self._blobs, self._arrays, self._end = enc.blobs, enc.arrays, enc.end
+        # where a tensor's blob is a view of it (not a copy): the address it views
+        self._views_of = [source.data_ptr() if type(source) is not np.ndarray and
+                          _viewable(source, _TORCH_NAMES[source.dtype]) else 0 for source in sources]
+        return _assemble(_json(["d", nodes]), enc.blobs, enc.end)
+
+
+class _SkeletonPickler(pickle.Pickler):
+    """Pickles a tree with its tensors and ndarrays as descriptors, collecting them in order."""
+
+    def __init__(self, file) -> None:
+        super().__init__(file, protocol=5)
+        self.sources: list = []
+
+    def reducer_override(self, obj):
+        kind = type(obj)
+        if kind is torch.Tensor or kind is torch.nn.Parameter:
+            self.sources.append(obj)
+            return tuple, ((_TORCH_NAMES.get(obj.dtype), tuple(obj.shape), obj.is_cpu, obj.layout == torch.strided,
+                            obj.is_nested),)
+        if kind is np.ndarray:
+            self.sources.append(obj)
+            return tuple, ((obj.dtype.str, obj.shape),)
+        return NotImplemented
+
+
+def _skeleton(tree) -> tuple[bytes, list]:
+    """(the pickled skeleton of `tree`, its tensors and ndarrays in encoding order)."""
+    out = io.BytesIO()
+    pickler = _SkeletonPickler(out)
+    pickler.dump(tree)
+    return out.getvalue(), pickler.sources
 
 
 def encode(tree) -> bytes:

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CheckpointError, PoolCorruptError, RecoveryError
 from ..pool import Pool
+from ..pool_format import checksum_more
 from . import codec, layout
 
 
@@ -94,7 +95,7 @@ def slot_region(pool: Pool, slot: int):
 
 def write_snapshot(pool: Pool, slot: int, batch: int, tree: dict) -> None:
     """Store the snapshot `tree` (DenseState.capture) in dense slot `slot` (1 or 2), durably."""
-    seal_snapshot(pool, slot, batch, write_payload(pool, slot, codec.lay_out(tree)))
+    seal_snapshot(pool, slot, batch, *write_payload(pool, slot, batch, codec.lay_out(tree)))
 
 
 # Pieces at least this big are copied with the device's copy_persist (non-temporal stores where it
@@ -102,16 +103,18 @@ def write_snapshot(pool: Pool, slot: int, batch: int, tree: dict) -> None:
 _STREAM_BYTES = 16 << 10
 
 
-def write_payload(pool: Pool, slot: int, encoded: codec.Layout) -> int:
+def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> tuple[int, int]:
     """Copy an encoded snapshot straight from the live tensors into slot `slot`'s payload and make
-    it durable; returns its length. The slot stays invalid (its header untouched) until
-    seal_snapshot. Must not overlap a write of the dense state it copies."""
+    it durable; returns its length and checksum (for the header of `batch`), summed piece by piece
+    from the source right after its copy, while it is still in cache. The slot stays invalid (its
+    header untouched) until seal_snapshot. Must not overlap a write of the dense state it copies."""
     region = slot_region(pool, slot)
     if layout.DENSE_HEADER.size + encoded.nbytes > region.size:
         raise CheckpointError(f"the dense state ({encoded.nbytes:,} bytes encoded) does not fit the pool's dense "
                               f"slots ({max(0, region.size - layout.DENSE_HEADER.size):,} bytes); create the pool "
                               "with larger slots (Runtime(dense_slot_bytes=...))")
     device, start = pool.device, region.offset + layout.DENSE_HEADER.size
+    crc = _payload_checksum_seed(pool.superblock.uuid, batch)
     stored = [0, 0]  # a run of adjacent small pieces stored and not yet flushed: one flush for all
 
     def flush_stored():
@@ -131,20 +134,19 @@ def write_payload(pool: Pool, slot: int, encoded: codec.Layout) -> int:
                 flush_stored()
                 stored[0] = offset
             stored[1] = offset + src.size
+        crc = checksum_more(src, crc)
     flush_stored()
     device.drain()
-    return encoded.nbytes
+    return encoded.nbytes, crc
 
 
-def seal_snapshot(pool: Pool, slot: int, batch: int, nbytes: int) -> None:
-    """Make slot `slot` valid for `batch`: checksum the `nbytes` payload write_payload made durable
-    and write the header."""
+def seal_snapshot(pool: Pool, slot: int, batch: int, nbytes: int, crc: int) -> None:
+    """Make slot `slot` valid for `batch`: write the header of the `nbytes` payload write_payload made
+    durable, with the checksum it returned."""
     region = slot_region(pool, slot)
-    start = region.offset + layout.DENSE_HEADER.size
-    uuid = pool.superblock.uuid
-    crc = _payload_checksum(pool.device.array[start : start + nbytes], uuid, batch)
+    header = layout.pack_dense_header(batch, nbytes, crc, pool.superblock.uuid, slot)
     # ORDERING: the payload is durable (write_payload) before the header that makes the slot valid
-    pool.device.copy_persist(region.offset, layout.pack_dense_header(batch, nbytes, crc, uuid, slot))
+    pool.device.copy_persist(region.offset, header)
 
 
 def read_snapshot(pool: Pool, slot: int, batch: int) -> dict:
@@ -185,4 +187,8 @@ def _check_tree(tree, where: str, batch: int) -> None:
 
 def _payload_checksum(blob, uuid: bytes, batch: int) -> int:
     return layout.payload_checksum(blob, uuid, 0, batch)
+
+
+def _payload_checksum_seed(uuid: bytes, batch: int) -> int:
+    return layout.payload_checksum_seed(uuid, 0, batch)
 

@@ -41,7 +41,7 @@ import struct
 
 import numpy as np
 
-from ..pool_format import align_up, checksum
+from ..pool_format import align_up, checksum, checksum_more, checksum_seed
 
 RING_REGION = "cxltrain.undo"
 DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 and 2
@@ -160,7 +160,12 @@ def split_payload(payload: np.ndarray, count: int, row_bytes: int, state_bytes: 
 
 
 def payload_checksum(payload, uuid: bytes, generation: int, seq: int) -> int:
-    return checksum(payload, uuid + generation.to_bytes(8, "little"), seq & 0xFFFFFFFF)
+    return checksum_more(payload, payload_checksum_seed(uuid, generation, seq))
+
+
+def payload_checksum_seed(uuid: bytes, generation: int, seq: int) -> int:
+    """payload_checksum's start, for a payload checksummed piece by piece (pool_format.checksum_more)."""
+    return checksum_seed(uuid + generation.to_bytes(8, "little"), seq & 0xFFFFFFFF)
 
 
 DENSE_HEADER = struct.Struct(
