@@ -88,10 +88,10 @@ def crc32(data, seed: int = 0) -> int:
     native = lib()
     if native is None:
         return zlib.crc32(data, seed)
-    raw = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
-    if not raw.flags.c_contiguous:
-        raise ValueError("crc32 needs contiguous bytes")
-    return native.crc32(raw.ctypes.data, raw.nbytes, seed & 0xFFFFFFFF)
+    try:
+        return native.crc32(data, seed & 0xFFFFFFFF)
+    except BufferError:
+        raise ValueError("crc32 needs contiguous bytes") from None
 
 
 def _require():

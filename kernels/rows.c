@@ -770,23 +770,19 @@ static uint32_t crc32_update(uint32_t crc, const unsigned char *p, size_t n)
 
 static PyObject *crc32(PyObject *self, PyObject *args)
 {
-    unsigned long long address;
-    Py_ssize_t length;
+    Py_buffer data;
     unsigned int seed;
-    if (!PyArg_ParseTuple(args, "KnI", &address, &length, &seed))
+    if (!PyArg_ParseTuple(args, "y*I", &data, &seed)) /* any C-contiguous buffer: no address lookup in Python */
         return NULL;
-    if (length < 0) {
-        PyErr_SetString(PyExc_ValueError, "crc32 length must be >= 0");
-        return NULL;
-    }
     uint32_t crc;
-    if (length >= (64 << 10)) {
+    if (data.len >= (64 << 10)) {
         Py_BEGIN_ALLOW_THREADS
-        crc = crc32_update(seed, (const unsigned char *)(uintptr_t)address, (size_t)length);
+        crc = crc32_update(seed, (const unsigned char *)data.buf, (size_t)data.len);
         Py_END_ALLOW_THREADS
     } else {
-        crc = crc32_update(seed, (const unsigned char *)(uintptr_t)address, (size_t)length);
+        crc = crc32_update(seed, (const unsigned char *)data.buf, (size_t)data.len);
     }
+    PyBuffer_Release(&data);
     return PyLong_FromUnsignedLong(crc);
 }
 
@@ -851,7 +847,7 @@ static PyMethodDef methods[] = {
     {"copy_lines", copy_lines, METH_VARARGS,
      "copy_lines(view, media, map_size, offset, stride, table_rows, rows, count)"},
     {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
-    {"crc32", crc32, METH_VARARGS, "crc32(address, length, seed) -> zlib.crc32 of those bytes, continuing seed"},
+    {"crc32", crc32, METH_VARARGS, "crc32(buffer, seed) -> zlib.crc32 of a C-contiguous buffer's bytes, continuing seed"},
     {"crc32_path", crc32_path_py, METH_VARARGS,
      "crc32_path([name]) -> how crc32 folds (\"bytes\", \"pclmul\", \"vpclmul\"), after switching to name"},
     {NULL, NULL, 0, NULL},

@@ -64,7 +64,7 @@ def full_plan() -> BenchPlan:
     # ours: 3 interleaved rounds, because run-to-run noise on a shared 2-core box (~5-10%) is as
     # large as the effect the strict target is about
     return BenchPlan(name="full", config=TrainConfig(), step_poolings=(1, 20), ours_timed=40, ours_rounds=3,
-                     paired=("ours-strict", "ours-strict-bgcap"), paired_blocks=(5, 10, 10),
+                     paired=("ours-strict", "ours-strict-bgcap"), paired_blocks=(5, 20, 10),
                      periods=(1, 100), plain_timed=timed,
                      recovery_rows=(250_000, 500_000, 1_000_000, 2_000_000), embedding_poolings=(1, 20),
                      embedding_steps=(5, 30), embedding_rounds=3, copy_bytes=1 << 30, job_timeout_s=1200)

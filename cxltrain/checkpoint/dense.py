@@ -115,27 +115,25 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
                               "with larger slots (Runtime(dense_slot_bytes=...))")
     device, start = pool.device, region.offset + layout.DENSE_HEADER.size
     crc = _payload_checksum_seed(pool.superblock.uuid, batch)
-    stored = [0, 0]  # a run of adjacent small pieces stored and not yet flushed: one flush for all
+    stored = [0, 0]  # a run of small pieces stored and not yet flushed (they tile it): one flush, one sum
 
-    def flush_stored():
+    def flush_stored(crc: int) -> int:
         if stored[1] > stored[0]:
             device.flush(start + stored[0], stored[1] - stored[0])
+            crc = checksum_more(device.array[start + stored[0] : start + stored[1]], crc)
         stored[0] = stored[1]
+        return crc
 
-    for offset, raw in encoded.pieces():
+    for offset, raw in encoded.pieces():  # in offset order, each starting where the one before ends
         src = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, bytes) else raw
         if src.size >= _STREAM_BYTES:
-            flush_stored()
+            crc = checksum_more(src, flush_stored(crc))
             device.copy_persist(start + offset, src)
             stored[:] = [offset + src.size] * 2
         else:
             device.array[start + offset : start + offset + src.size] = src
-            if offset != stored[1]:
-                flush_stored()
-                stored[0] = offset
             stored[1] = offset + src.size
-        crc = checksum_more(src, crc)
-    flush_stored()
+    crc = flush_stored(crc)
     device.drain()
     return encoded.nbytes, crc
 
