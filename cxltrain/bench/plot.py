@@ -32,11 +32,14 @@ def save_plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, ratio, lost in points(results):
+    measured = sorted(points(results), key=lambda point: point[1])
+    for label, ratio, lost in measured:
         ax.scatter([lost], [ratio], s=40)
-        ax.annotate(label, (lost, ratio), textcoords="offset points", xytext=(6, 4), fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for label, ratio, lost, (dx, dy) in zip(*zip(*measured), _label_offsets(ax, measured)):
+        ax.annotate(label, (lost, ratio), textcoords="offset points", xytext=(dx, dy), fontsize=8,
+                    arrowprops=dict(arrowstyle="-", color="grey", linewidth=0.5) if dy > 6 else None)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("batches a crash can lose (log)")
     ax.set_ylabel("step time / no checkpoint (log)")
@@ -49,3 +52,25 @@ def save_plot(results: dict, path: str) -> None:
         raise CxlTrainError(f"{path}: cannot write the plot: {e.strerror}") from None
     finally:
         plt.close(fig)
+
+
+# Labels nearer than this (points) to a lower one at about the same x move up: methods that cost
+# about the same (ours, at ratios near 1) would otherwise print over each other.
+_LABEL_GAP = 10
+_LABEL_SAME_X = 60
+
+
+def _label_offsets(ax, measured: list) -> list[tuple[float, float]]:
+    """(dx, dy) in points from each point (sorted by ratio) to its label, stacking close labels."""
+    to_points = 72.0 / ax.figure.dpi
+    placed: list[tuple[float, float]] = []  # (x, label y) in points, from the bottom up
+    offsets = []
+    for _, ratio, lost in measured:
+        x, y = (value * to_points for value in ax.transData.transform((lost, ratio)))
+        label_y = y + 4
+        for other_x, other_y in placed:
+            if abs(other_x - x) < _LABEL_SAME_X:
+                label_y = max(label_y, other_y + _LABEL_GAP)
+        placed.append((x, label_y))
+        offsets.append((6.0, label_y - y))
+    return offsets

@@ -3,6 +3,7 @@
 Dense snapshots are read back from media that may be corrupt or hostile, so `decode` never
 executes code and never trusts a length: every malformed input raises `PoolCorruptError` with a
 one-line message. (The caller checksums the whole blob; this layer only has to be safe.)
+`LayoutCache` pickles trees only to compare two of them; nothing is ever unpickled.
 
 Tree values: None, bool, int (any size), float (bit-exact, nan payloads and -0.0 included), str,
 bytes, list, tuple, dict, OrderedDict, torch.Tensor (CPU, strided) and numpy.ndarray. Dict keys
