@@ -44,7 +44,9 @@ def test_quick_bench_end_to_end(shm_dir):
     [size] = out["recovery"]["sizes"]
     for name in ("ours", "torch", "dcp"):
         assert size[f"{name}_seconds"] > 0 and size[f"{name}_process_seconds"] > size[f"{name}_seconds"], size
-    assert size["ours_batches_rolled_back"] == 1  # it was killed mid-batch, and recovery undid that batch
+    # killed in batch 3's first table update: recovery undoes that batch, and batch 2 as well when its
+    # commit was still in flight on the worker (the commit lag is at most one batch)
+    assert size["ours_batches_rolled_back"] in (1, 2)
     assert out["recovery"]["nothing_process_seconds"] > 0
     assert {(r["contender"], r["optimizer"]) for r in out["embedding"]} == \
         {(c, o) for c in ("ours", "torch", "torchrec") for o in ("sgd", "adagrad")}
