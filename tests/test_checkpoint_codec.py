@@ -638,6 +638,26 @@ def test_layout_cache_is_encode_after_any_change(changes):
         assert_cached_is_encode(cache, dict(tree))  # the same again: reused
 
 
+def test_layout_cache_never_reuses_what_pickle_and_the_encoder_see_differently():
+    """An attribute the encoder skips holding a tensor (pickled), and one tensor twice (encoded twice,
+    pickled once): the counts agree, the order does not — laid out afresh every time."""
+    def tree(batch):
+        ordered = OrderedDict(a=1)
+        ordered.extra = torch.full((4,), 100.0 + batch)
+        shared = torch.full((4,), float(batch))
+        return {"batch": batch, "od": ordered, "x": shared, "y": shared}
+
+    cache = LayoutCache(counters=("batch",))
+    for batch in range(3):
+        assert_cached_is_encode(cache, tree(batch))
+    assert cache.hits == 0
+    odd = OrderedDict(a=1)
+    odd.extra = torch.zeros(2, dtype=torch.complex64)  # not encodable, and not encoded: no error either
+    assert_cached_is_encode(cache, {"batch": 0, "od": odd})
+    with pytest.raises(TypeError, match="top-level str keys"):
+        LayoutCache(counters=(1,))
+
+
 def test_layout_cache_refuses_what_lay_out_refuses():
     cache = LayoutCache(counters=("batch",))
     with pytest.raises(TypeError, match=r"state\['x'\]: unsupported type .*function"):

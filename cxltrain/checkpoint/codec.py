@@ -109,6 +109,7 @@ class _Encoder:
     def __init__(self):
         self.blobs: list[tuple[int, np.ndarray | bytes]] = []  # (offset in data area, bytes)
         self.arrays: list[int] = []  # indices of the blobs that are a tensor's or an ndarray's bytes
+        self.sources: list = []      # ... and those tensors and ndarrays, in the same order
         self.cursor = 0  # next free 64-aligned offset in the data area
         self.end = 0     # where the last blob ends
 
@@ -166,6 +167,7 @@ class _Encoder:
             raise TypeError(f"cannot encode {_path(path)}: tensor of dtype {t.dtype}, device {t.device}, "
                             f"layout {t.layout} (need a CPU strided tensor of {', '.join(_TORCH_DTYPES)})")
         self.arrays.append(len(self.blobs))
+        self.sources.append(t)
         return ["T", name, list(t.shape), *self.blob(_tensor_bytes(t, name))]
 
     def ndarray(self, a: np.ndarray, path: tuple) -> list:
@@ -174,6 +176,7 @@ class _Encoder:
             raise TypeError(f"cannot encode {_path(path)}: ndarray of dtype {a.dtype.str} "
                             f"(need native-order {', '.join(_NUMPY_DTYPES)})")
         self.arrays.append(len(self.blobs))
+        self.sources.append(a)
         return ["A", name, list(a.shape), *self.blob(_array_bytes(a))]
 
 
@@ -248,6 +251,8 @@ class LayoutCache:
     Either way the result is what lay_out(tree) gives."""
 
     def __init__(self, counters: tuple[str, ...] = ()) -> None:
+        if not all(type(key) is str for key in counters):
+            raise TypeError(f"LayoutCache counters are top-level str keys, got {counters!r}")
         self.counters = counters
         self.hits = self.misses = 0
         self._skeleton: bytes | None = None
@@ -264,7 +269,7 @@ class LayoutCache:
             return lay_out(tree)
         try:
             skeleton, sources = _skeleton({key: None if key in self.counters else value for key, value in tree.items()})
-        except Exception:  # noqa: BLE001 — whatever pickle refuses, lay_out refuses with its own message (or lays out)
+        except Exception:  # noqa: BLE001 — what pickle refuses, lay_out refuses with its own message, or lays out
             self._skeleton = None
             return lay_out(tree)
         if skeleton == self._skeleton and len(sources) == len(self._arrays):
@@ -288,13 +293,15 @@ class LayoutCache:
         self.misses += 1
         enc = _Encoder()
         nodes = [enc.item(key, value, (), 1) for key, value in tree.items()]
-        # (an object met twice is pickled once: those trees are never reused)
-        self._skeleton = skeleton if len(sources) == len(enc.arrays) else None
+        # Reused only where pickle met the very tensors and arrays the encoder wrote, in its order: not
+        # where an object is met twice (pickled once) or an attribute the encoder skips holds one.
+        same = len(sources) == len(enc.sources) and all(a is b for a, b in zip(sources, enc.sources))
+        self._skeleton = skeleton if same else None
         self._items = [_json(node) for node in nodes]
         self._blobs, self._arrays, self._end = enc.blobs, enc.arrays, enc.end
         # where a tensor's blob is a view of it (not a copy): the address it views
         self._views_of = [source.data_ptr() if type(source) is not np.ndarray and
-                          _viewable(source, _TORCH_NAMES[source.dtype]) else 0 for source in sources]
+                          _viewable(source, _TORCH_NAMES[source.dtype]) else 0 for source in enc.sources]
         return _assemble(_json(["d", nodes]), enc.blobs, enc.end)
 
 

@@ -105,9 +105,10 @@ _STREAM_BYTES = 16 << 10
 
 def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> tuple[int, int]:
     """Copy an encoded snapshot straight from the live tensors into slot `slot`'s payload and make
-    it durable; returns its length and checksum (for the header of `batch`), summed piece by piece
-    from the source right after its copy, while it is still in cache. The slot stays invalid (its
-    header untouched) until seal_snapshot. Must not overlap a write of the dense state it copies."""
+    it durable; returns its length and checksum (for the header of `batch`), summed as it goes while
+    the bytes are in cache: a big piece from its source just before its copy, a run of small pieces
+    from the slot just after they are stored. The slot stays invalid (its header untouched) until
+    seal_snapshot. Must not overlap a write of the dense state it copies."""
     region = slot_region(pool, slot)
     if layout.DENSE_HEADER.size + encoded.nbytes > region.size:
         raise CheckpointError(f"the dense state ({encoded.nbytes:,} bytes encoded) does not fit the pool's dense "
