@@ -29,8 +29,9 @@ Why committing b while b+1 updates the same rows in place is still correct:
     record wins when several batches touched a row.
   * The snapshot of b is the dense state at b's boundary: copied on the training thread, straight
     into the free dense slot (and checksummed as it goes), before b+1's optimizer step can change
-    it; the worker only writes the slot's header. The free slot is the one the durable root does not name, and
-    commit(b-1) is finished before the copy starts, so no root in flight can name it either.
+    it; the worker only writes the slot's header. The free slot is the one the durable root does
+    not name, and commit(b-1) is finished before the copy starts, so no root in flight can name it
+    either.
   * Records are reclaimed only after the root that no longer needs them is durable (U3); the ring's
     bookkeeping is one lock's (the worker reclaims while the training thread appends), so the ring
     is never reused under a live record.
