@@ -1,19 +1,22 @@
-"""The README's Python example runs as written (with its pool path moved to a test folder)."""
+"""The Python examples of the docs run as written (with their pool paths moved to a test folder):
+the README's `Runtime` example, and the table example of docs/architecture.md."""
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
 
 
-def _blocks() -> list[str]:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) == 2, "the README lost a Python example"
+def _blocks(path: Path, count: int) -> list[str]:
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(), re.S)
+    assert len(blocks) == count, f"{path.relative_to(REPO)} lost a Python example"
     return blocks
 
 
 def test_readme_runtime_example_runs_and_resumes(shm_dir):
-    code = _blocks()[0].replace("/dev/shm/ctr.pool", str(shm_dir / "ctr.pool"))
+    code = _blocks(README, 1)[0].replace("/dev/shm/ctr.pool", str(shm_dir / "ctr.pool"))
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)
     assert namespace["rt"].batch == 50 and namespace["rt"].start_batch == 0
@@ -22,9 +25,10 @@ def test_readme_runtime_example_runs_and_resumes(shm_dir):
     assert again["rt"].recovered_batch == 50 and again["rt"].batch == 60
 
 
-def test_readme_table_example_runs(shm_dir):
-    code = _blocks()[1].replace("/dev/shm/example.pool", str(shm_dir / "example.pool"))
+def test_architecture_table_example_runs(shm_dir):
+    code = _blocks(ARCHITECTURE, 1)[0]
+    code = code.replace("/dev/shm/example.pool", str(shm_dir / "example.pool"))
     namespace: dict = {}
-    exec(compile(code, str(README), "exec"), namespace)
+    exec(compile(code, str(ARCHITECTURE), "exec"), namespace)
     assert namespace["out"].shape == (2, 64)
     assert namespace["pool"].closed
