@@ -94,7 +94,7 @@ def validate_superblock(read: Reader, file_size: int) -> Superblock:
         raise NotAPoolError("not a cxltrain pool (bad magic)")
     if len(raw) < fmt.SUPERBLOCK.size or file_size < fmt.DIR_OFFSET:
         raise PoolCorruptError(f"pool is truncated: {file_size} bytes is shorter than its own header")
-    sb, _, sb_size, entry_size, reserved, csum = fmt.unpack_superblock(raw)
+    sb, _, sb_size, entry_size, reserved, _ = fmt.unpack_superblock(raw)
     if sb.version > fmt.FORMAT_VERSION:
         raise PoolVersionError(f"pool format v{sb.version} is newer than this cxltrain supports "
                                f"(v{fmt.FORMAT_VERSION}); upgrade cxltrain")
@@ -103,7 +103,7 @@ def validate_superblock(read: Reader, file_size: int) -> Superblock:
     if sb.incompat & ~fmt.KNOWN_INCOMPAT_FEATURES:
         raise PoolVersionError(f"pool uses features this cxltrain does not know "
                                f"(incompat bits {sb.incompat:#x}); upgrade cxltrain")
-    if csum != fmt.checksum(raw[:-4]):
+    if not fmt.is_sealed(raw):
         raise PoolCorruptError("superblock checksum mismatch")
     _check_superblock_bounds(sb, sb_size, entry_size, reserved, file_size)
     return sb
@@ -160,8 +160,8 @@ def read_root_slot(read: Reader, sb: Superblock, slot: int) -> SlotStatus:
     raw = read(sb.root_offsets[slot], fmt.ROOT.size)
     if not any(raw):
         return SlotStatus(slot, "empty", None)
-    root, reserved, csum, pad = fmt.unpack_root(raw)
-    if csum != fmt.root_checksum(raw, sb.uuid, slot):
+    root, reserved, _, pad = fmt.unpack_root(raw)
+    if not fmt.is_sealed(raw, sb.uuid, slot, trailer=fmt.ROOT_TRAILER):
         return SlotStatus(slot, "corrupt", None, "checksum mismatch (torn or damaged)")
     problem = ("seq is 0" if root.seq == 0 else
                f"seq {root.seq} belongs in slot {SLOT_NAMES[root.seq % 2]}" if root.seq % 2 != slot else
@@ -188,12 +188,12 @@ def pick_root(slots: list[SlotStatus]) -> SlotStatus:
 def read_region(read: Reader, sb: Superblock, index: int) -> Region:
     """Decode and check directory entry `index` on its own (bounds against the pool, not overlap)."""
     raw = read(sb.dir_offset + index * fmt.DIR_ENTRY.size, fmt.DIR_ENTRY.size)
-    name_b, kind, dtype, ndim, flags, offset, size, stride, shape4, reserved, csum = fmt.unpack_entry(raw)
+    name_b, kind, dtype, ndim, flags, offset, size, stride, shape4, reserved, _ = fmt.unpack_entry(raw)
 
     def bad(what: str) -> PoolCorruptError:
         return PoolCorruptError(f"region directory entry {index} is corrupt: {what}")
 
-    if csum != fmt.entry_checksum(raw, sb.uuid, index):
+    if not fmt.is_sealed(raw, sb.uuid, index):
         raise bad("checksum mismatch")
     name_b = name_b.rstrip(b"\0")
     try:

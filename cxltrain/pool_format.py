@@ -90,7 +90,7 @@ class Superblock:
                                self.uuid, self.pool_size, self.created_ns, *self.root_offsets,
                                self.dir_offset, self.dir_capacity, DIR_ENTRY.size, self.data_offset,
                                self.region_align, self.row_align, bytes(404), 0)
-        return body[:-4] + struct.pack("<I", checksum(body[:-4]))
+        return seal(body)
 
 
 def unpack_superblock(raw: bytes) -> tuple[Superblock, int, int, int, bytes, int]:
@@ -125,6 +125,7 @@ ROOT = struct.Struct(
     "4s"   # padding to 256, zero
 )
 assert ROOT.size == 256
+ROOT_TRAILER = 4  # the padding after the root's checksum field, outside what it sums
 ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layout)
 # Root flag: written by a relaxed-mode checkpointer, whose dense snapshot may be older than the
 # batch the embeddings are committed at (dense_batch < batch). A root without it (every pool
@@ -151,7 +152,7 @@ class Root:
     def pack(self, uuid: bytes, slot: int) -> bytes:
         body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, self.ring_generation, self.ring_start,
                          self.ring_start_seq, self.dense_slot, 0, self.dense_batch, bytes(184), 0, bytes(4))
-        return body[:-8] + struct.pack("<I", checksum(body[:-8], uuid, slot)) + bytes(4)
+        return seal(body, uuid, slot, trailer=ROOT_TRAILER)
 
 
 def unpack_root(raw: bytes) -> tuple[Root, bytes, int, bytes]:
@@ -161,10 +162,6 @@ def unpack_root(raw: bytes) -> tuple[Root, bytes, int, bytes]:
      csum, pad) = ROOT.unpack(raw)
     root = Root(seq, dir_count, batch, flags, generation, ring_start, start_seq, dense_slot, dense_batch)
     return root, zero.to_bytes(4, "little") + reserved, csum, pad
-
-
-def root_checksum(raw: bytes, uuid: bytes, slot: int) -> int:
-    return checksum(raw[: ROOT.size - 8], uuid, slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +239,7 @@ class Region:
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         body = DIR_ENTRY.pack(self.name.encode(), self.kind, self.dtype, len(self.shape), 0,
                               self.offset, self.size, self.row_stride, *shape, bytes(12), 0)
-        return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, self.index))
+        return seal(body, uuid, self.index)
 
 
 def unpack_entry(raw: bytes) -> tuple:
@@ -252,8 +249,24 @@ def unpack_entry(raw: bytes) -> tuple:
     return name, kind, dtype, ndim, flags, offset, size, stride, (s0, s1, s2, s3), reserved, csum
 
 
-def entry_checksum(raw: bytes, uuid: bytes, index: int) -> int:
-    return checksum(raw[: DIR_ENTRY.size - 4], uuid, index)
+# Every checksummed structure ends in its u32 checksum field (the root: then ROOT_TRAILER bytes of
+# padding), summing every byte before it: seal fills the field in, is_sealed checks it.
+CHECKSUM_FIELD = struct.Struct("<I")
+
+
+def seal(packed: bytes, uuid: bytes = b"", index: int = 0, *, trailer: int = 0) -> bytes:
+    """`packed`, a structure packed with its checksum field zero, with that field set to the
+    checksum (uuid, index) of every byte before it. trailer: bytes after the field, kept as they are."""
+    end = len(packed) - trailer - CHECKSUM_FIELD.size
+    body = packed[:end]
+    sealed = body + CHECKSUM_FIELD.pack(checksum(body, uuid, index))
+    return sealed + packed[end + CHECKSUM_FIELD.size:] if trailer else sealed
+
+
+def is_sealed(raw: bytes, uuid: bytes = b"", index: int = 0, *, trailer: int = 0) -> bool:
+    """Whether `raw`'s checksum field holds what seal(raw, uuid, index, trailer=trailer) would put there."""
+    end = len(raw) - trailer - CHECKSUM_FIELD.size
+    return CHECKSUM_FIELD.unpack_from(raw, end)[0] == checksum(raw[:end], uuid, index)
 
 
 def checksum(data: bytes, uuid: bytes = b"", index: int = 0) -> int:
