@@ -132,6 +132,7 @@ ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layou
 # written before this flag existed included) must have them equal.
 ROOT_RELAXED = 1
 ROOT_KNOWN_FLAGS = ROOT_RELAXED
+SLOT_NAMES = ("A", "B")  # what the two root slots (and the two dense snapshot slots) are called
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +149,11 @@ class Root:
     ring_start_seq: int = 0
     dense_slot: int = 0
     dense_batch: int = 0
+
+    @property
+    def dense_slot_name(self) -> str | None:
+        """The dense snapshot slot this root names ("A" or "B"), None when it names none."""
+        return SLOT_NAMES[self.dense_slot - 1] if self.dense_slot else None
 
     def pack(self, uuid: bytes, slot: int) -> bytes:
         body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, self.ring_generation, self.ring_start,

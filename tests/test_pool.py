@@ -18,7 +18,8 @@ from cxltrain import pool_format as fmt
 from cxltrain.errors import (ConfigError, CxlTrainError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                              PoolLockedError, PoolVersionError)
 from cxltrain.knobs import override
-from cxltrain.pool import Pool, RegionSpec, inspect
+from cxltrain.pool import Pool, RegionSpec
+from cxltrain.pool_inspect import inspect
 from cxltrain.pool_format import RegionKind
 
 

@@ -23,7 +23,8 @@ import pytest
 
 from cxltrain.errors import NotAPoolError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV
-from cxltrain.pool import Pool, inspect
+from cxltrain.pool import Pool
+from cxltrain.pool_inspect import inspect
 
 CHILD = """
 import sys

@@ -19,7 +19,8 @@ import pytest
 
 from cxltrain.errors import ConfigError
 from cxltrain.knobs import KNOBS, override
-from cxltrain.pool import Pool, inspect
+from cxltrain.pool import Pool
+from cxltrain.pool_inspect import inspect
 
 SIZE = 64 << 10
 OLD = 0xAA  # what the file holds before the child runs
