@@ -367,14 +367,14 @@ def _report_json(report) -> dict:
             "dir_capacity": sb.dir_capacity, "data_offset": sb.data_offset, "region_align": sb.region_align,
             "row_align": sb.row_align},
         "roots": [{"slot": SLOT_NAMES[s.slot], "state": s.state, "reason": s.reason,
-                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batch,
+                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batches_done,
                        "ring_generation": s.root.ring_generation, "ring_start": s.root.ring_start,
                        "ring_start_seq": s.root.ring_start_seq,
                        "dense_slot": s.root.dense_slot_name, "dense_batch": s.root.dense_batch,
                        "relaxed": bool(s.root.flags & ROOT_RELAXED)}
                       if s.root else {})}
                   for s in report.slots],
-        "batch": None if report.root is None else report.root.batch,
+        "batch": None if report.root is None else report.root.batches_done,
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
                      "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
     }
@@ -396,7 +396,7 @@ def _run_pool_info(args) -> int:
     sb = report.superblock
     print(f"pool {report.path}: format v{sb.version}, {sb.pool_size:,} bytes, uuid {sb.uuid.hex()}")
     for s in report.slots:
-        detail = (f"seq {s.root.seq}, batch {s.root.batch}, {s.root.dir_count} regions" if s.root
+        detail = (f"seq {s.root.seq}, batch {s.root.batches_done}, {s.root.dir_count} regions" if s.root
                   else s.reason or "never written")
         if s.root is not None and s.root.dense_slot:
             detail += (f", dense snapshot in slot {s.root.dense_slot_name} (batch {s.root.dense_batch}), undo ring "
@@ -432,7 +432,8 @@ def _run_pool_check(args) -> int:
         except PoolError as e:
             report.problems.append(str(e).removeprefix(f"{args.path}: "))
     if report.ok:
-        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, batch {report.root.batch}"
+        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
+              f"batch {report.root.batches_done}"
               + (f"; {checkpoint}" if checkpoint else ""))
     return _finish_report(report, args.json)
 

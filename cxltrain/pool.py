@@ -4,7 +4,7 @@
     w = pool.add_region("t0.weight", RegionKind.TABLE_WEIGHTS, "float32", (1000, 64), aligned_rows=True)
     pool.array("t0.weight")[:] = 0.0                  # zero-copy numpy view, shape [1000, 64]
     pool.persist_region("t0.weight")
-    pool.commit(batch=0)
+    pool.commit(batches_done=0)
     pool.close()
 
 Nothing read from a pool is trusted before it is checked: `Pool.open` reads the superblock, both
@@ -104,8 +104,8 @@ class Pool:
                 raise PoolError(f"{path}: already holds a cxltrain pool")
             sb = sb or new_superblock(target.size, *layout)
             device = map_device(path, target.fd, target.size, writable=True, backend=backend)
-            pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batch=-1), [])
-            pool._write_root(Root(seq=1, dir_count=0, batch=-1))
+            pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batches_done=-1), [])
+            pool._write_root(Root(seq=1, dir_count=0, batches_done=-1))
             crash_point("create:before-superblock")
             # ORDERING: root durable before the superblock that makes the file a pool.
             device.copy_persist(fmt.SUPERBLOCK_OFFSET, sb.pack())
@@ -226,16 +226,21 @@ class Pool:
         self.device.persist(r.offset, r.size)
 
     # -- commits ----------------------------------------------------------------------------
-    def commit(self, *, batch: int, **checkpoint_fields: int) -> Root:
+    def commit(self, *, batches_done: int, flags: int | None = None, ring_generation: int | None = None,
+               ring_start: int | None = None, ring_start_seq: int | None = None, dense_slot: int | None = None,
+               dense_batch: int | None = None) -> Root:
         """Write the next root (seq + 1) into the other slot and persist it.
 
-        checkpoint_fields: the checkpointer's commit fields of Root (flags, ring_generation,
-        ring_start, ring_start_seq, dense_slot, dense_batch); fields not given keep their current values.
+        batches_done: batches whose updates the pool now holds (-1: no consistent state). The others
+        are the checkpointer's commit fields of Root (DESIGN §4); None keeps the current value.
         """
         self._check_open(writable=True)
-        if batch < -1:
-            raise ValueError(f"batch {batch} must be >= -1")
-        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1, batch=batch, **checkpoint_fields))
+        if batches_done < -1:
+            raise ValueError(f"batch {batches_done} must be >= -1")
+        given = {"flags": flags, "ring_generation": ring_generation, "ring_start": ring_start,
+                 "ring_start_seq": ring_start_seq, "dense_slot": dense_slot, "dense_batch": dense_batch}
+        kept = {name: value for name, value in given.items() if value is not None}
+        self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1, batches_done=batches_done, **kept))
         return self.root
 
     def _write_root(self, root: Root) -> None:

@@ -110,7 +110,7 @@ def read_root_slot(read: Reader, sb: Superblock, slot: int) -> SlotStatus:
                "reserved bytes are not zero" if any(reserved) or any(pad) else
                f"unknown flags {root.flags:#x}" if root.flags & ~fmt.ROOT_KNOWN_FLAGS else
                f"dir_count {root.dir_count} exceeds capacity {sb.dir_capacity}" if root.dir_count > sb.dir_capacity else
-               f"batch {root.batch} is below -1" if root.batch < -1 else
+               f"batch {root.batches_done} is below -1" if root.batches_done < -1 else
                f"dense slot {root.dense_slot} is not 0, 1 or 2" if root.dense_slot > 2 else
                f"dense batch {root.dense_batch} is negative" if root.dense_batch < 0 else "")
     if problem:

@@ -111,7 +111,7 @@ ROOT = struct.Struct(
     "Q"    # seq: 1 for the first root, +1 per commit; 0 = slot never written
     "I"    # dir_count: directory entries [0, dir_count) are live
     "I"    # flags: ROOT_RELAXED or 0; any other bit makes the root invalid
-    "q"    # batch: batches whose updates the pool holds (0 = freshly initialised); -1 = no
+    "q"    # batches_done: batches whose updates the pool holds (0 = freshly initialised); -1 = no
            # consistent state (being created, or tables changing with nothing to roll them back)
     # -- the checkpointer's commit fields (DESIGN §4); all zero in a pool that has none --
     "Q"    # ring_generation: undo records of any other generation are never live
@@ -128,7 +128,7 @@ assert ROOT.size == 256
 ROOT_TRAILER = 4  # the padding after the root's checksum field, outside what it sums
 ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layout)
 # Root flag: written by a relaxed-mode checkpointer, whose dense snapshot may be older than the
-# batch the embeddings are committed at (dense_batch < batch). A root without it (every pool
+# batch the embeddings are committed at (dense_batch < batches_done). A root without it (every pool
 # written before this flag existed included) must have them equal.
 ROOT_RELAXED = 1
 ROOT_KNOWN_FLAGS = ROOT_RELAXED
@@ -137,12 +137,12 @@ SLOT_NAMES = ("A", "B")  # what the two root slots (and the two dense snapshot s
 
 @dataclasses.dataclass(frozen=True)
 class Root:
-    """One commit record. With a checkpointer, `batch` is the recovery target: undo records of
-    batches >= batch are rolled back by recovery, those of earlier batches are reclaimable."""
+    """One commit record. With a checkpointer, `batches_done` is the recovery target: undo records of
+    batch indices >= batches_done are rolled back by recovery, those of earlier batches are reclaimable."""
 
     seq: int
     dir_count: int
-    batch: int
+    batches_done: int  # a count, not an index: batches 0 .. batches_done - 1 are in the pool
     flags: int = 0
     ring_generation: int = 0
     ring_start: int = 0
@@ -156,17 +156,18 @@ class Root:
         return SLOT_NAMES[self.dense_slot - 1] if self.dense_slot else None
 
     def pack(self, uuid: bytes, slot: int) -> bytes:
-        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, self.ring_generation, self.ring_start,
-                         self.ring_start_seq, self.dense_slot, 0, self.dense_batch, bytes(184), 0, bytes(4))
+        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batches_done, self.ring_generation,
+                         self.ring_start, self.ring_start_seq, self.dense_slot, 0, self.dense_batch, bytes(184), 0,
+                         bytes(4))
         return seal(body, uuid, slot, trailer=ROOT_TRAILER)
 
 
 def unpack_root(raw: bytes) -> tuple[Root, bytes, int, bytes]:
     """Decode without validating. Returns (root, reserved, checksum, padding); `reserved` includes
     the zero word between dense_slot and dense_batch."""
-    (seq, dir_count, flags, batch, generation, ring_start, start_seq, dense_slot, zero, dense_batch, reserved,
+    (seq, dir_count, flags, batches_done, generation, ring_start, start_seq, dense_slot, zero, dense_batch, reserved,
      csum, pad) = ROOT.unpack(raw)
-    root = Root(seq, dir_count, batch, flags, generation, ring_start, start_seq, dense_slot, dense_batch)
+    root = Root(seq, dir_count, batches_done, flags, generation, ring_start, start_seq, dense_slot, dense_batch)
     return root, zero.to_bytes(4, "little") + reserved, csum, pad
 
 

@@ -17,7 +17,7 @@ generation, so a stale record left over in a reused place never carries the expe
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
 
 Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
-were after b batches. Recovery to target T (= root.batch, batches done) restores every live
+were after b batches. Recovery to target T (= root.batches_done, batches done) restores every live
 record with batch >= T; records with batch < T are reclaimable.
 
 The ring's last 128 bytes are not records but two copies of the tail mark (64 bytes each, the same
