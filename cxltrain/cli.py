@@ -354,7 +354,7 @@ def _run_pool_create(args) -> int:
 
 
 def _report_json(report) -> dict:
-    from .pool_format import ROOT_RELAXED
+    from .pool_format import ROOT_RELAXED, SLOT_NAMES
 
     sb = report.superblock
     return {
@@ -366,22 +366,22 @@ def _report_json(report) -> dict:
             "version": sb.version, "uuid": sb.uuid.hex(), "pool_size": sb.pool_size, "created_ns": sb.created_ns,
             "dir_capacity": sb.dir_capacity, "data_offset": sb.data_offset, "region_align": sb.region_align,
             "row_align": sb.row_align},
-        "roots": [{"slot": "AB"[s.slot], "state": s.state, "reason": s.reason,
-                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batch,
+        "roots": [{"slot": SLOT_NAMES[s.slot], "state": s.state, "reason": s.reason,
+                   **({"seq": s.root.seq, "dir_count": s.root.dir_count, "batch": s.root.batches_done,
                        "ring_generation": s.root.ring_generation, "ring_start": s.root.ring_start,
                        "ring_start_seq": s.root.ring_start_seq,
-                       "dense_slot": " AB"[s.root.dense_slot].strip() or None, "dense_batch": s.root.dense_batch,
+                       "dense_slot": s.root.dense_slot_name, "dense_batch": s.root.dense_batch,
                        "relaxed": bool(s.root.flags & ROOT_RELAXED)}
                       if s.root else {})}
                   for s in report.slots],
-        "batch": None if report.root is None else report.root.batch,
+        "batch": None if report.root is None else report.root.batches_done,
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
                      "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
     }
 
 
 def _inspect_or_fail(path: str):
-    from .pool import inspect
+    from .pool_inspect import inspect
 
     report = inspect(path)
     if report.superblock is None or report.root is None:
@@ -390,20 +390,20 @@ def _inspect_or_fail(path: str):
 
 
 def _run_pool_info(args) -> int:
-    from .pool_format import ROOT_RELAXED
+    from .pool_format import ROOT_RELAXED, SLOT_NAMES
 
     report = _inspect_or_fail(args.path)
     sb = report.superblock
     print(f"pool {report.path}: format v{sb.version}, {sb.pool_size:,} bytes, uuid {sb.uuid.hex()}")
     for s in report.slots:
-        detail = (f"seq {s.root.seq}, batch {s.root.batch}, {s.root.dir_count} regions" if s.root
+        detail = (f"seq {s.root.seq}, batch {s.root.batches_done}, {s.root.dir_count} regions" if s.root
                   else s.reason or "never written")
         if s.root is not None and s.root.dense_slot:
-            detail += (f", dense snapshot in slot {' AB'[s.root.dense_slot]} (batch {s.root.dense_batch}), undo ring "
+            detail += (f", dense snapshot in slot {s.root.dense_slot_name} (batch {s.root.dense_batch}), undo ring "
                        f"generation {s.root.ring_generation} from offset {s.root.ring_start}"
                        + (", relaxed (the dense state may trail the embeddings)" if s.root.flags & ROOT_RELAXED else ""))
         winner = " (current)" if s.root is not None and s.root == report.root else ""
-        print(f"root {'AB'[s.slot]}: {s.state}{winner}: {detail}")
+        print(f"root {SLOT_NAMES[s.slot]}: {s.state}{winner}: {detail}")
     print(f"{'region':<24} {'kind':<18} {'dtype':<8} {'shape':<18} {'offset':>14} {'bytes':>14}")
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
@@ -421,7 +421,7 @@ def _finish_report(report, as_json: bool) -> int:
 
 
 def _run_pool_check(args) -> int:
-    from .pool import inspect
+    from .pool_inspect import inspect
     from .runtime import check_checkpoint
 
     report = inspect(args.path)
@@ -432,7 +432,8 @@ def _run_pool_check(args) -> int:
         except PoolError as e:
             report.problems.append(str(e).removeprefix(f"{args.path}: "))
     if report.ok:
-        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, batch {report.root.batch}"
+        print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
+              f"batch {report.root.batches_done}"
               + (f"; {checkpoint}" if checkpoint else ""))
     return _finish_report(report, args.json)
 

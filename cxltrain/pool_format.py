@@ -90,7 +90,7 @@ class Superblock:
                                self.uuid, self.pool_size, self.created_ns, *self.root_offsets,
                                self.dir_offset, self.dir_capacity, DIR_ENTRY.size, self.data_offset,
                                self.region_align, self.row_align, bytes(404), 0)
-        return body[:-4] + struct.pack("<I", checksum(body[:-4]))
+        return seal(body)
 
 
 def unpack_superblock(raw: bytes) -> tuple[Superblock, int, int, int, bytes, int]:
@@ -111,7 +111,7 @@ ROOT = struct.Struct(
     "Q"    # seq: 1 for the first root, +1 per commit; 0 = slot never written
     "I"    # dir_count: directory entries [0, dir_count) are live
     "I"    # flags: ROOT_RELAXED or 0; any other bit makes the root invalid
-    "q"    # batch: batches whose updates the pool holds (0 = freshly initialised); -1 = no
+    "q"    # batches_done: batches whose updates the pool holds (0 = freshly initialised); -1 = no
            # consistent state (being created, or tables changing with nothing to roll them back)
     # -- the checkpointer's commit fields (DESIGN §4); all zero in a pool that has none --
     "Q"    # ring_generation: undo records of any other generation are never live
@@ -125,22 +125,24 @@ ROOT = struct.Struct(
     "4s"   # padding to 256, zero
 )
 assert ROOT.size == 256
+ROOT_TRAILER = 4  # the padding after the root's checksum field, outside what it sums
 ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layout)
 # Root flag: written by a relaxed-mode checkpointer, whose dense snapshot may be older than the
-# batch the embeddings are committed at (dense_batch < batch). A root without it (every pool
+# batch the embeddings are committed at (dense_batch < batches_done). A root without it (every pool
 # written before this flag existed included) must have them equal.
 ROOT_RELAXED = 1
 ROOT_KNOWN_FLAGS = ROOT_RELAXED
+SLOT_NAMES = ("A", "B")  # what the two root slots (and the two dense snapshot slots) are called
 
 
 @dataclasses.dataclass(frozen=True)
 class Root:
-    """One commit record. With a checkpointer, `batch` is the recovery target: undo records of
-    batches >= batch are rolled back by recovery, those of earlier batches are reclaimable."""
+    """One commit record. With a checkpointer, `batches_done` is the recovery target: undo records of
+    batch indices >= batches_done are rolled back by recovery, those of earlier batches are reclaimable."""
 
     seq: int
     dir_count: int
-    batch: int
+    batches_done: int  # a count, not an index: batches 0 .. batches_done - 1 are in the pool
     flags: int = 0
     ring_generation: int = 0
     ring_start: int = 0
@@ -148,23 +150,25 @@ class Root:
     dense_slot: int = 0
     dense_batch: int = 0
 
+    @property
+    def dense_slot_name(self) -> str | None:
+        """The dense snapshot slot this root names ("A" or "B"), None when it names none."""
+        return SLOT_NAMES[self.dense_slot - 1] if self.dense_slot else None
+
     def pack(self, uuid: bytes, slot: int) -> bytes:
-        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batch, self.ring_generation, self.ring_start,
-                         self.ring_start_seq, self.dense_slot, 0, self.dense_batch, bytes(184), 0, bytes(4))
-        return body[:-8] + struct.pack("<I", checksum(body[:-8], uuid, slot)) + bytes(4)
+        body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batches_done, self.ring_generation,
+                         self.ring_start, self.ring_start_seq, self.dense_slot, 0, self.dense_batch, bytes(184), 0,
+                         bytes(4))
+        return seal(body, uuid, slot, trailer=ROOT_TRAILER)
 
 
 def unpack_root(raw: bytes) -> tuple[Root, bytes, int, bytes]:
     """Decode without validating. Returns (root, reserved, checksum, padding); `reserved` includes
     the zero word between dense_slot and dense_batch."""
-    (seq, dir_count, flags, batch, generation, ring_start, start_seq, dense_slot, zero, dense_batch, reserved,
+    (seq, dir_count, flags, batches_done, generation, ring_start, start_seq, dense_slot, zero, dense_batch, reserved,
      csum, pad) = ROOT.unpack(raw)
-    root = Root(seq, dir_count, batch, flags, generation, ring_start, start_seq, dense_slot, dense_batch)
+    root = Root(seq, dir_count, batches_done, flags, generation, ring_start, start_seq, dense_slot, dense_batch)
     return root, zero.to_bytes(4, "little") + reserved, csum, pad
-
-
-def root_checksum(raw: bytes, uuid: bytes, slot: int) -> int:
-    return checksum(raw[: ROOT.size - 8], uuid, slot)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +246,7 @@ class Region:
         shape = list(self.shape) + [0] * (MAX_NDIM - len(self.shape))
         body = DIR_ENTRY.pack(self.name.encode(), self.kind, self.dtype, len(self.shape), 0,
                               self.offset, self.size, self.row_stride, *shape, bytes(12), 0)
-        return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, self.index))
+        return seal(body, uuid, self.index)
 
 
 def unpack_entry(raw: bytes) -> tuple:
@@ -252,8 +256,24 @@ def unpack_entry(raw: bytes) -> tuple:
     return name, kind, dtype, ndim, flags, offset, size, stride, (s0, s1, s2, s3), reserved, csum
 
 
-def entry_checksum(raw: bytes, uuid: bytes, index: int) -> int:
-    return checksum(raw[: DIR_ENTRY.size - 4], uuid, index)
+# Every checksummed structure ends in its u32 checksum field (the root: then ROOT_TRAILER bytes of
+# padding), summing every byte before it: seal fills the field in, is_sealed checks it.
+CHECKSUM_FIELD = struct.Struct("<I")
+
+
+def seal(packed: bytes, uuid: bytes = b"", index: int = 0, *, trailer: int = 0) -> bytes:
+    """`packed`, a structure packed with its checksum field zero, with that field set to the
+    checksum (uuid, index) of every byte before it. trailer: bytes after the field, kept as they are."""
+    end = len(packed) - trailer - CHECKSUM_FIELD.size
+    body = packed[:end]
+    sealed = body + CHECKSUM_FIELD.pack(checksum(body, uuid, index))
+    return sealed + packed[end + CHECKSUM_FIELD.size:] if trailer else sealed
+
+
+def is_sealed(raw: bytes, uuid: bytes = b"", index: int = 0, *, trailer: int = 0) -> bool:
+    """Whether `raw`'s checksum field holds what seal(raw, uuid, index, trailer=trailer) would put there."""
+    end = len(raw) - trailer - CHECKSUM_FIELD.size
+    return CHECKSUM_FIELD.unpack_from(raw, end)[0] == checksum(raw[:end], uuid, index)
 
 
 def checksum(data: bytes, uuid: bytes = b"", index: int = 0) -> int:

@@ -208,15 +208,15 @@ class Runtime:
         missing = [s for s in ([] if tables_present else self._table_specs()) + self._specs()
                    if s.name not in pool.regions]
         pool.add_regions(missing)  # first: a pool too small is refused before anything else changes
-        if tables_present and pool.root.batch != -1:
+        if tables_present and pool.root.batches_done != -1:
             # ORDERING: the root stops vouching for the tables before they are re-initialised
-            pool.commit(batch=-1, dense_slot=0)
+            pool.commit(batches_done=-1, dense_slot=0)
         for table in self.tables.values():
             table.attach(pool, initialize=True)  # initialised from its seed and persisted
         slot = dense.free_slot(pool)
         dense.write_snapshot(pool, slot, 0, self._state.capture(0))
         # ORDERING: tables and the batch-0 snapshot are durable before the root names them
-        pool.commit(batch=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
+        pool.commit(batches_done=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
                     dense_slot=slot, dense_batch=0)
 
     # -- batches ----------------------------------------------------------------------------
@@ -289,14 +289,14 @@ class Runtime:
             self._guard.finish(self.batch)
             return
         done = self.batch
-        if pool.root.batch == done:
+        if pool.root.batches_done == done:
             return
         for table in self.tables.values():
             table.persist()
         slot = dense.free_slot(pool)
         dense.write_snapshot(pool, slot, done, self._state.capture(done))
         # ORDERING: every table region and the snapshot are durable before the root names them
-        pool.commit(batch=done, dense_slot=slot, dense_batch=done)
+        pool.commit(batches_done=done, dense_slot=slot, dense_batch=done)
 
 
 def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
@@ -337,8 +337,8 @@ def check_checkpoint(path: str) -> str | None:
         if not has_checkpoint(pool):
             return None
         live, _ = verify(pool)
-        rollback = sum(record.header.batch >= pool.root.batch for record in live)
-        return f"checkpoint at batch {pool.root.batch}, {rollback} undo record(s) to roll back"
+        rollback = sum(record.header.batch >= pool.root.batches_done for record in live)
+        return f"checkpoint at batch {pool.root.batches_done}, {rollback} undo record(s) to roll back"
 
 
 def export_state(path: str) -> dict:

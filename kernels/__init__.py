@@ -1,6 +1,6 @@
 """Row kernels, installed as `cxltrain.kernels` (DESIGN §2).
 
-    ops.py         what the rest of cxltrain calls: gather/scatter rows, the fused sparse update,
+    ops.py         what the rest of cxltrain calls: gather rows, the fused sparse update,
                    undo capture; the C kernels when built (knob native_kernels), else torch
     rows.py        the torch kernels: the reference the C kernels are tested against, and the fallback
     native.py      the C extension (`_rows`, built from rows.c by setup.py) and the row-set flushes

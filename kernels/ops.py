@@ -64,22 +64,6 @@ def unique_rows(indices: torch.Tensor, table_rows: int) -> torch.Tensor:
     return out[:count]
 
 
-def scatter_rows(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """table[rows] = src in place: table [R, P] float32, rows [U] int64 unique, src [U, P]."""
-    _check("table", table, torch.float32, 2)
-    _check("rows", rows, torch.int64, 1)
-    _check("src", src, torch.float32, 2)
-    if src.shape != (rows.numel(), table.shape[1]):
-        raise ValueError(f"src must be [{rows.numel()}, {table.shape[1]}], got {list(src.shape)}")
-    lib = native.lib()
-    if lib is None:
-        _check_bounds(rows, table.shape[0])
-        return torch_rows.scatter_rows(table, rows, src)
-    row_bytes = table.shape[1] * table.element_size()
-    lib.copy_rows(table.data_ptr(), row_bytes, src.data_ptr(), row_bytes, row_bytes, True, table.shape[0],
-                  rows.data_ptr(), rows.numel())
-
-
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                   grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
                   per_sample_weights: torch.Tensor | None = None, mode: str = "sum", *, lr: float,

@@ -80,11 +80,6 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, rows)
 
 
-def scatter_rows(table: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> None:
-    """table[rows] = src, in place: table [R, P], rows [U] unique, src [U, P]."""
-    table.index_copy_(0, rows, src)
-
-
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                   grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
                   mode: str, lr: float, eps: float) -> torch.Tensor:

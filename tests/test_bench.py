@@ -30,12 +30,8 @@ def test_quick_bench_end_to_end(shm_dir):
     assert out["quick"] and out["machine"]["threads"] == 2 and out["config"]["rows"] == 1000
     names = {m.name for m in methods.step_methods((1, 4))}
     assert {r["method"] for r in out["steps"]} == names
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for row in out["steps"]:
         method = next(m for m in methods.step_methods((1, 4)) if m.name == row["method"])
-        if methods.unavailable(method, fields):
-            assert row["reason"].startswith("not available in this build")
-            continue
         assert "reason" not in row, row
         assert row["mean_ms"] > 0 and row["ratio"] > 0 and row["bytes_per_batch"] >= 0
         assert row["batches_lost"] == method.batches_lost(row.get("overlap_steps", 0))
@@ -157,11 +153,7 @@ def test_batches_lost_per_method():
 def test_methods_need_the_fields_they_override():
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     for method in methods.step_methods():
-        reason = methods.unavailable(method, fields)
-        assert (reason is None) == (set(method.overrides) <= fields), method.name
-    relaxed = next(m for m in methods.step_methods() if m.name == "ours-relaxed")
-    assert methods.unavailable(relaxed, fields | {"mode"}) is None
-    assert "mode" in methods.unavailable(relaxed, fields - {"mode"})
+        assert set(method.overrides) <= fields, method.name
 
 
 def test_bytes_per_batch():

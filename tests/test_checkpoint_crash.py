@@ -297,7 +297,7 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     strict_copy = str(shm_dir / "strict.pool")
     shutil.copy(pool, strict_copy)
     with Pool.open(strict_copy) as p:
-        p.commit(batch=p.root.batch, flags=0)  # the same root without the relaxed flag
+        p.commit(batches_done=p.root.batches_done, flags=0)  # the same root without the relaxed flag
     refused = subprocess.run([sys.executable, "-m", "cxltrain", "recover", strict_copy], capture_output=True, text=True)
     assert refused.returncode == 1 and "strict" in refused.stderr and len(refused.stderr.splitlines()) == 1
 
@@ -315,4 +315,4 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     result = train(dataclasses.replace(CONFIG, mode="relaxed", dense_every=3), pool_path=pool, progress=False)
     assert (result.recovered_batch, result.start_batch, result.batch) == (report.batch, report.batch, STEPS)
     with Pool.open(pool, writable=False) as p:
-        assert (p.root.batch, p.root.dense_batch) == (STEPS, STEPS)  # a clean end snapshots the dense state
+        assert (p.root.batches_done, p.root.dense_batch) == (STEPS, STEPS)  # a clean end snapshots the dense state

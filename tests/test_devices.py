@@ -31,9 +31,9 @@ def test_backend_round_trip(shm_dir, tmp_path, backend):
         pool.device.drain()
         pool.persist_region("r")
         pool.device.copy_persist(pool.region("r").offset, np.array([-1.0]))
-        pool.commit(batch=3)
+        pool.commit(batches_done=3)
     with Pool.open(path, backend=backend) as pool:
-        assert pool.root.batch == 3
+        assert pool.root.batches_done == 3
         assert pool.array("r")[0, 0] == -1.0 and pool.array("r")[99, 2] == 299.0
 
 

@@ -12,7 +12,7 @@ Two seed images, both from real training runs of CONFIG (2 tables of 500 rows, t
 Hypothesis damages a seed image (bit flips and byte patches aimed at every structure, random bytes
 over a whole structure or region, a valid superblock, roots and directory over a garbage data area,
 truncation, extension) and runs what the command line runs, in this process: `pool check`
-(pool.inspect, then runtime.check_checkpoint) and `recover` (runtime.recover_pool). Each image
+(pool_inspect.inspect, then runtime.check_checkpoint) and `recover` (runtime.recover_pool). Each image
 must end one of two ways:
 
   * refused: a CxlTrainError with a one-line message (any other exception fails the test), and a
@@ -65,7 +65,8 @@ from cxltrain.config import TrainConfig
 from cxltrain.errors import CxlTrainError, NonFiniteError, PoolError
 from cxltrain.faults import CRASH_ENV
 from cxltrain.knobs import override
-from cxltrain.pool import Pool, inspect
+from cxltrain.pool import Pool
+from cxltrain.pool_inspect import inspect
 from cxltrain.pool_format import RegionKind
 from cxltrain.runtime import Runtime, check_checkpoint, export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag

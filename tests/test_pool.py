@@ -18,7 +18,8 @@ from cxltrain import pool_format as fmt
 from cxltrain.errors import (ConfigError, CxlTrainError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                              PoolLockedError, PoolVersionError)
 from cxltrain.knobs import override
-from cxltrain.pool import Pool, RegionSpec, inspect
+from cxltrain.pool import Pool, RegionSpec
+from cxltrain.pool_inspect import inspect
 from cxltrain.pool_format import RegionKind
 
 
@@ -32,7 +33,7 @@ def small_pool(path, regions=2):
             pool.array(name)[:] = np.arange(10, dtype=np.float32) + i
             pool.persist_region(name)
             names.append(name)
-        pool.commit(batch=7)
+        pool.commit(batches_done=7)
     return names
 
 
@@ -50,12 +51,12 @@ def test_round_trip(pool_path):
     names = small_pool(pool_path)
     with Pool.open(pool_path) as pool:
         assert list(pool.regions) == names
-        assert pool.root.batch == 7
+        assert pool.root.batches_done == 7
         assert np.array_equal(pool.array("t1.weight")[49], np.arange(10, dtype=np.float32) + 1)
         region = pool.region("t0.weight")
         assert region.row_stride == 64 and region.offset % 4096 == 0
     report = inspect(pool_path)
-    assert report.ok and report.root.batch == 7 and len(report.regions) == 2
+    assert report.ok and report.root.batches_done == 7 and len(report.regions) == 2
 
 
 def test_commits_alternate_slots_and_the_newest_valid_wins(pool_path):
@@ -63,16 +64,16 @@ def test_commits_alternate_slots_and_the_newest_valid_wins(pool_path):
     with Pool.open(pool_path) as pool:
         seq = pool.root.seq
         for batch in (8, 9, 10):
-            pool.commit(batch=batch)
+            pool.commit(batches_done=batch)
         assert pool.root.seq == seq + 3
     report = inspect(pool_path)
-    assert {s.root.batch for s in report.slots} == {9, 10}
-    assert report.root.batch == 10
+    assert {s.root.batches_done for s in report.slots} == {9, 10}
+    assert report.root.batches_done == 10
     # tear the newest slot: the older one wins, never a half-used record
     newest = report.root.seq % 2
     patch(pool_path, fmt.ROOT_OFFSETS[newest] + 16, b"\xff" * 8)
     with Pool.open(pool_path) as pool:
-        assert pool.root.batch == 9
+        assert pool.root.batches_done == 9
 
 
 def test_padded_view_is_contiguous_and_covers_row_padding(shm_dir):
@@ -143,14 +144,14 @@ def test_a_commit_that_fails_poisons_the_handle(shm_dir):
 
     pool.device.copy_persist = failing_copy
     with pytest.raises(OSError):
-        pool.commit(batch=8)
+        pool.commit(batches_done=8)
     with pytest.raises(PoolError, match="a commit failed"):
-        pool.commit(batch=9)
+        pool.commit(batches_done=9)
     with pytest.raises(PoolError, match="a commit failed"):
         pool.array("t0.weight")
     pool.close()
     with Pool.open(path) as again:
-        assert again.root.batch == 7
+        assert again.root.batches_done == 7
 
 
 def test_fifo_and_empty_file_are_refused_without_blocking(shm_dir):
@@ -212,9 +213,9 @@ def test_second_opener_is_refused(shm_dir):
         assert queue.get(timeout=5).startswith("locked")
         first.array("t0.weight")[0, 0] = 42.0  # the first opener keeps working
         first.persist_region("t0.weight")
-        first.commit(batch=8)
+        first.commit(batches_done=8)
     with Pool.open(path) as again:  # released on close
-        assert again.root.batch == 8 and again.array("t0.weight")[0, 0] == 42.0
+        assert again.root.batches_done == 8 and again.array("t0.weight")[0, 0] == 42.0
 
 
 def test_lock_is_released_on_close_even_while_views_live(shm_dir):
@@ -243,7 +244,7 @@ def _open_in_child(path: str, uid: int | None) -> str:
             except PoolError as e:
                 lines.append(str(e))
             with Pool.open(path, writable=False) as pool:
-                lines.append(f"read-only batch {pool.root.batch}")
+                lines.append(f"read-only batch {pool.root.batches_done}")
         except BaseException as e:  # report, never raise out of a forked pytest
             lines.append(f"child failed: {e!r}")
         os.write(write_end, "\n".join(lines).encode())
@@ -274,7 +275,7 @@ def test_read_only_open_cannot_write(shm_dir):
     before = digest(path)
     with Pool.open(path, writable=False) as pool:
         with pytest.raises(PoolError, match="read-only"):
-            pool.commit(batch=1)
+            pool.commit(batches_done=1)
         with pytest.raises(ValueError):
             pool.array("t0.weight")[0, 0] = 5.0
     assert digest(path) == before

@@ -23,7 +23,8 @@ import pytest
 
 from cxltrain.errors import NotAPoolError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV
-from cxltrain.pool import Pool, inspect
+from cxltrain.pool import Pool
+from cxltrain.pool_inspect import inspect
 
 CHILD = """
 import sys
@@ -34,7 +35,7 @@ print("created", flush=True)
 for i in range(int(sys.argv[2])):
     pool.add_regions([RegionSpec(f"r{i}a", RegionKind.BLOB, "uint8", (4096,)),
                       RegionSpec(f"r{i}b", RegionKind.BLOB, "uint8", (4096,))])
-    pool.commit(batch=i)
+    pool.commit(batches_done=i)
 pool.close()
 print("done", flush=True)
 """
@@ -57,7 +58,7 @@ def crashed_pool_problem(path) -> str | None:
     """None if the pool is a state some prefix of the child's rounds produced; else what is wrong."""
     try:
         with Pool.open(str(path), writable=False) as pool:
-            names, batch = list(pool.regions), pool.root.batch
+            names, batch = list(pool.regions), pool.root.batches_done
     except NotAPoolError as e:
         return None if "interrupted" in str(e) else f"refused: {e}"  # killed inside Pool.create
     except PoolError as e:
@@ -98,7 +99,7 @@ def test_crash_at_named_points(shm_dir, point, pairs, batch):
             Pool.open(str(path))
         return
     with Pool.open(str(path), writable=False) as pool:
-        assert len(pool.regions) == 2 * pairs and pool.root.batch == batch
+        assert len(pool.regions) == 2 * pairs and pool.root.batches_done == batch
     if point.startswith("commit:torn-root"):
         assert any(s.state == "corrupt" for s in inspect(str(path)).slots)  # the tear was seen, and ignored
 
@@ -107,7 +108,7 @@ def test_uninterrupted_child_completes(shm_dir):
     path = shm_dir / "whole.pool"
     assert run_child(path, 10) == 0
     with Pool.open(str(path), writable=False) as pool:
-        assert len(pool.regions) == 20 and pool.root.batch == 9
+        assert len(pool.regions) == 20 and pool.root.batches_done == 9
 
 
 @pytest.mark.parametrize("trial", range(12))

@@ -31,7 +31,7 @@ def test_field_offsets():
     assert sb[104:508] == bytes(404)                                 # reserved
     assert struct.unpack_from("<I", sb, 508)[0] == fmt.checksum(sb[:508])
 
-    root = fmt.Root(seq=5, dir_count=3, batch=42, ring_generation=7, ring_start=4160, ring_start_seq=9,
+    root = fmt.Root(seq=5, dir_count=3, batches_done=42, ring_generation=7, ring_start=4160, ring_start_seq=9,
                     dense_slot=2, dense_batch=41).pack(bytes(16), 1)
     assert struct.unpack_from("<QIIq", root, 0) == (5, 3, 0, 42)
     assert struct.unpack_from("<QQQIIq", root, 24) == (7, 4160, 9, 2, 0, 41)   # checkpointer fields
@@ -52,6 +52,6 @@ def test_magic_reads_as_ascii_and_exposes_byte_order():
 
 
 def test_checksums_are_seeded_by_pool_and_slot():
-    root = fmt.Root(seq=2, dir_count=0, batch=0)
+    root = fmt.Root(seq=2, dir_count=0, batches_done=0)
     assert root.pack(bytes(16), 0) != root.pack(bytes(16), 1)
     assert root.pack(bytes(16), 0) != root.pack(b"x" * 16, 0)

@@ -19,7 +19,8 @@ import pytest
 
 from cxltrain.errors import ConfigError
 from cxltrain.knobs import KNOBS, override
-from cxltrain.pool import Pool, inspect
+from cxltrain.pool import Pool
+from cxltrain.pool_inspect import inspect
 
 SIZE = 64 << 10
 OLD = 0xAA  # what the file holds before the child runs
@@ -131,7 +132,7 @@ pool.array("t0.weight")[:] = 1.5
 pool.persist_region("t0.weight")
 pool.add_region("t1.weight", RegionKind.TABLE_WEIGHTS, "float32", (100, 16), aligned_rows=True)
 pool.array("t1.weight")[:] = 2.5   # written, never persisted
-pool.commit(batch=5)
+pool.commit(batches_done=5)
 """
     out = subprocess.run([sys.executable, "-c", "import os, signal, sys\n" + body + DIE, str(path)],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "CXLTRAIN_POWER_LOSS": "1"})
@@ -139,7 +140,7 @@ pool.commit(batch=5)
     assert "power-loss" in out.stdout
     assert inspect(str(path)).ok
     with Pool.open(str(path), writable=False) as pool:
-        assert pool.root.batch == 5 and list(pool.regions) == ["t0.weight", "t1.weight"]
+        assert pool.root.batches_done == 5 and list(pool.regions) == ["t0.weight", "t1.weight"]
         assert (pool.array("t0.weight") == 1.5).all()
         assert (pool.array("t1.weight") == 0.0).all()   # the unpersisted table is zeros after the kill
 

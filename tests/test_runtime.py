@@ -123,7 +123,7 @@ def test_leaving_normally_after_break_commits_the_batch_in_flight(shm_dir):
                 break
     assert state_of(shm_dir / "p.pool")["batch"] == 5
     with Pool.open(str(shm_dir / "p.pool"), writable=False) as pool:
-        assert pool.root.batch == 5 and pool.root.dense_batch == 5
+        assert pool.root.batches_done == 5 and pool.root.dense_batch == 5
 
 
 def test_stats_count_the_work(shm_dir):
@@ -215,7 +215,7 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
     with pytest.raises(KeyboardInterrupt):
         train_steps(path, 6, fail_at=3, checkpoint="off")
     with Pool.open(str(path), writable=False) as pool:
-        assert pool.root.batch == -1   # tables changed in place with nothing to roll them back
+        assert pool.root.batches_done == -1   # tables changed in place with nothing to roll them back
     with pytest.raises(RecoveryError, match="no committed checkpoint"):
         recover_pool(str(path))
     rt, start = train_steps(path, 6, checkpoint="off")
@@ -241,7 +241,7 @@ def _ring_pool(path, ring_bytes):
                       cxltrain.pool.RegionSpec(layout.RING_REGION, cxltrain.pool_format.RegionKind.UNDO_RING,
                                                "uint8", (ring_bytes,))])
     table.attach(pool, initialize=True)
-    pool.commit(batch=0, ring_generation=5)
+    pool.commit(batches_done=0, ring_generation=5)
     return pool, table
 
 
@@ -262,7 +262,7 @@ def test_ring_wraps_and_the_scan_follows(shm_dir):
 
     def commit(target):  # records of batches < target reclaimed
         start, seq = writer.start_after_reclaim(target)
-        pool.commit(batch=target, ring_start=start, ring_start_seq=seq)
+        pool.commit(batches_done=target, ring_start=start, ring_start_seq=seq)
         writer.reclaim(target)
 
     batch = 0
@@ -277,7 +277,7 @@ def test_ring_wraps_and_the_scan_follows(shm_dir):
         append(batch)  # no commits: the live records end up straddling the end of the ring
         batch += 1
     live = ring.scan(pool, 5, pool.root.ring_start, pool.root.ring_start_seq)
-    assert [r.header.batch for r in live] == list(range(pool.root.batch, batch))
+    assert [r.header.batch for r in live] == list(range(pool.root.batches_done, batch))
     assert sum(b < a for a, b in zip(offsets, offsets[1:])) >= 3, "the ring wrapped too rarely"
     assert ring.scan(pool, 6, pool.root.ring_start, pool.root.ring_start_seq) == []  # another generation
     pool.close()
@@ -460,4 +460,4 @@ def test_wait_durable_returns_once_the_commit_handed_over_is_durable(shm_dir):
             optimizer.step()
             optimizer.zero_grad()
         # batch 1 is in flight; batch 0's commit was handed to the worker when the loop asked for batch 1
-        assert rt.wait_durable() >= 0 and rt.pool.root.batch == 1 and rt.stats.commits == 1
+        assert rt.wait_durable() >= 0 and rt.pool.root.batches_done == 1 and rt.stats.commits == 1

@@ -156,7 +156,7 @@ def test_updates_are_in_the_pool_after_reopen(shm_dir):
     table(torch.tensor([1, 2, 3]), torch.tensor([0, 1])).sum().backward()
     expected_w, expected_s = table.weight.clone(), table.optimizer_state.clone()
     pool.persist_region("t0.weight")
-    pool.commit(batch=1)
+    pool.commit(batches_done=1)
     pool.close()
     with pytest.raises(RuntimeError, match="no storage"):
         table(torch.tensor([1]), torch.tensor([0]))

@@ -9,15 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-# TrainConfig fields that the background pipeline and relaxed mode (branch `pipeline`) add. A
-# method that needs a field this build's TrainConfig lacks is reported as "not available in this
-# build" (checked against the real TrainConfig, see `unavailable`), so these switch themselves on
-# once that branch is merged.
-PENDING_OVERRIDES = {
-    "ours-relaxed": {"mode": "relaxed", "dense_every": 100},
-    "ours-sync-undo": {"pipeline": False},
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Method:
@@ -50,9 +41,9 @@ def step_methods(periods: tuple[int, int] = (1, 100)) -> list[Method]:
     ours = [Method("ours-off", "ours", "ours, no checkpoint", "ours-off", {"checkpoint": "off"}),
             Method("ours-strict", "ours", "ours, strict per-batch", "ours-off", {"checkpoint": "undo"}),
             Method("ours-relaxed", "ours", "ours, relaxed (dense every 100)", "ours-off",
-                   {"checkpoint": "undo", **PENDING_OVERRIDES["ours-relaxed"]}),
+                   {"checkpoint": "undo", "mode": "relaxed", "dense_every": 100}),
             Method("ours-sync-undo", "ours", "ours, undo logging on the critical path", "ours-off",
-                   {"checkpoint": "undo", **PENDING_OVERRIDES["ours-sync-undo"]}),
+                   {"checkpoint": "undo", "pipeline": False}),
             Method("ours-strict-bgcap", "ours", "ours, strict, capture+flush on the worker", "ours-off",
                    {"checkpoint": "undo", "background_capture": True})]
     plain = [Method("plain", "plain", "PyTorch, no checkpoint", "plain")]
@@ -60,11 +51,3 @@ def step_methods(periods: tuple[int, int] = (1, 100)) -> list[Method]:
         plain += [Method(f"plain-{save}-{k}", "plain", f"PyTorch, {label} every {k}", "plain", save=save, every=k)
                   for k in periods]
     return ours + plain
-
-
-def unavailable(method: Method, config_fields: set[str]) -> str | None:
-    """Why `method` cannot run in this build (a TrainConfig field it needs is missing), or None."""
-    missing = sorted(set(method.overrides) - config_fields)
-    if missing:
-        return f"not available in this build (TrainConfig has no {', '.join(missing)})"
-    return None

@@ -26,7 +26,7 @@ from typing import Callable
 
 from ..config import TrainConfig
 from ..knobs import KNOBS
-from .methods import Method, step_methods, unavailable
+from .methods import Method, step_methods
 from .report import machine_info, targets
 
 GB = 1e9
@@ -220,7 +220,6 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
     from .plain import remove
     from .worker import config_to_json
 
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
     rows = []
     for pooling in plan.step_poolings:
         config = dataclasses.replace(plan.config, pooling=pooling)
@@ -236,17 +235,14 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
         for method in schedule:
             if method.name in reasons:
                 continue
-            reason = unavailable(method, fields)
-            if reason is None:
-                job = _step_job(method, config, plan, prefix, config_to_json)
-                try:
-                    outcome = _timed(log, f"steps {method.name} pooling {pooling}", lambda: jobs.forked(job))
-                finally:  # a job that died (or was interrupted) leaves its pool or checkpoint
-                    for path in (job["pool"], job["pool"] + ".creating") if "pool" in job else (job["path"],):
-                        remove(path)
-                reason = outcome.error
-            if reason is not None:
-                reasons[method.name] = reason
+            job = _step_job(method, config, plan, prefix, config_to_json)
+            try:
+                outcome = _timed(log, f"steps {method.name} pooling {pooling}", lambda: jobs.forked(job))
+            finally:  # a job that died (or was interrupted) leaves its pool or checkpoint
+                for path in (job["pool"], job["pool"] + ".creating") if "pool" in job else (job["path"],):
+                    remove(path)
+            if outcome.error is not None:
+                reasons[method.name] = outcome.error
             else:
                 runs.setdefault(method.name, []).append(outcome.result)
         measured: dict[str, dict] = {}

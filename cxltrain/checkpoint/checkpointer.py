@@ -145,7 +145,7 @@ class BatchGuard:
     def __init__(self, pool: Pool, tables: list) -> None:
         self.pool, self.tables = pool, tables
         self._batch: int | None = None   # the batch in flight
-        self._next = pool.root.batch     # the batch expected next
+        self._next = pool.root.batches_done  # the batch expected next
         self.touched = False             # the batch in flight has looked up a table with gradients
         for table in tables:
             table.checkpointer = self
@@ -186,10 +186,10 @@ class BatchGuard:
 
     def capture(self, table, indices: torch.Tensor) -> int:
         batch = self._check_in_batch(table)
-        if self.pool.root.batch != -1:
+        if self.pool.root.batches_done != -1:
             # ORDERING: nothing can roll the tables back once they change in place: the root stops
             # vouching for them first
-            self.pool.commit(batch=-1, dense_slot=0)
+            self.pool.commit(batches_done=-1, dense_slot=0)
         return batch
 
     def before_update(self, table, batch: int) -> None:
@@ -229,9 +229,9 @@ class Checkpointer(BatchGuard):
         self.state, self.dense_every, self.mode = state, dense_every, mode
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
         self.stats = CheckpointStats()
-        self.committed = root.batch          # the batch of the last commit handed over (embeddings)
+        self.committed = root.batches_done   # the batch of the last commit handed over (embeddings)
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
-        self.durable = root.batch            # the batch the durable root names (set by the worker)
+        self.durable = root.batches_done     # the batch the durable root names (set by the worker)
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
         self.background_capture = pipeline and background_capture
         # Where a flush is a cache-line write-back, the updated rows are flushed right after their
@@ -474,7 +474,7 @@ class Checkpointer(BatchGuard):
         # U2 — rows before commit: every row updated in place since the last commit (flushed just
         # above, or at its update and drained at hand-over), and the dense snapshot of batch `done`
         # when one is due, are durable before this root names `done`.
-        self.pool.commit(batch=done, flags=ROOT_RELAXED if self.mode == "relaxed" else 0, ring_start=start,
+        self.pool.commit(batches_done=done, flags=ROOT_RELAXED if self.mode == "relaxed" else 0, ring_start=start,
                          ring_start_seq=start_seq, **fields)
         crash_point("commit:after-root")
         if rows_late:

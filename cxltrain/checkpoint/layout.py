@@ -17,7 +17,7 @@ generation, so a stale record left over in a reused place never carries the expe
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
 
 Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
-were after b batches. Recovery to target T (= root.batch, batches done) restores every live
+were after b batches. Recovery to target T (= root.batches_done, batches done) restores every live
 record with batch >= T; records with batch < T are reclaimable.
 
 The ring's last 128 bytes are not records but two copies of the tail mark (64 bytes each, the same
@@ -41,7 +41,7 @@ import struct
 
 import numpy as np
 
-from ..pool_format import align_up, checksum, checksum_more, checksum_seed
+from ..pool_format import align_up, checksum_more, checksum_seed, is_sealed, seal
 
 RING_REGION = "cxltrain.undo"
 DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 and 2
@@ -93,14 +93,14 @@ class UndoHeader:
         state = 0 if self.state_region is None else self.state_region + 1
         body = UNDO_HEADER.pack(UNDO_MAGIC, self.weight_region, self.generation, self.seq, self.batch, self.count,
                                 self.row_bytes, self.state_bytes, self.payload_crc, self.payload_bytes, state, 0)
-        return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, self.generation))
+        return seal(body, uuid, self.generation)
 
 
 def unpack_undo_header(raw: bytes, uuid: bytes) -> UndoHeader | None:
     """The header in `raw`, or None when it is not a well-formed, checksummed header."""
     (magic, weight_region, generation, seq, batch, count, row_bytes, state_bytes, payload_crc, payload_bytes,
-     state, csum) = UNDO_HEADER.unpack(raw)
-    if magic != UNDO_MAGIC or csum != checksum(raw[:-4], uuid, generation):
+     state, _) = UNDO_HEADER.unpack(raw)
+    if magic != UNDO_MAGIC or not is_sealed(raw, uuid, generation):
         return None
     header = UndoHeader(weight_region, generation, seq, batch, count, row_bytes, state_bytes, payload_crc,
                         None if state == 0 else state - 1)
@@ -130,13 +130,13 @@ def ring_record_bytes(ring_bytes: int) -> int:
 
 def pack_tail_mark(generation: int, seq_end: int, uuid: bytes, copy: int) -> bytes:
     body = TAIL_MARK.pack(TAIL_MAGIC, 0, generation, seq_end, bytes(36), 0)
-    return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, copy))
+    return seal(body, uuid, copy)
 
 
 def unpack_tail_mark(raw: bytes, uuid: bytes, copy: int) -> tuple[int, int] | None:
     """(generation, seq_end), or None when the copy is not a valid tail mark (torn or damaged)."""
-    magic, zero, generation, seq_end, reserved, csum = TAIL_MARK.unpack(raw)
-    if magic != TAIL_MAGIC or zero or any(reserved) or csum != checksum(raw[:-4], uuid, copy):
+    magic, zero, generation, seq_end, reserved, _ = TAIL_MARK.unpack(raw)
+    if magic != TAIL_MAGIC or zero or any(reserved) or not is_sealed(raw, uuid, copy):
         return None
     return generation, seq_end
 
@@ -183,12 +183,12 @@ assert DENSE_HEADER.size == 64
 
 def pack_dense_header(batch: int, payload_bytes: int, payload_crc: int, uuid: bytes, slot: int) -> bytes:
     body = DENSE_HEADER.pack(DENSE_MAGIC, 0, batch, payload_bytes, payload_crc, bytes(32), 0)
-    return body[:-4] + struct.pack("<I", checksum(body[:-4], uuid, slot))
+    return seal(body, uuid, slot)
 
 
 def unpack_dense_header(raw: bytes, uuid: bytes, slot: int) -> tuple[int, int, int] | None:
     """(batch, payload bytes, payload checksum), or None when the header is not valid for `slot`."""
-    magic, zero, batch, payload_bytes, payload_crc, reserved, csum = DENSE_HEADER.unpack(raw)
-    if magic != DENSE_MAGIC or zero or any(reserved) or csum != checksum(raw[:-4], uuid, slot):
+    magic, zero, batch, payload_bytes, payload_crc, reserved, _ = DENSE_HEADER.unpack(raw)
+    if magic != DENSE_MAGIC or zero or any(reserved) or not is_sealed(raw, uuid, slot):
         return None
     return batch, payload_bytes, payload_crc

@@ -45,7 +45,7 @@ class RecoveryReport:
 
 def has_checkpoint(pool: Pool) -> bool:
     """True when the pool holds a committed checkpoint: a consistent root naming a dense snapshot."""
-    return (pool.root.batch >= 0 and pool.root.dense_slot != 0 and layout.RING_REGION in pool.regions
+    return (pool.root.batches_done >= 0 and pool.root.dense_slot != 0 and layout.RING_REGION in pool.regions
             and all(name in pool.regions for name in layout.DENSE_REGIONS))
 
 
@@ -59,9 +59,9 @@ def verify(pool: Pool, snapshot: dict | None = None) -> tuple[list[ring.ScannedR
                             "with the checkpointer on, or a run with --checkpoint off was interrupted)")
     root = pool.root
     relaxed = bool(root.flags & ROOT_RELAXED)
-    if root.dense_batch > root.batch or (root.dense_batch != root.batch and not relaxed):
-        raise RecoveryError(f"{pool.path}: the root's target is batch {root.batch} but its dense snapshot is of batch "
-                            f"{root.dense_batch}, and the root is {'relaxed' if relaxed else 'strict'}: "
+    if root.dense_batch > root.batches_done or (root.dense_batch != root.batches_done and not relaxed):
+        raise RecoveryError(f"{pool.path}: the root's target is batch {root.batches_done} but its dense snapshot is "
+                            f"of batch {root.dense_batch}, and the root is {'relaxed' if relaxed else 'strict'}: "
                             "a committed root never says so (corrupt pool)")
     live = ring.scan(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
     if snapshot is None:
@@ -78,7 +78,7 @@ def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, d
     started = time.perf_counter()
     live, snapshot = verify(pool, snapshot)  # every check before the first write
     root = pool.root
-    rollback = [record for record in live if record.header.batch >= root.batch]
+    rollback = [record for record in live if record.header.batch >= root.batches_done]
     ring_region = pool.region(layout.RING_REGION)
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win
         ring.restore(pool, ring_region, record)
@@ -89,7 +89,7 @@ def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, d
     generation = root.ring_generation + 1
     # ORDERING: the restored rows are durable before the root that retires the records they came
     # from (a new generation: they can never be live again).
-    pool.commit(batch=root.batch, ring_generation=generation, ring_start=0, ring_start_seq=0)
-    report = RecoveryReport(root.batch, root.dense_batch, len(rollback), len({r.header.batch for r in rollback}),
+    pool.commit(batches_done=root.batches_done, ring_generation=generation, ring_start=0, ring_start_seq=0)
+    report = RecoveryReport(root.batches_done, root.dense_batch, len(rollback), len({r.header.batch for r in rollback}),
                             sum(r.header.count for r in rollback), generation, time.perf_counter() - started)
     return report, snapshot
