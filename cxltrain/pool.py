@@ -32,7 +32,8 @@ from typing import Callable
 import numpy as np
 
 from . import pool_format as fmt
-from .devices import Device, device_size, map_device, open_target
+from .devices import Device, device_size, open_target
+from .devices.registry import map_device
 from .faults import crash_armed, crash_point, planted
 from .errors import (ConfigError, DeviceError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
                      PoolLockedError, PoolVersionError)
