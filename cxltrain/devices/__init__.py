@@ -16,8 +16,8 @@ device, which builds on this package, so this package must not import it.
 from __future__ import annotations
 
 from ..knobs import DEVICE_BACKENDS as BACKENDS
-from .base import Device
+from .base import Device, DeviceCounters
 from .targets import MAX_POOL_SIZE, Target, device_size, is_char_device, open_target, resolve_backend
 
-__all__ = ["BACKENDS", "MAX_POOL_SIZE", "Device", "Target", "device_size", "is_char_device",
+__all__ = ["BACKENDS", "MAX_POOL_SIZE", "Device", "DeviceCounters", "Target", "device_size", "is_char_device",
            "open_target", "resolve_backend"]
