@@ -14,10 +14,12 @@ import dataclasses
 import os
 from typing import Iterator
 
+from .errors import ConfigError
+
 
 @dataclasses.dataclass
 class Knobs:
-    # Which device backend maps a pool: auto | pmem | msync | emulated (see cxltrain.devices).
+    # Which device backend maps a pool: one of DEVICE_BACKENDS (see cxltrain.devices).
     device: str = "auto"
     # Where `cxltrain train` puts its emulated CXL pool when no --pool is given; "" = /dev/shm,
     # or the temp folder where there is no /dev/shm.
@@ -55,13 +57,10 @@ class Knobs:
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
-        from .devices import BACKENDS  # the devices layer imports this module: import late
-        from .errors import ConfigError
-
         if _ENV_ERRORS:
             raise ConfigError(_ENV_ERRORS[0])
-        if self.device not in BACKENDS:
-            raise ConfigError(f"device {self.device!r} must be one of {', '.join(BACKENDS)}")
+        if self.device not in DEVICE_BACKENDS:
+            raise ConfigError(f"device {self.device!r} must be one of {', '.join(DEVICE_BACKENDS)}")
         if self.region_align < 4096 or self.region_align & (self.region_align - 1):
             raise ConfigError(f"region_align {self.region_align} must be a power of two >= 4096")
         if not 8 <= self.row_align <= 4096 or self.row_align & (self.row_align - 1):
@@ -86,6 +85,10 @@ class Knobs:
         if self.native_kernels not in (0, 1):
             raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
 
+
+# The device backends (knob `device`): "auto" picks one of the others per path. Named here, with the
+# knob, so that knobs stay a leaf every layer can read; devices/registry.py says how each one opens.
+DEVICE_BACKENDS = ("auto", "pmem", "msync", "emulated")
 
 # Persistence domains the emulated device can model (knob `domain`).
 DOMAINS = ("adr", "eadr", "none")

@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from . import pool_format as fmt
-from .devices import Device, map_device, open_target
+from .devices import Device, open_target
+from .devices.registry import map_device
 from .faults import crash_armed, crash_point, planted
 from .errors import ConfigError, NotAPoolError, PoolError, PoolFullError
 from .knobs import KNOBS

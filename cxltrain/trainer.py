@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
+from .devices import DeviceCounters
 from .config import TrainConfig
 from .checkpoint.layout import record_bytes
 from .errors import ConfigError, NonFiniteError
@@ -188,6 +189,8 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
     bar = tqdm(total=config.steps, initial=first, desc="train", unit="batch", disable=None if progress else True,
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    device = rt.pool.device
+    device_before = device.counters.copy()
     loop_start = time.perf_counter()
     for batch in rt.batches(fetch, stop=config.steps):
         b = rt.batch
@@ -202,12 +205,12 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
     split = clock.stop(config.steps - timed_from)  # the generator has committed the last batch
     seconds = time.perf_counter() - loop_start
+    device_work = device.counters - device_before
     bar.close()
 
     eval_auc, eval_loss = evaluate(model, source, heldout_batches(source, config.steps))
     rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
     stats = rt.stats
-    device = rt.pool.device
     return TrainResult(pool=rt.path, device=device.kind, batch=rt.batch, steps=steps, start_batch=first,
                        seconds=seconds, steps_per_s=steps / seconds if steps else 0.0,
                        first_loss=losses[0] if losses else None,
@@ -219,7 +222,7 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
                        background_capture=config.background_capture and config.pipeline,
                        recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
                        checkpoint_stats=None if stats is None else stats.to_json(), device_model=device.model,
-                       cost_model=modelled_costs(model, rt, steps),
+                       cost_model=modelled_costs(model, rt, steps, device_work),
                        early_writebacks=None if device.evictor is None else device.evictor.lines_written)
 
 
@@ -258,15 +261,15 @@ class _StepClock:
                          mlp=(total - self.data - emb_fwd - emb_upd - boundary) * ms, total=total * ms)
 
 
-def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):
+def traffic_per_batch(model: DLRM, rt: Runtime, steps: int, device_work: DeviceCounters):
     """What one batch of this run did to the pool, on average (emulation.costmodel.AccessCounts):
-    lookups and undo captures read rows, updates write them, commits persist rows, undo records and
-    the dense snapshot. Flush calls are counted one per row and region (an upper bound: adjacent
-    rows go together); fences as two per undo record and three per commit."""
+    lookups and undo captures read rows, updates write them (the tables count both); the device
+    counted the flushes, fences and bytes persisted (`device_work`, over the run's batches); the
+    checkpointer counted the undo records and dense snapshots appended."""
     from .emulation.costmodel import AccessCounts
 
     stats = rt.stats
-    gather_rows = gather_bytes = write_rows = write_bytes = flush_calls = 0
+    gather_rows = gather_bytes = write_rows = write_bytes = 0
     for table in model.tables:
         weights = rt.pool.region(table.weight_region)
         state_stride = rt.pool.region(table.state_region).row_stride if table.optimizer.state_columns else 0
@@ -276,24 +279,20 @@ def traffic_per_batch(model: DLRM, rt: Runtime, steps: int):
         gather_bytes += table.stats.lookups * row_bytes + captured * (weights.row_stride + state_stride)
         write_rows += table.stats.rows_updated
         write_bytes += table.stats.rows_updated * (row_bytes + table.optimizer.state_columns * 4)
-        flush_calls += captured * (2 if state_stride else 1)
-    log_bytes = drains = row_bytes_persisted = 0
-    if stats is not None:  # the checkpointer counts the bytes it persists: rows at commits, records, snapshots
-        log_bytes = stats.undo_bytes + stats.dense_bytes
-        row_bytes_persisted = stats.row_bytes
-        drains = 2 * sum(t.stats.updates for t in model.tables) + 3 * stats.commits
+    log_bytes = stats.undo_bytes + stats.dense_bytes if stats is not None else 0
     totals = dict(gather_bytes=gather_bytes, gather_rows=gather_rows, write_bytes=write_bytes, write_rows=write_rows,
-                  persist_bytes=row_bytes_persisted + log_bytes, flush_calls=flush_calls, drains=drains, log_bytes=log_bytes)
+                  persist_bytes=device_work.persisted_bytes, flush_calls=device_work.flushes,
+                  drains=device_work.drains, log_bytes=log_bytes)
     return AccessCounts(**{name: round(value / steps) for name, value in totals.items()})
 
 
-def modelled_costs(model: DLRM, rt: Runtime, steps: int) -> dict | None:
+def modelled_costs(model: DLRM, rt: Runtime, steps: int, device_work: DeviceCounters) -> dict | None:
     """Per batch: the run's pool traffic and the time it would take on each memory preset (ms)."""
     if not steps:
         return None
     from .emulation.costmodel import PRESETS, estimate
 
-    counts = traffic_per_batch(model, rt, steps)
+    counts = traffic_per_batch(model, rt, steps, device_work)
     return {"counts": counts.to_json(),
             "ms_per_batch": {name: estimate(counts, preset).total_s * 1e3 for name, preset in PRESETS.items()}}
 

@@ -55,9 +55,9 @@ class AccessCounts:
     gather_rows: int = 0      # rows read: each one random access
     write_bytes: int = 0      # bytes stored in place (optimizer updates)
     write_rows: int = 0       # rows written in place
-    persist_bytes: int = 0    # bytes flushed (whole cache lines)
-    flush_calls: int = 0      # flush calls, one range each
-    drains: int = 0           # fences waited for (pmem_drain / SFENCE)
+    persist_bytes: int = 0    # bytes made durable (Device.counters.persisted_bytes)
+    flush_calls: int = 0      # flush calls, one range each (Device.counters.flushes)
+    drains: int = 0           # fences waited for, pmem_drain / SFENCE (Device.counters.drains)
     log_bytes: int = 0        # bytes appended sequentially to the undo log
 
     def __post_init__(self) -> None:

@@ -30,22 +30,20 @@ speed), and a remote NUMA node is not real CXL either.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import tempfile
-import threading
 
 import numpy as np
 
-from cxltrain.devices.base import Device
+from cxltrain.devices.base import Device, runs_of
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.faults import crash_point
 from cxltrain.kernels import native
 from cxltrain.knobs import KNOBS
 
 from .bandwidth import BandwidthCap
-from .evictor import CACHE_LINE, Evictor
+from .evictor import Evictor
+from .mappings import CachedFile, SharedFile
 
 
 POOL_NAME = f"cxltrain-{os.getuid()}-train.pool"
@@ -75,62 +73,203 @@ def _free_bytes(folder: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-class EmulatedCXLDevice(Device):
-    """A memory-backed file, mapped shared; flush/drain are libpmem's cache-line calls when present."""
+class _EmulatedDevice(Device):
+    """What the four emulated devices below share, and all they share: a memory-backed file mapped
+    by `_file` (emulation/mappings.py), the crash tests' flush point and the bandwidth cap on what is
+    written back. Each device is a direct child of this one and says itself what flush and drain do."""
 
     kind = "emulated-cxl"
+    power_loss = False                          # True: the process works in a private view (CachedFile)
     bandwidth_cap: BandwidthCap | None = None   # set by open_device when the knob asks for one
 
-    def __init__(self, path: str, fd: int, size: int) -> None:
-        self._pmem = load_libpmem()
-        super().__init__(path, size, writable=True, is_pmem=self._pmem is not None)
-        self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+    def __init__(self, path: str, size: int, file: SharedFile | CachedFile, *, is_pmem: bool) -> None:
+        super().__init__(path, size, writable=True, is_pmem=is_pmem)
+        self._file = file
+        self._array = file.array
         self.address = self._array.ctypes.data
 
     def _account(self, nbytes: int) -> None:
-        """Every flush passes here: the crash tests' flush point, then the bandwidth cap."""
+        """Every write-back passes here: the crash tests' flush point, then the bandwidth cap."""
         crash_point(FLUSH_POINT)
         if self.bandwidth_cap is not None:
             self.bandwidth_cap.charge(nbytes)
 
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
+    def close(self) -> None:
+        if self.evictor is not None:
+            self.evictor.stop()  # before the views go: it reads and writes both
+            self.evictor = None
+        super().close()  # the device's reference; the file unmaps now, or when the last view goes
+        self._file.close()
+
+    def __repr__(self) -> str:
+        if not self.power_loss:
+            return super().__repr__()
+        mode = "rw" if self.writable else "ro"
+        return f"<{type(self).__name__} {self.kind} power-loss {self.path} {self.size} bytes {mode}>"
+
+
+class EmulatedCXLDevice(_EmulatedDevice):
+    """A memory-backed file, mapped shared; flush/drain are libpmem's cache-line calls when present.
+    is_pmem exactly when libpmem is there: then a flush is CLWB/CLFLUSHOPT, as on a DAX device."""
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        self._pmem = load_libpmem()
+        super().__init__(path, size, SharedFile(fd, size), is_pmem=self._pmem is not None)
+
+    def _write_back(self, offset: int, length: int) -> None:
         self._account(length)
         if self._pmem is not None:
             self._pmem.pmem_flush(self.address + offset, length)
 
-    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
-        if rows.size and self._pmem is not None and native.lib() is not None:
-            self._account(rows.size * stride)  # the native walk below calls no flush() to account for it
-        super().flush_rows(offset, stride, rows)
-
-    def drain(self) -> None:
+    def _fence(self) -> None:
         if self._pmem is not None:
             self._pmem.pmem_drain()
 
-    def persist_streamed(self, offset: int, length: int) -> None:
+    def _native_row_flush(self) -> int | None:
+        return None if self._pmem is None else self._pmem.flush_address
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
+        if rows.size == 0 or self._pmem is None or native.lib() is None:
+            return None  # flush() per run, each accounted in _write_back
+        self._account(rows.size * stride)  # the native walk calls no _write_back to account for it
+        return super()._write_back_rows(offset, stride, rows)
+
+    def _persist_streamed(self, offset: int, length: int) -> None:
         if self._pmem is None:
-            return super().persist_streamed(offset, length)
-        self._check_range(offset, length)
+            return super()._persist_streamed(offset, length)
         self._account(length)
         self._pmem.pmem_drain()  # as on a DAX device: the stores went around the caches
 
-    def copy_persist(self, offset: int, data) -> None:
+    def _store_persist(self, offset: int, src: np.ndarray) -> None:
         if self._pmem is None:
-            return super().copy_persist(offset, data)
-        src = self._source_bytes(data)
-        self._check_range(offset, src.size)
+            return super()._store_persist(offset, src)
         self._account(src.size)
         # as on a DAX device: non-temporal stores for large copies (no cache lines to write back), one fence
         self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
 
+
+class EADRCXLDevice(_EmulatedDevice):
+    """Power loss with eADR: the CPU caches are inside the persistence domain, so a store is durable
+    once it is made (the shared mapping is the media) and a flush writes nothing, though it is still
+    checked and still a crash tests' flush point; drain still orders (SFENCE through libpmem when
+    present). is_pmem as on EmulatedCXLDevice, so the checkpointer flushes rows where it would there."""
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        self._pmem = load_libpmem()
+        super().__init__(path, size, SharedFile(fd, size), is_pmem=self._pmem is not None)
+
+    def _write_back(self, offset: int, length: int) -> None:
+        crash_point(FLUSH_POINT)
+
+    def _fence(self) -> None:
+        if self._pmem is not None:
+            self._pmem.pmem_drain()
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int:
+        return _no_write_back_rows(self, offset, rows)
+
+
+class PowerLossCXLDevice(_EmulatedDevice):
+    """The emulated device with a power-loss model (knob `power_loss` = 1; map_device picks it).
+
+    Two mappings of the memory-backed file (emulation/mappings.py, CachedFile):
+
+      array  MAP_PRIVATE (mmap.ACCESS_COPY): the process's view, its "CPU caches". A page it writes
+             becomes a private copy that the file never sees.
+      media  MAP_SHARED: the file itself, which outlives the process.
+
+    flush copies the range, rounded out to whole cache lines, from the private view to the media;
+    drain has nothing to wait for. SIGKILL then does what a power failure does: the private copies
+    die with the process, and the file holds exactly what was persisted (plus whatever shared a
+    cache line with it: real write-back is per line too). is_pmem: a flush is per cache line, as
+    CLWB is (cheap per row), though libpmem is never used.
+
+    Reading a page this process never wrote shows the file's current bytes (a private mapping
+    shares unwritten pages with the page cache). That is the right answer here: the pool lock makes
+    this process the file's only writer, and it writes the media only by copying from this very
+    view, so an unwritten page's bytes are the same in both.
+
+    Costs and limits: each page the process writes becomes an anonymous private copy, so the
+    written part of the pool takes twice its size in memory; persist costs a memcpy of the lines
+    (no libpmem flush: the copy is the persistence). A forked child's stores go to its own private
+    copies and are not seen by the parent, persisted or not.
+
+    With `evict_rate` > 0 an Evictor thread also writes random unpersisted lines to the media early
+    (emulation/evictor.py), under the same lock as flush's copies (`media_lock`).
+    """
+
+    power_loss = True
+
+    def __init__(self, path: str, fd: int, size: int, *, evict_rate: int = 0, evict_seed: int = 0) -> None:
+        super().__init__(path, size, CachedFile(fd, size), is_pmem=True)
+        self.media_lock = self._file.lock
+        self.evictor = (Evictor(self._array, self._file.media, self.media_lock, rate=evict_rate, seed=evict_seed)
+                        if evict_rate else None)
+
+    @property
+    def _media(self) -> np.ndarray | None:
+        """The media mapping (the file), None once closed."""
+        return self._file.media
+
+    def _write_back(self, offset: int, length: int) -> None:
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        if length == 0:
+            return
+        self._account(length)
+        self._file.copy_lines(offset, length)
+
+    def _fence(self) -> None:
+        # Nothing is in flight: flush's copy has landed in the media (the page cache, which outlives
+        # the process) before flush returns, and this thread's stores are seen in program order, so
+        # every flush issued so far is complete and ordered before whatever comes after.
+        pass
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
+        if rows.size == 0 or native.lib() is None:
+            return None  # one flush() per run of rows
+        self._check_range(offset, 0)
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        self._account(rows.size * stride)
+        return self._file.copy_rows(offset, stride, rows)
+
+    # persist = write-back + fence, and copy_persist = store into the private view + persist, are the
+    # base class's: the media gets the bytes by the same line copy as any persisted store.
+
+
+class VolatileCXLDevice(_EmulatedDevice):
+    """Power loss with no persistence domain at all (volatile CXL memory): the process works in a
+    private view, as on PowerLossCXLDevice, but a flush copies nothing to the media (it is still
+    checked and still a crash tests' flush point), so a kill loses every store since the pool was
+    opened. Closing the pool normally writes the view back whole: the process ended, the machine
+    (and its memory) did not. is_pmem as on PowerLossCXLDevice."""
+
+    power_loss = True
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        super().__init__(path, size, CachedFile(fd, size), is_pmem=True)
+
+    def _write_back(self, offset: int, length: int) -> None:
+        crash_point(FLUSH_POINT)
+
+    def _fence(self) -> None:
+        pass  # nothing was written back, so nothing is in flight
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int:
+        return _no_write_back_rows(self, offset, rows)
+
     def close(self) -> None:
+        self._file.copy_all()
         super().close()
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # views still alive: the mapping goes when the last of them does
+
+
+def _no_write_back_rows(device: Device, offset: int, rows: np.ndarray) -> int:
+    """A row-set flush where a flush writes nothing (eADR, volatile): checked, one flush point for
+    the whole set (not one per run), and the runs it stands for, for the device's counters."""
+    device._check_range(offset, 0)
+    crash_point(FLUSH_POINT)
+    return len(runs_of(rows)[0]) if rows.size else 0
 
 
 def open_device(path: str, fd: int, size: int) -> Device:
@@ -162,134 +301,3 @@ def describe_model() -> str:
     if KNOBS.persist_bandwidth:
         text += f", persistence capped at {KNOBS.persist_bandwidth / 1e9:g} GB/s"
     return text
-
-
-class _FlushWritesNothing:
-    """For domains where a flush changes nothing durable (eADR: already durable; none: never):
-    flushes are still checked and still count as the crash tests' flush points."""
-
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
-        crash_point(FLUSH_POINT)
-
-    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
-        self._check_range(offset, 0)
-        crash_point(FLUSH_POINT)
-
-    copy_persist = Device.copy_persist  # stores, then the flush above (the libpmem copy is for ADR)
-    persist_streamed = Device.persist_streamed
-
-
-class EADRCXLDevice(_FlushWritesNothing, EmulatedCXLDevice):
-    """Power loss with eADR: the CPU caches are inside the persistence domain, so a store is durable
-    once it is made (the shared mapping is the media) and flush has nothing to do; drain still
-    orders (SFENCE through libpmem when present)."""
-
-
-class PowerLossCXLDevice(EmulatedCXLDevice):
-    """The emulated device with a power-loss model (knob `power_loss` = 1; map_device picks it).
-
-    Two mappings of the memory-backed file:
-
-      array  MAP_PRIVATE (mmap.ACCESS_COPY): the process's view, its "CPU caches". A page it writes
-             becomes a private copy that the file never sees.
-      media  MAP_SHARED: the file itself, which outlives the process.
-
-    flush copies the range, rounded out to whole cache lines, from the private view to the media;
-    drain has nothing to wait for. SIGKILL then does what a power failure does: the private copies
-    die with the process, and the file holds exactly what was persisted (plus whatever shared a
-    cache line with it: real write-back is per line too).
-
-    Reading a page this process never wrote shows the file's current bytes (a private mapping
-    shares unwritten pages with the page cache). That is the right answer here: the pool lock makes
-    this process the file's only writer, and it writes the media only by copying from this very
-    view, so an unwritten page's bytes are the same in both.
-
-    Costs and limits: each page the process writes becomes an anonymous private copy, so the
-    written part of the pool takes twice its size in memory; persist costs a memcpy of the lines
-    (no libpmem flush: the copy is the persistence). A forked child's stores go to its own private
-    copies and are not seen by the parent, persisted or not.
-
-    With `evict_rate` > 0 an Evictor thread also writes random unpersisted lines to the media early
-    (emulation/evictor.py). Every write to the media holds `media_lock`, so the evictor can never
-    put an older value of a line over a newer one that flush has just persisted.
-    """
-
-    kind = "emulated-cxl"
-    power_loss = True
-
-    def __init__(self, path: str, fd: int, size: int, *, evict_rate: int = 0, evict_seed: int = 0) -> None:
-        # Not EmulatedCXLDevice.__init__: that maps the file shared and flushes through libpmem.
-        Device.__init__(self, path, size, writable=True, is_pmem=True)  # flush is per cache line
-        self._pmem = None
-        self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.address = self._array.ctypes.data
-        self._media_mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        # the only view of the media: close() drops it, then unmaps (nobody else can hold one)
-        self._media: np.ndarray | None = np.frombuffer(self._media_mmap, dtype=np.uint8)
-        self._media_address = self._media.ctypes.data
-        self.media_lock = threading.Lock()
-        self.evictor = (Evictor(self._array, self._media, self.media_lock, rate=evict_rate, seed=evict_seed)
-                        if evict_rate else None)
-
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
-        if self._media is None:
-            raise ValueError(f"{self.path}: device is closed")
-        if length == 0:
-            return
-        self._account(length)
-        # Whole lines, as CLWB does: unpersisted neighbours in the first and last line go along.
-        start = offset - offset % CACHE_LINE
-        end = min(-(-(offset + length) // CACHE_LINE) * CACHE_LINE, self.size)
-        with self.media_lock:
-            ctypes.memmove(self._media_address + start, self.address + start, end - start)
-
-    def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
-        if rows.size == 0 or native.lib() is None:
-            return Device.flush_rows(self, offset, stride, rows)  # one flush() per run of rows
-        self._check_range(offset, 0)
-        if self._media is None:
-            raise ValueError(f"{self.path}: device is closed")
-        self._account(rows.size * stride)
-        rows = np.require(rows, np.int64, "CA")
-        with self.media_lock:  # the kernel runs without the GIL: the lock alone keeps the evictor out
-            native.copy_lines(self.address, self._media_address, self.size, offset, stride,
-                              (self.size - offset) // stride, rows)
-
-    def drain(self) -> None:
-        # Nothing is in flight: flush's copy has landed in the media (the page cache, which outlives
-        # the process) before flush returns, and this thread's stores are seen in program order, so
-        # every flush issued so far is complete and ordered before whatever comes after.
-        pass
-
-    # persist = flush + drain, and copy_persist = store into the private view + persist, are the
-    # inherited ones: the media gets the bytes by the same line copy as any persisted store.
-
-    def close(self) -> None:
-        if self.evictor is not None:
-            self.evictor.stop()  # before the views go: it reads and writes both
-            self.evictor = None
-        super().close()  # the private view: unmapped now, or when the last view of it goes
-        self._media = None
-        try:
-            self._media_mmap.close()
-        except BufferError:
-            pass  # cannot happen (no view of the media escapes), but never unmap under a view
-
-    def __repr__(self) -> str:
-        mode = "rw" if self.writable else "ro"
-        return f"<{type(self).__name__} {self.kind} power-loss {self.path} {self.size} bytes {mode}>"
-
-
-class VolatileCXLDevice(_FlushWritesNothing, PowerLossCXLDevice):
-    """Power loss with no persistence domain at all (volatile CXL memory): flush makes nothing
-    durable, so a kill loses every store since the pool was opened. Closing the pool normally
-    writes the private view back whole: the process ended, the machine (and its memory) did not."""
-
-    def close(self) -> None:
-        if self._media is not None and self._array is not None:
-            with self.media_lock:
-                self._media[:] = self._array
-        super().close()

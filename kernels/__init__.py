@@ -6,7 +6,6 @@
     native.py      the C extension (`_rows`, built from rows.c by setup.py) and the row-set flushes
                    the devices use (flush_rows, copy_lines)
     rows.c         the C kernels: one call per table per batch, GIL released, rows bounds-checked
-    microbench.py  run(): per-table-per-batch timings, C against torch
 
 CuPy GPU kernels belong here too.
 """

@@ -5,7 +5,8 @@ the `native_kernels` knob is 0; callers then use the torch kernels of rows.py. T
 take raw addresses: only this module and ops.py call them, after checking every array they
 describe. This module needs numpy only (no torch), so the devices layer can use it.
 
-The two row-set flushes, for devices (rows int64 [U], sorted ascending, unique):
+The two row-set flushes, for devices (rows int64 [U], sorted ascending, unique); each returns the
+number of runs of adjacent rows it wrote back (what a device counts as flushes):
 
     flush_rows(address, stride, table_rows, rows, flush_address=None, drain_address=None, drain=False)
         write back each run of adjacent rows of the table at `address` ([table_rows, stride] bytes)
@@ -67,16 +68,16 @@ def check_rows(rows: np.ndarray) -> None:
 
 
 def flush_rows(address: int, stride: int, table_rows: int, rows: np.ndarray, flush_address: int | None = None,
-               drain_address: int | None = None, drain: bool = False) -> None:
+               drain_address: int | None = None, drain: bool = False) -> int:
     check_rows(rows)
-    _require().flush_rows(address, stride, table_rows, rows.ctypes.data, rows.size, flush_address or 0,
+    return _require().flush_rows(address, stride, table_rows, rows.ctypes.data, rows.size, flush_address or 0,
                           drain_address or 0, drain)
 
 
 def copy_lines(view_address: int, media_address: int, map_size: int, offset: int, stride: int, table_rows: int,
-               rows: np.ndarray) -> None:
+               rows: np.ndarray) -> int:
     check_rows(rows)
-    _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows, rows.ctypes.data,
+    return _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows, rows.ctypes.data,
                           rows.size)
 
 

@@ -13,9 +13,9 @@
  *   capture_undo                 old weights, old state and row ids into an undo-record payload,
  *                                with non-temporal stores and one SFENCE
  *   flush_rows                   write back each run of adjacent rows (libpmem's pmem_flush, or
- *                                CLWB/CLFLUSHOPT), optionally followed by one drain
+ *                                CLWB/CLFLUSHOPT), optionally followed by one drain; returns the runs
  *   copy_lines                   the power-loss emulator's flush: whole 64-byte lines of each run
- *                                of rows copied from the process's view to the media view
+ *                                of rows copied from the process's view to the media view; returns the runs
  *   crc32                        zlib's CRC-32, folded with carry-less multiply where the CPU has it
  *
  * Determinism: floats are added in a fixed order (a row's gradients in lookup order), the build
@@ -54,36 +54,40 @@ static PyObject *raise_bad_row(const int64_t *rows, Py_ssize_t at, int64_t limit
     return NULL;
 }
 
-/* The work of a row-set kernel; runs only after every row passed the bounds check. */
-typedef void (*row_set_work)(const void *args, const int64_t *rows, Py_ssize_t count);
+/* The work of a row-set kernel; runs only after every row passed the bounds check. Returns what
+ * the caller gets back: the rows done, or for the flushes the runs written back (which the
+ * devices count as flushes). */
+typedef Py_ssize_t (*row_set_work)(const void *args, const int64_t *rows, Py_ssize_t count);
 
 /* Check the rows against the table, then do the work, both without the GIL. */
 static PyObject *run_checked(row_set_work work, const void *args, const int64_t *rows, Py_ssize_t count,
                              int64_t table_rows)
 {
-    Py_ssize_t bad;
+    Py_ssize_t bad, done = 0;
     Py_BEGIN_ALLOW_THREADS
     bad = first_bad_row(rows, count, table_rows);
     if (bad < 0)
-        work(args, rows, count);
+        done = work(args, rows, count);
     Py_END_ALLOW_THREADS
     if (bad >= 0)
         return raise_bad_row(rows, bad, table_rows);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(done);
 }
 
-/* Call run(args, first row, rows in the run) once per run of adjacent rows. */
+/* Call run(args, first row, rows in the run) once per run of adjacent rows; returns the runs. */
 typedef void (*run_fn)(const void *args, int64_t first, Py_ssize_t length);
 
-static void for_each_run(const void *args, const int64_t *rows, Py_ssize_t count, run_fn run)
+static Py_ssize_t for_each_run(const void *args, const int64_t *rows, Py_ssize_t count, run_fn run)
 {
-    for (Py_ssize_t i = 0; i < count;) {
+    Py_ssize_t runs = 0;
+    for (Py_ssize_t i = 0; i < count; runs++) {
         Py_ssize_t j = i + 1;
         while (j < count && rows[j] == rows[j - 1] + 1)
             j++;
         run(args, rows[i], j - i);
         i = j;
     }
+    return runs;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ static void prefetch_row(const char *row, size_t row_bytes, int for_write)
     }
 }
 
-static void copy_rows_work(const void *args, const int64_t *rows, Py_ssize_t count)
+static Py_ssize_t copy_rows_work(const void *args, const int64_t *rows, Py_ssize_t count)
 {
     const struct row_copy *c = args;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -134,6 +138,7 @@ static void copy_rows_work(const void *args, const int64_t *rows, Py_ssize_t cou
         Py_ssize_t to = c->scatter ? rows[i] : i, from = c->scatter ? i : rows[i];
         c->copy(c->dst + to * c->dst_stride, c->src + from * c->src_stride, c->row_bytes);
     }
+    return count;
 }
 
 static PyObject *copy_rows(PyObject *self, PyObject *args)
@@ -469,7 +474,7 @@ struct undo_capture {
     char *old_rows;                 /* its third block: the row ids */
 };
 
-static void capture_work(const void *args, const int64_t *rows, Py_ssize_t count)
+static Py_ssize_t capture_work(const void *args, const int64_t *rows, Py_ssize_t count)
 {
     const struct undo_capture *u = args;
     copy_rows_work(&u->weights, rows, count);
@@ -477,6 +482,7 @@ static void capture_work(const void *args, const int64_t *rows, Py_ssize_t count
         copy_rows_work(&u->state, rows, count);
     stream_copy(u->old_rows, (const char *)rows, (size_t)count * sizeof *rows);
     store_fence(); /* non-temporal stores are weakly ordered: order them before what follows */
+    return count;
 }
 
 static PyObject *capture_undo(PyObject *self, PyObject *args)
@@ -542,16 +548,17 @@ static void flush_run(const void *args, int64_t first, Py_ssize_t length)
     f->flush(f->base + first * f->stride, (size_t)(length * f->stride));
 }
 
-static void flush_work(const void *args, const int64_t *rows, Py_ssize_t count)
+static Py_ssize_t flush_work(const void *args, const int64_t *rows, Py_ssize_t count)
 {
     const struct row_flush *f = args;
-    for_each_run(f, rows, count, flush_run);
+    Py_ssize_t runs = for_each_run(f, rows, count, flush_run);
     if (f->do_drain) {
         if (f->drain)
             f->drain();
         else
             store_fence();
     }
+    return runs;
 }
 
 static PyObject *flush_rows(PyObject *self, PyObject *args)
@@ -597,9 +604,9 @@ static void copy_lines_run(const void *args, int64_t first, Py_ssize_t length)
     memcpy(c->media + start, c->view + start, (size_t)(end - start));
 }
 
-static void copy_lines_work(const void *args, const int64_t *rows, Py_ssize_t count)
+static Py_ssize_t copy_lines_work(const void *args, const int64_t *rows, Py_ssize_t count)
 {
-    for_each_run(args, rows, count, copy_lines_run);
+    return for_each_run(args, rows, count, copy_lines_run);
 }
 
 static PyObject *copy_lines(PyObject *self, PyObject *args)
@@ -843,9 +850,9 @@ static PyMethodDef methods[] = {
      "capture_undo(old_weights, old_state, old_rows, weights, row_bytes, state, state_bytes, table_rows, rows, "
      "count)"},
     {"flush_rows", flush_rows, METH_VARARGS,
-     "flush_rows(base, stride, table_rows, rows, count, flush_fn, drain_fn, drain)"},
+     "flush_rows(base, stride, table_rows, rows, count, flush_fn, drain_fn, drain) -> runs written back"},
     {"copy_lines", copy_lines, METH_VARARGS,
-     "copy_lines(view, media, map_size, offset, stride, table_rows, rows, count)"},
+     "copy_lines(view, media, map_size, offset, stride, table_rows, rows, count) -> runs copied"},
     {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
     {"crc32", crc32, METH_VARARGS, "crc32(buffer, seed) -> zlib.crc32 of a C-contiguous buffer's bytes, continuing seed"},
     {"crc32_path", crc32_path_py, METH_VARARGS,

@@ -94,3 +94,37 @@ def test_default_pool_falls_back_to_the_temp_folder_when_shm_is_too_small(monkey
     assert emulation.default_pool_dir(1 << 60) == tempfile.gettempdir()
     with override(pool_dir="/somewhere"):
         assert emulation.default_pool_path() == f"/somewhere/{cxl.POOL_NAME}"
+
+
+# Every device model the backends and the emulation's knobs make: (backend, knobs).
+DEVICE_MODELS = [(backend, {}) for backend in BACKENDS] + [
+    ("emulated", {"power_loss": 1}), ("emulated", {"power_loss": 1, "domain": "eadr"}),
+    ("emulated", {"power_loss": 1, "domain": "none"})]
+
+
+@pytest.mark.parametrize("native_kernels", [1, 0])
+@pytest.mark.parametrize("backend, model", DEVICE_MODELS)
+def test_a_device_counts_what_it_is_asked_to_make_durable(shm_dir, tmp_path, backend, model, native_kernels):
+    """The counters the cost model reads: the same requests count the same on every device, native
+    row walk or Python one (a row set counts its runs of adjacent rows as flushes)."""
+    from cxltrain.devices.registry import map_device
+
+    path = (shm_dir if backend == "emulated" else tmp_path) / "counted"
+    path.write_bytes(bytes(1 << 20))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with override(native_kernels=native_kernels, **model):
+            device = map_device(str(path), fd, 1 << 20, writable=True, backend=backend)
+            device.flush(0, 100)
+            device.drain()
+            device.persist(4096, 64)
+            device.copy_persist(8192, b"0123456789")
+            device.persist_streamed(12288, 64)
+            device.flush_rows(16384, 256, np.array([1, 2, 3, 9, 40], dtype=np.int64))  # runs: 1-3, 9, 40
+            device.flush_rows(16384, 256, np.array([], dtype=np.int64))
+            counted = device.counters.copy()
+            device.close()
+    finally:
+        os.close(fd)
+    assert (counted.flushes, counted.drains, counted.persisted_bytes) == (1 + 1 + 1 + 3, 1 + 1 + 1 + 1,
+                                                                          100 + 64 + 10 + 64 + 5 * 256)

@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 from cxltrain import knobs
 from cxltrain.checkpoint.layout import split_payload
-from cxltrain.devices import map_device
+from cxltrain.devices.registry import map_device
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.kernels import native, ops
 

@@ -30,7 +30,7 @@ OLD = 0xAA  # what the file holds before the child runs
 PRELUDE = """
 import os, signal, sys
 import numpy as np
-from cxltrain.devices import map_device
+from cxltrain.devices.registry import map_device
 path = sys.argv[1]
 fd = os.open(path, os.O_RDWR)
 dev = map_device(path, fd, os.fstat(fd).st_size, writable=True, backend="emulated")

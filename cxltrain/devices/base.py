@@ -20,6 +20,9 @@ What each really does depends on the backend, chosen once when the pool is opene
 `copy_persist` writes bytes and makes them durable in one call (non-temporal stores plus one fence
 on DAX), the cheapest way to append a log record.
 
+Every device counts what it is asked to make durable (`Device.counters`: flushes, drains, bytes),
+in the base class's public calls, so the cost model reads real counts instead of guessing them.
+
 A device hands out one numpy view of the whole mapping (`array`). The mapping stays alive while any
 view of it does — closing the device drops the device's own reference only — so a tensor that
 outlives its pool can never point at unmapped memory.
@@ -28,6 +31,7 @@ outlives its pool can never point at unmapped memory.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import os
 
 import numpy as np
@@ -35,16 +39,49 @@ import numpy as np
 from ..kernels import native
 
 
+@dataclasses.dataclass
+class DeviceCounters:
+    """What a device was asked to make durable, counted where each request is served (the cost
+    model in emulation/costmodel.py reads these; trainer.traffic_per_batch takes their difference
+    over a run). Requests, not backend work: a persist on msync counts one flush and one drain
+    although msync has nothing to drain, so the counts say what the protocol costs on PMEM/CXL.
+
+    flushes: write-back requests, one contiguous range each (a row set counts its runs of
+        adjacent rows; persist and copy_persist count one; streamed stores need none).
+    drains: fences waited for (drain, persist, copy_persist, persist_streamed: one each).
+    persisted_bytes: bytes asked to be made durable (a range's length, not rounded to lines).
+    """
+
+    flushes: int = 0
+    drains: int = 0
+    persisted_bytes: int = 0
+
+    def copy(self) -> DeviceCounters:
+        return dataclasses.replace(self)
+
+    def __sub__(self, earlier: DeviceCounters) -> DeviceCounters:
+        return DeviceCounters(self.flushes - earlier.flushes, self.drains - earlier.drains,
+                              self.persisted_bytes - earlier.persisted_bytes)
+
+
 class Device(abc.ABC):
     """A pool's backing store, mapped whole.
+
+    The public calls (flush, drain, persist, flush_rows, copy_persist, persist_streamed) check the
+    range and count the request in `counters`, here and only here; backends implement the hooks
+    they call (_write_back and _fence, and where they have something cheaper, _persist_range,
+    _store_persist, _persist_streamed, _write_back_rows or _native_row_flush).
 
     Attributes:
         kind: backend name ("pmem", "msync", "emulated-cxl").
         path: the file or device path.
         size: mapped length in bytes.
         writable: False for read-only inspection mappings.
-        is_pmem: True when flush/drain are cache-line operations (DAX or forced), False when
-            persistence goes through msync or the backend has no flush at all.
+        is_pmem: True when a flush is a cache-line write-back (DAX or forced, or an emulation of
+            one), cheap enough to flush rows right after their update; False when persistence
+            goes through msync of whole pages or the backend has no flush at all. It says how a
+            flush behaves, not whether libpmem does it.
+        counters: flushes, drains and bytes persisted so far (DeviceCounters).
         model: for the emulated device, what it models (cxltrain.emulation), else None.
     """
 
@@ -57,6 +94,7 @@ class Device(abc.ABC):
         self.size = size
         self.writable = writable
         self.is_pmem = is_pmem
+        self.counters = DeviceCounters()
         self._array: np.ndarray | None = None
 
     @property
@@ -72,53 +110,105 @@ class Device(abc.ABC):
         if not self.writable:
             raise ValueError(f"{self.path}: mapped read-only")
 
-    @abc.abstractmethod
+    # -- the interface: checked and counted here, done by the hooks below -----------------------
     def flush(self, offset: int, length: int) -> None:
         """Start write-back of [offset, offset+length); no ordering guarantee until drain()."""
+        self._check_range(offset, length)
+        counters = self.counters
+        counters.flushes += 1
+        counters.persisted_bytes += length
+        self._write_back(offset, length)
 
-    @abc.abstractmethod
     def drain(self) -> None:
         """Wait for every flush issued so far."""
+        self.counters.drains += 1
+        self._fence()
 
     def persist(self, offset: int, length: int) -> None:
         """Make [offset, offset+length) durable before returning."""
-        self.flush(offset, length)
-        self.drain()
+        self._check_range(offset, length)
+        counters = self.counters
+        counters.flushes += 1
+        counters.drains += 1
+        counters.persisted_bytes += length
+        self._persist_range(offset, length)
 
     def persist_streamed(self, offset: int, length: int) -> None:
         """Make [offset, offset+length) durable after it was written with non-temporal stores (the
         native undo capture's). Where those go around the caches into the persistence domain
         (libpmem's backends) a fence is all that is left, as in pmem_memcpy_persist; elsewhere
-        this is persist()."""
-        self.persist(offset, length)
+        the hook persists the range. Counted as a fence: on PMEM/CXL streamed stores need no flush."""
+        self._check_range(offset, length)
+        counters = self.counters
+        counters.drains += 1
+        counters.persisted_bytes += length
+        self._persist_streamed(offset, length)
 
     def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
         """Flush rows `rows` (sorted ascending, int64 [U]) of a table at `offset` with `stride`-byte
         rows; no ordering until drain(). Adjacent rows go as one range, so the skewed, clustered
-        row sets of a batch cost far fewer calls than rows. Where flush is libpmem's pmem_flush, the
-        native kernel walks the row set in one call; elsewhere flush() is called once per run."""
+        row sets of a batch cost far fewer calls than rows. Where the device has a native row-set
+        flush (_write_back_rows) one C call walks the set; elsewhere flush() is called once per run."""
+        runs = self._write_back_rows(offset, stride, rows)
+        if runs is not None:
+            counters = self.counters
+            counters.flushes += runs
+            counters.persisted_bytes += rows.size * stride
+            return
         if rows.size == 0:
             return
-        # PmemDevice and EmulatedCXLDevice keep libpmem as `_pmem` and flush with its pmem_flush
-        # exactly when is_pmem: then one C call does every run (a ctypes call per run costs ~0.5 µs).
-        pmem = getattr(self, "_pmem", None)
-        if pmem is not None and self.is_pmem and native.lib() is not None:
-            self._check_range(offset, 0)
-            rows = np.require(rows, np.int64, "CA")  # a record's row ids may sit 4 bytes off alignment
-            native.flush_rows(self.address + offset, stride, (self.size - offset) // stride, rows, pmem.flush_address)
-            return
-        breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-        starts = rows[np.concatenate(([0], breaks))]
-        counts = np.diff(np.concatenate(([0], breaks, [rows.size])))
+        starts, counts = runs_of(rows)
         for start, count in zip(starts.tolist(), counts.tolist()):
-            self.flush(offset + start * stride, count * stride)
+            self.flush(offset + start * stride, count * stride)  # counted there
 
     def copy_persist(self, offset: int, data: np.ndarray | bytes) -> None:
-        """Store `data` at `offset` and make it durable. Backends with non-temporal stores override."""
+        """Store `data` at `offset` and make it durable."""
         src = self._source_bytes(data)
         self._check_range(offset, src.size)
+        counters = self.counters
+        counters.flushes += 1
+        counters.drains += 1
+        counters.persisted_bytes += src.size
+        self._store_persist(offset, src)
+
+    # -- the hooks: what each backend does; ranges are checked and counted before they run -------
+    @abc.abstractmethod
+    def _write_back(self, offset: int, length: int) -> None:
+        """flush()'s work: start writing the range back to the persistence domain."""
+
+    @abc.abstractmethod
+    def _fence(self) -> None:
+        """drain()'s work: wait for every write-back issued so far."""
+
+    def _persist_range(self, offset: int, length: int) -> None:
+        """persist()'s work; backends with a single call for both override."""
+        self._write_back(offset, length)
+        self._fence()
+
+    def _persist_streamed(self, offset: int, length: int) -> None:
+        """persist_streamed()'s work: where streamed stores are not already durable, a persist."""
+        self._persist_range(offset, length)
+
+    def _store_persist(self, offset: int, src: np.ndarray) -> None:
+        """copy_persist()'s work: store, then persist. Backends with non-temporal stores override."""
         self.array[offset : offset + src.size] = src
-        self.persist(offset, src.size)
+        self._persist_range(offset, src.size)
+
+    def _native_row_flush(self) -> int | None:
+        """The C address of this device's cache-line flush (pmem_flush's signature), for the native
+        kernel to call once per run of rows; None where a flush is not such a call."""
+        return None
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
+        """flush_rows()'s work in one native call: returns the number of runs written back, or None
+        where the device has no native row-set flush (then flush_rows calls flush() per run). Called
+        for every row set, empty ones too."""
+        flush_address = self._native_row_flush()
+        if rows.size == 0 or flush_address is None or native.lib() is None:
+            return None  # a ctypes call per run costs ~0.5 µs: only C makes the row walk cheap
+        self._check_range(offset, 0)
+        rows = np.require(rows, np.int64, "CA")  # a record's row ids may sit 4 bytes off alignment
+        return native.flush_rows(self.address + offset, stride, (self.size - offset) // stride, rows, flush_address)
 
     @staticmethod
     def _source_bytes(data: np.ndarray | bytes) -> np.ndarray:
@@ -134,6 +224,15 @@ class Device(abc.ABC):
     def __repr__(self) -> str:
         mode = "rw" if self.writable else "ro"
         return f"<{type(self).__name__} {self.kind} {self.path} {self.size} bytes {mode}>"
+
+
+def runs_of(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The runs of adjacent rows in `rows` (sorted ascending, unique, not empty): (first row of each
+    run, rows in it)."""
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = rows[np.concatenate(([0], breaks))]
+    counts = np.diff(np.concatenate(([0], breaks, [rows.size])))
+    return starts, counts
 
 
 def page_range(offset: int, length: int) -> tuple[int, int]:

@@ -32,10 +32,11 @@ import shutil
 import stat
 import subprocess
 
-from . import resolve_backend
+from ..emulation import default_pool_path
 from .libpmem import load as load_libpmem
 from .mounts import Mount, mount_of, read_mounts
 from .sysfs import char_device_size, device_dir, read_int
+from .targets import resolve_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,8 +281,6 @@ class TrainDefault:
 
 def train_default(required_bytes: int, mounts: list[Mount], meminfo_path: str = "/proc/meminfo") -> TrainDefault:
     """What `train` with no --pool uses for a pool of `required_bytes`."""
-    from ..emulation import default_pool_path  # emulation builds on this package: import it only when asked
-
     path = default_pool_path(required_bytes)
     folder = os.path.dirname(path)
     mount = mount_of(folder)

@@ -26,12 +26,11 @@ class MsyncDevice(Device):
         if not writable:
             self._array.flags.writeable = False
 
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
+    def _write_back(self, offset: int, length: int) -> None:
         start, span = page_range(offset, length)
         self._mmap.flush(start, min(span, self.size - start))
 
-    def drain(self) -> None:
+    def _fence(self) -> None:
         # msync(MS_SYNC) is synchronous: every flush has completed when it returns.
         pass
 

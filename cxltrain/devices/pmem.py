@@ -48,34 +48,33 @@ class PmemDevice(Device):
         buffer._mapping = _Mapping(pmem, address, mapped.value)  # lives as long as any view
         self._array = np.frombuffer(buffer, dtype=np.uint8)
 
-    def flush(self, offset: int, length: int) -> None:
-        self._check_range(offset, length)
+    def _write_back(self, offset: int, length: int) -> None:
         if self.is_pmem:
             self._pmem.pmem_flush(self.address + offset, length)
         elif self._pmem.pmem_msync(self.address + offset, length) != 0:
             raise DeviceError(f"{self.path}: pmem_msync failed: {self._pmem.errormsg()}")
 
-    def drain(self) -> None:
+    def _fence(self) -> None:
         if self.is_pmem:
             self._pmem.pmem_drain()
 
-    def persist(self, offset: int, length: int) -> None:
+    def _persist_range(self, offset: int, length: int) -> None:
         if self.is_pmem:
-            self._check_range(offset, length)
             self._pmem.pmem_persist(self.address + offset, length)
         else:
-            self.flush(offset, length)
+            self._write_back(offset, length)  # msync is synchronous: nothing to drain
 
-    def persist_streamed(self, offset: int, length: int) -> None:
-        if not self.is_pmem:
-            return super().persist_streamed(offset, length)
-        self._check_range(offset, length)
-        self._pmem.pmem_drain()
+    def _persist_streamed(self, offset: int, length: int) -> None:
+        if self.is_pmem:
+            self._pmem.pmem_drain()  # the stores went around the caches: only the fence is left
+        else:
+            self._persist_range(offset, length)
 
-    def copy_persist(self, offset: int, data) -> None:
+    def _store_persist(self, offset: int, src: np.ndarray) -> None:
         if not self.is_pmem:
-            return super().copy_persist(offset, data)
-        src = self._source_bytes(data)
-        self._check_range(offset, src.size)
+            return super()._store_persist(offset, src)
         # non-temporal stores for large copies, then one fence
         self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
+
+    def _native_row_flush(self) -> int | None:
+        return self._pmem.flush_address if self.is_pmem else None  # off DAX a flush is an msync
