@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The ground floor proper: row kernels and the on-media format (which checksums with them).
     ("kernels", ("cxltrain.kernels", "cxltrain.pool_format")),
     ("devices", ("cxltrain.devices", "cxltrain.emulation")),
-    ("pool", ("cxltrain.pool",)),
+    # The pool handle, and beside it what opens, locks, checks and inspects a pool file.
+    ("pool", ("cxltrain.pool", "cxltrain.pool_files", "cxltrain.pool_check", "cxltrain.pool_inspect")),
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
