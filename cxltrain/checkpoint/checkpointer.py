@@ -70,7 +70,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CheckpointError
-from ..faults import crash_point, planted
+from ..faults import CrashPoint, crash_point, planted
 from ..kernels import ops as row_ops
 from ..pool import Pool
 from ..pool_format import ROOT_RELAXED
@@ -302,7 +302,7 @@ class Checkpointer(BatchGuard):
             return
         started = time.perf_counter()
         self._flush_rows(table, rows.numpy())
-        crash_point("update:rows-flushed")
+        crash_point(CrashPoint.UPDATE_ROWS_FLUSHED)
         self.stats.training_flush_seconds += time.perf_counter() - started
 
     def end_batch(self, batch: int) -> None:
@@ -463,20 +463,20 @@ class Checkpointer(BatchGuard):
         rows_late = planted("commit-before-rows")  # test-only: U2 broken on purpose
         if not rows_late:
             yield from self._persist_rows(dirty)
-        crash_point("commit:between-rows-and-snapshot")
+        crash_point(CrashPoint.COMMIT_BETWEEN_ROWS_AND_SNAPSHOT)
         fields = {}
         if written is not None:
             dense.seal_snapshot(self.pool, written[0], done, *written[1:])
             self.stats.snapshots += 1
             fields = dict(dense_slot=written[0], dense_batch=done)
-            crash_point("commit:before-root")
+            crash_point(CrashPoint.COMMIT_BEFORE_ROOT)
         start, start_seq = self.ring.start_after_reclaim(done)
         # U2 — rows before commit: every row updated in place since the last commit (flushed just
         # above, or at its update and drained at hand-over), and the dense snapshot of batch `done`
         # when one is due, are durable before this root names `done`.
         self.pool.commit(batch=done, flags=ROOT_RELAXED if self.mode == "relaxed" else 0, ring_start=start,
                          ring_start_seq=start_seq, **fields)
-        crash_point("commit:after-root")
+        crash_point(CrashPoint.COMMIT_AFTER_ROOT)
         if rows_late:
             yield from self._persist_rows(dirty)
         # U3 — commit before reclaim: records of batches < done are forgotten (their ring space
@@ -490,7 +490,7 @@ class Checkpointer(BatchGuard):
         for i, (table, rows) in enumerate(dirty):
             self._flush_rows(table, rows.numpy())
             if i == 0 and len(dirty) > 1:
-                crash_point("commit:mid-rows")  # one table's rows flushed, more to go
+                crash_point(CrashPoint.COMMIT_MID_ROWS)  # one table's rows flushed, more to go
             yield
         self.pool.device.drain()
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, PoolCorruptError
-from ..faults import crash_point, planted
+from ..faults import CrashPoint, crash_point, planted
 from ..kernels import ops as row_ops
 from ..pool import Pool
 from ..pool_format import Region, RegionKind
@@ -104,7 +104,7 @@ class UndoRing:
                 device.persist_streamed(base + layout.UNDO_HEADER.size, payload_len)
             else:
                 device.persist(base + layout.UNDO_HEADER.size, payload_len)
-            crash_point("undo:between-payload-and-header")
+            crash_point(CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER)
             # U1 — undo before overwrite: the payload is durable before the header that makes it
             # valid, and the whole record is durable when append returns, which the caller does
             # before the batch's first in-place store into these rows.
