@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,9 @@ from .pool import Pool, RegionSpec
 from .pool_format import RegionKind
 from .errors import ConfigError, NonFiniteError, PoolError
 from .kernels import ops as row_ops
+
+if TYPE_CHECKING:
+    from .checkpoint.seam import TableGuard
 
 MODES = ("sum", "mean")
 
@@ -95,9 +99,9 @@ class PersistentEmbeddingBag(nn.Module):
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
         self.stats = TableStats()  # totals over the table's lifetime
-        # set by a Runtime (checkpoint.BatchGuard): told of every lookup with gradients (forward) and
-        # every in-place update (backward), so it can log them and keep them inside batches
-        self.checkpointer = None
+        # set by a Runtime's guard: told of every lookup with gradients (forward) and every in-place
+        # update (backward), so it can log them and keep them inside batches (checkpoint/seam.py)
+        self.checkpointer: TableGuard | None = None
 
     # -- storage ----------------------------------------------------------------------------
     @property
@@ -336,6 +340,8 @@ class _BagLookup(torch.autograd.Function):
                 raise NonFiniteError(f"table {table.name!r}: gradient{batch} is not finite (NaN or inf); stopped "
                                      "before updating the table, and the batch is not committed")
             if table.checkpointer is not None:
+                # ORDERING U1c: the undo record of these rows is durable (before_update returns only
+                # then) before the update below issues the batch's first in-place store into them.
                 table.checkpointer.before_update(table, ctx.batch)
             unique_rows = table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
             if table.checkpointer is not None:
