@@ -176,7 +176,7 @@ def _run_train(args) -> int:
     from .devices import resolve_backend
     from .emulation import default_pool_path
     from .config import TrainConfig
-    from .checkpoint.checkpointer import summary_line
+    from .checkpoint.stats import summary_line
     from .trainer import train
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,

@@ -38,8 +38,8 @@ import time
 from typing import Callable
 
 from . import faults, knobs
+from .faults import CrashPoint
 from .config import TrainConfig
-from .emulation.cxl import FLUSH_POINT
 from .errors import ConfigError, CxlTrainError
 from .knobs import KNOBS
 
@@ -49,18 +49,11 @@ TRIAL_CONFIG = TrainConfig(steps=10, batch_size=64, num_tables=2, rows=3000, dim
 SMALL_RING_BYTES = 32 << 10   # ~4 batches of this config's records: the ring wraps, commits come early
 
 KINDS = ("time", "point", "flush", "recovery")
-# Named points and how many times a full run reaches each, per batch (tables = per table lookup).
-PROTOCOL_POINTS = {
-    "undo:between-payload-and-header": "tables",
-    "update:mid": "tables",
-    "update:rows-flushed": "tables",   # rows flushed at their update (the default on emulated devices)
-    "commit:mid-rows": "commits",      # ... or by the commit (capture and flushes on the worker)
-    "commit:between-rows-and-snapshot": "commits",
-    "commit:before-root": "commits",
-    "commit:torn-root": "commits",
-    "commit:after-root": "commits",
-}
-RECOVERY_POINTS = ("recover:mid", "recover:before-root")
+# Named points and how many times a full run reaches each, per batch (tables = per table lookup):
+# the registry's, so a point added there is tortured here.
+PROTOCOL_POINTS = dict(CrashPoint.REACHED_PER)
+RECOVERY_POINTS = CrashPoint.RECOVERY
+FLUSH_POINT = CrashPoint.DEVICE_FLUSH
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,10 @@
 
 Both are read once, at import (or set by `arm`, for a child forked from a process that imported
 this module already); a process that sets neither pays one `is None` check per point.
+
+Every name is registered here (CrashPoint, Planted), and only registered names are accepted:
+arming an unknown point or fault raises, and so does reaching a point whose name is not
+registered while a crash is armed — a misspelt name can never switch a crash test off silently.
 """
 
 from __future__ import annotations
@@ -17,26 +21,78 @@ import signal
 CRASH_ENV = "CXLTRAIN_CRASH_AT"
 FAULT_ENV = "CXLTRAIN_FAULT"
 
-# The planted bugs, each breaking one ordering rule where the code enforces it.
-PLANTED = (
-    "skip-undo-persist",      # U1: the undo record is never persisted (checkpoint/ring.py)
-    "commit-before-rows",     # U2: the root is written before the batch's rows are persisted (checkpointer.py)
-    "capture-before-update",  # U4: the undo record holds rows from before the previous update (checkpointer.py)
-    "root-before-entries",    # pool: a root naming regions whose directory entries are not durable (pool.py)
-)
+
+class CrashPoint:
+    """Every named crash point, where it is reached, and (for `cxltrain crashtest`) how often a
+    training run reaches it: once per table per batch ("tables"), once per commit ("commits"),
+    or elsewhere (None)."""
+
+    CREATE_BEFORE_SUPERBLOCK = "create:before-superblock"  # pool.py: Pool.create, root written
+    ADD_REGIONS_BETWEEN = "add-regions:between"            # pool.py: between directory entries and root
+    COMMIT_TORN_ROOT = "commit:torn-root"                  # pool.py: half a root slot written
+    UNDO_BETWEEN_PAYLOAD_AND_HEADER = "undo:between-payload-and-header"  # checkpoint/ring.py
+    UPDATE_MID = "update:mid"                              # kernels/ops.py: a table half-updated in place
+    UPDATE_ROWS_FLUSHED = "update:rows-flushed"            # checkpoint/coordinator.py: rows flushed at update
+    COMMIT_MID_ROWS = "commit:mid-rows"                    # checkpoint/commit.py: one table's rows flushed
+    COMMIT_BETWEEN_ROWS_AND_SNAPSHOT = "commit:between-rows-and-snapshot"  # checkpoint/commit.py
+    COMMIT_BEFORE_ROOT = "commit:before-root"              # checkpoint/commit.py: snapshot sealed, no root
+    COMMIT_AFTER_ROOT = "commit:after-root"                # checkpoint/commit.py: root durable, no reclaim
+    RECOVER_MID = "recover:mid"                            # checkpoint/recovery.py: one record restored
+    RECOVER_BEFORE_ROOT = "recover:before-root"            # checkpoint/recovery.py: rows restored, no root
+    DEVICE_FLUSH = "device:flush"                          # emulation/cxl.py: every flush of the device
+
+    REACHED_PER = {
+        UNDO_BETWEEN_PAYLOAD_AND_HEADER: "tables",
+        UPDATE_MID: "tables",
+        UPDATE_ROWS_FLUSHED: "tables",    # rows flushed at their update (the default on emulated devices)
+        COMMIT_MID_ROWS: "commits",       # ... or by the commit (capture and flushes on the worker)
+        COMMIT_BETWEEN_ROWS_AND_SNAPSHOT: "commits",
+        COMMIT_BEFORE_ROOT: "commits",
+        COMMIT_TORN_ROOT: "commits",
+        COMMIT_AFTER_ROOT: "commits",
+    }
+    RECOVERY = (RECOVER_MID, RECOVER_BEFORE_ROOT)
+
+
+class Planted:
+    """The planted bugs, each breaking one ordering rule where the code enforces it."""
+
+    SKIP_UNDO_PERSIST = "skip-undo-persist"          # U1: the undo record is never persisted
+    COMMIT_BEFORE_ROWS = "commit-before-rows"        # U2: the root is written before the batch's rows are durable
+    CAPTURE_BEFORE_UPDATE = "capture-before-update"  # U4: the record holds rows from before the previous update
+    ROOT_BEFORE_ENTRIES = "root-before-entries"      # pool: a root naming directory entries not yet durable
+
+
+def _names(namespace: type) -> tuple[str, ...]:
+    return tuple(value for key, value in vars(namespace).items() if key.isupper() and isinstance(value, str))
+
+
+CRASH_POINTS = frozenset(_names(CrashPoint))
+PLANTED = _names(Planted)
 
 
 def _parse_crash(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     name, _, count = value.rpartition(":")  # names contain ':' themselves; the count is last
-    if count.isdigit() and int(count) > 0 and name:
-        return name, int(count)
-    return value, 1
+    parsed = (name, int(count)) if count.isdigit() and int(count) > 0 and name else (value, 1)
+    if parsed[0] not in CRASH_POINTS:
+        raise ValueError(f"{CRASH_ENV}={value!r}: unknown crash point {parsed[0]!r}; "
+                         f"registered: {', '.join(sorted(CRASH_POINTS))}")
+    return parsed
+
+
+def _parse_faults(value: str) -> frozenset[str]:
+    faults = frozenset(f for f in value.split(",") if f)
+    unknown = sorted(faults - set(PLANTED))
+    if unknown:
+        raise ValueError(f"{FAULT_ENV}={value!r}: unknown planted fault(s) {', '.join(unknown)}; "
+                         f"registered: {', '.join(PLANTED)}")
+    return faults
 
 
 _CRASH = _parse_crash(os.environ.get(CRASH_ENV))
-_FAULTS = frozenset(f for f in os.environ.get(FAULT_ENV, "").split(",") if f)
+_FAULTS = _parse_faults(os.environ.get(FAULT_ENV, ""))
 _reached = 0
 
 
@@ -44,13 +100,17 @@ def arm(crash_at: str | None, faults: str = "") -> None:
     """Set the crash point and planted faults as the variables would: for a process forked after
     import (cxltrain crashtest's children), where the variables were read before they were set."""
     global _CRASH, _FAULTS, _reached
-    _CRASH, _FAULTS, _reached = _parse_crash(crash_at), frozenset(f for f in faults.split(",") if f), 0
+    _CRASH, _FAULTS, _reached = _parse_crash(crash_at), _parse_faults(faults), 0
 
 
 def crash_point(name: str) -> None:
     """Die here, as a power cut or kill -9 would, if CXLTRAIN_CRASH_AT names this point."""
     global _reached
-    if _CRASH is None or _CRASH[0] != name:
+    if _CRASH is None:
+        return
+    if name not in CRASH_POINTS:
+        raise ValueError(f"crash point {name!r} is not registered in cxltrain.faults.CrashPoint")
+    if _CRASH[0] != name:
         return
     _reached += 1
     if _reached == _CRASH[1]:
@@ -67,6 +127,18 @@ def crash_armed(name: str) -> bool:
     return _CRASH is not None and _CRASH[0] == name
 
 
+def crash_due(name: str) -> bool:
+    """True when the next crash_point(name) is the one that kills: for a kernel that must stop
+    half-way through that one call, and only that one."""
+    return _CRASH is not None and _CRASH[0] == name and _reached + 1 == _CRASH[1]
+
+
 def planted(name: str) -> bool:
-    """True when the test-only fault `name` is planted (CXLTRAIN_FAULT)."""
+    """True when the test-only fault `name` is planted (CXLTRAIN_FAULT). Read once, where a strategy
+    is chosen (checkpoint/ordering.py), never in a hot path."""
     return name in _FAULTS
+
+
+def planted_faults() -> frozenset[str]:
+    """Every planted fault (CXLTRAIN_FAULT)."""
+    return _FAULTS

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import MODES, BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover, verify
+from .checkpoint import (MODES, BatchGuard, Checkpointer, CheckpointStats, NoCheckpoint, has_checkpoint, recover,
+                         verify)
 from .checkpoint import dense, layout
 from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
@@ -116,7 +117,7 @@ class Runtime:
 
     def _reset(self) -> None:
         """What one `with` block learns about the pool and where it is in it."""
-        self._guard: BatchGuard | None = None  # the Checkpointer, or a bare BatchGuard with checkpoint "off"
+        self._guard: BatchGuard | None = None  # the Checkpointer, or NoCheckpoint with checkpoint "off"
         self.start_batch = 0
         self.recovered_batch: int | None = None
         self.recovery = None                # the RecoveryReport, when the pool was recovered
@@ -184,7 +185,7 @@ class Runtime:
             self._start_fresh(pool, tables_present=present)
         self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
                                     pipeline=self.pipeline, background_capture=self.background_capture)
-                       if self.checkpoint == "undo" else BatchGuard(pool, tables))
+                       if self.checkpoint == "undo" else NoCheckpoint(pool, tables, self._state))
 
     def _resume(self, pool: Pool) -> None:
         started = time.perf_counter()
@@ -249,11 +250,11 @@ class Runtime:
         one in flight); returns the seconds waited. The batch in flight, if any, is committed when
         the loop asks for the next batch or the block exits, not by this."""
         self._require_open()
-        return self._guard.wait_durable() if isinstance(self._guard, Checkpointer) else 0.0
+        return self._guard.wait_durable()
 
     @property
     def stats(self) -> CheckpointStats | None:
-        return self._guard.stats if isinstance(self._guard, Checkpointer) else None
+        return self._guard.stats if self._guard is not None else None
 
     @property
     def batch(self) -> int:
@@ -278,25 +279,10 @@ class Runtime:
                     # fetching one batch too many): it is not done, the next run starts with it
                     self._guard.abort_batch()
                 self._end_in_flight()
-                self._make_final_commit(pool)
+                self._guard.finish(self.batch)  # everything durable and committed at the batch reached
         finally:
             self._guard.detach()  # kept: rt.stats stays readable after the block
             pool.close()
-
-    def _make_final_commit(self, pool: Pool) -> None:
-        """Everything durable and committed, with a dense snapshot, at the batch reached."""
-        if isinstance(self._guard, Checkpointer):
-            self._guard.finish(self.batch)
-            return
-        done = self.batch
-        if pool.root.batches_done == done:
-            return
-        for table in self.tables.values():
-            table.persist()
-        slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, done, self._state.capture(done))
-        # ORDERING: every table region and the snapshot are durable before the root names them
-        pool.commit(batches_done=done, dense_slot=slot, dense_batch=done)
 
 
 def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:

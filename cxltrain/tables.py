@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +42,10 @@ from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 from .pool import Pool, RegionSpec
 from .pool_format import RegionKind
 from .errors import ConfigError, NonFiniteError, PoolError
-from .faults import crash_armed, crash_point
-from .kernels import rows as row_kernels
 from .kernels import ops as row_ops
+
+if TYPE_CHECKING:
+    from .checkpoint.seam import TableGuard
 
 MODES = ("sum", "mean")
 
@@ -97,9 +99,9 @@ class PersistentEmbeddingBag(nn.Module):
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
         self.stats = TableStats()  # totals over the table's lifetime
-        # set by a Runtime (checkpoint.BatchGuard): told of every lookup with gradients (forward) and
-        # every in-place update (backward), so it can log them and keep them inside batches
-        self.checkpointer = None
+        # set by a Runtime's guard: told of every lookup with gradients (forward) and every in-place
+        # update (backward), so it can log them and keep them inside batches (checkpoint/seam.py)
+        self.checkpointer: TableGuard | None = None
 
     # -- storage ----------------------------------------------------------------------------
     @property
@@ -268,39 +270,17 @@ class PersistentEmbeddingBag(nn.Module):
             per_sample_weights = per_sample_weights.to(torch.float32)
         return indices, offsets.to(torch.int64), per_sample_weights
 
-    def sparse_gradient(self, indices: torch.Tensor, offsets: torch.Tensor,
-                        per_sample_weights: torch.Tensor | None,
-                        grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's gradient on this table: (rows [U] sorted unique, grads [U, D])."""
-        lookup_grads = row_kernels.lookup_gradients(grad_out.float(), offsets, indices.numel(), self.mode,
-                                                    per_sample_weights)
-        return row_kernels.reduce_duplicates(indices, lookup_grads)
-
     def update_from_lookups(self, indices: torch.Tensor, offsets: torch.Tensor,
                             per_sample_weights: torch.Tensor | None, grad_out: torch.Tensor) -> torch.Tensor:
         """The batch's fused sparse update in place, straight from its lookups (indices [N], offsets [B],
         grad_out [B, D]): one kernel call reduces duplicates and updates each unique row once.
-        Returns the rows it updated [U], sorted."""
-        if crash_armed("update:mid"):  # the crash test's half-updated table needs the unique rows first
-            rows, grads = self.sparse_gradient(indices, offsets, per_sample_weights, grad_out)
-            self.apply_update(rows, grads)
-            return rows
+        Returns the rows it updated [U], sorted. (A crash test's update:mid kill lands inside that
+        kernel: kernels/ops.py.)"""
         storage = self._require_storage()
         weights = None if per_sample_weights is None else per_sample_weights.contiguous()
         with torch.no_grad():
             return self.optimizer.update(storage, self._state, indices.contiguous(), grad_out.float().contiguous(),
                                          offsets.contiguous(), weights, self.mode)
-
-    def apply_update(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
-        """Apply the fused optimizer to unique `rows` [U] with `grads` [U, D], in place in the pool."""
-        storage = self._require_storage()
-        with torch.no_grad():
-            if crash_armed("update:mid"):  # crash tests: die with half the rows updated in place
-                half = rows.numel() // 2
-                self.optimizer.update(storage, self._state, rows[:half], grads[:half])
-                crash_point("update:mid")
-                rows, grads = rows[half:], grads[half:]
-            self.optimizer.update(storage, self._state, rows, grads)
 
     def extra_repr(self) -> str:
         where = self.pool.path if self.pool is not None else ("dram" if self._rows is not None else "unattached")
@@ -360,6 +340,8 @@ class _BagLookup(torch.autograd.Function):
                 raise NonFiniteError(f"table {table.name!r}: gradient{batch} is not finite (NaN or inf); stopped "
                                      "before updating the table, and the batch is not committed")
             if table.checkpointer is not None:
+                # ORDERING U1c: the undo record of these rows is durable (before_update returns only
+                # then) before the update below issues the batch's first in-place store into them.
                 table.checkpointer.before_update(table, ctx.batch)
             unique_rows = table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
             if table.checkpointer is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..faults import CrashPoint, crash_due, crash_point
 from . import native
 from . import rows as torch_rows
 
@@ -111,14 +112,27 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         _check_bounds(indices, weight.shape[0])
         if offsets is None:
             offsets = torch.arange(bags, dtype=torch.int64)
-        return torch_rows.sparse_update(rule, weight, state, indices, grad_out, offsets, per_sample_weights, mode,
-                                        lr, eps)
+        rows = torch_rows.sparse_update(rule, weight, state, indices, grad_out, offsets, per_sample_weights, mode,
+                                        lr, eps, _stop_after(indices, weight.shape[0]))
+        crash_point(CrashPoint.UPDATE_MID)
+        return rows
     out = torch.empty(indices.numel(), dtype=torch.int64)
     unique = lib.sparse_update(
         RULES[rule], weight.data_ptr(), weight.shape[1], _address(state), state.shape[1] if state is not None else 0,
         weight.shape[0], dim, indices.data_ptr(), indices.numel(), grad_out.data_ptr(), dim, bags,
-        _address(offsets), mode == "mean", _address(per_sample_weights), lr, eps, out.data_ptr())
+        _address(offsets), mode == "mean", _address(per_sample_weights), lr, eps, out.data_ptr(),
+        _stop_after(indices, weight.shape[0]))
+    crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]
+
+
+def _stop_after(indices: torch.Tensor, table_rows: int) -> int:
+    """-1 (update every row), unless this update is the one CXLTRAIN_CRASH_AT=update:mid kills:
+    then half its unique rows, so the kill leaves the table half-updated in place by the very
+    kernel production runs."""
+    if not crash_due(CrashPoint.UPDATE_MID):
+        return -1
+    return unique_rows(indices, table_rows).numel() // 2
 
 
 def capture_undo(old_weights: np.ndarray, old_state: np.ndarray, old_rows: np.ndarray, weights: torch.Tensor,

@@ -179,6 +179,7 @@ struct update_args {
     const float *psw;       /* [N] per-sample weights (mode "sum" only), or NULL */
     float lr, eps;
     int64_t *out_rows;      /* [N]: the sorted unique rows, U of them */
+    Py_ssize_t stop_after;  /* update only the first this many unique rows (crash tests); -1: all */
 };
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
@@ -223,11 +224,13 @@ static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, i
 }
 
 /* One unique row: sum its lookups' gradients in lookup order, then apply the rule. The body is
- * compiled twice (plain x86-64 and AVX2+FMA); fmaf is exact either way, so both give equal bits. */
+ * compiled twice (plain x86-64 and AVX2+FMA); fmaf is exact either way, so both give equal bits.
+ * stop_after cuts the loop short after that many rows: a crash test's kill lands inside this very
+ * loop, with exactly those rows updated in place (-1 never matches). */
 #define UPDATE_ROWS_BODY                                                                          \
     Py_ssize_t unique = 0;                                                                        \
     const Py_ssize_t dim = a->dim;                                                                \
-    for (Py_ssize_t j = 0; j < a->n;) {                                                           \
+    for (Py_ssize_t j = 0; j < a->n && unique != a->stop_after;) {                                \
         const int64_t row = a->indices[order[j]];                                                 \
         if (j + PREFETCH_ROWS < a->n) { /* a row some lookups ahead: its weights and state */     \
             const int64_t ahead = a->indices[order[j + PREFETCH_ROWS]];                           \
@@ -395,9 +398,9 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     struct update_args a;
     unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows;
     long long table_rows;
-    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffK", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
                           &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
-                          &a.mean, &psw, &a.lr, &a.eps, &out_rows))
+                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after))
         return NULL;
     if (a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) {
         PyErr_Format(PyExc_ValueError, "unknown update rule %d", a.rule);
@@ -842,7 +845,8 @@ static PyMethodDef methods[] = {
      "(scatter false: dst row i := src row rows[i]) or scatter (dst row rows[i] := src row i)"},
     {"sparse_update", sparse_update, METH_VARARGS,
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
-     "bags, offsets, mean, psw, lr, eps, out_rows) -> unique row count"},
+     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after) -> unique rows updated (all of them, or "
+     "stop_after when that is fewer; -1: no stop)"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out) -> U: the sorted distinct row ids of keys [n] into out [U]"},

@@ -82,13 +82,16 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                   grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-                  mode: str, lr: float, eps: float) -> torch.Tensor:
+                  mode: str, lr: float, eps: float, stop_after: int = -1) -> torch.Tensor:
     """The fused sparse update composed of the steps above; returns the updated rows [U], sorted.
 
-    indices [N], grad_out [B, D] (one gradient per bag), offsets [B]; rule "sgd" or "rowwise_adagrad".
+    indices [N], grad_out [B, D] (one gradient per bag), offsets [B]; rule "sgd" or "rowwise_adagrad";
+    stop_after: update only the first that many unique rows (crash tests; -1: all), as the C kernel.
     """
     grads = lookup_gradients(grad_out, offsets, indices.numel(), mode, per_sample_weights)
     rows, summed = reduce_duplicates(indices, grads)
+    if stop_after >= 0:
+        rows, summed = rows[:stop_after], summed[:stop_after]
     if rule == "sgd":
         sgd_update(weight, rows, summed, lr)
     else:

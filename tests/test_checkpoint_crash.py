@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from cxltrain.crashtest import TRIAL_CONFIG, References, check_recovery, differences
-from cxltrain.faults import CRASH_ENV, FAULT_ENV
+from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.pool import Pool
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.trainer import train
@@ -115,16 +115,16 @@ def test_resume_after_a_clean_stop_equals_one_run(shm_dir, ref_dir):
 # Named points: (crash point, occurrence to die at, batches the recovered pool must hold).
 # Captures and updates happen once per table per batch; commits once per batch.
 NAMED = [
-    ("undo:between-payload-and-header", 2 * TABLES + 2, 2),  # batch 2, second table's record half-made
-    ("update:mid", 3 * TABLES + 1, 3),                         # batch 3, first table half-updated
-    ("update:rows-flushed", 3 * TABLES + 1, 3),                # batch 3, first table's updated rows flushed
-    ("commit:between-rows-and-snapshot", 5, 4),                # batch 4: rows durable, no snapshot yet
-    ("commit:before-root", 7, 6),                              # batch 6: rows and snapshot durable, no root
+    (CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2 * TABLES + 2, 2),  # batch 2, second table's record half-made
+    (CrashPoint.UPDATE_MID, 3 * TABLES + 1, 3),                         # batch 3, first table half-updated
+    (CrashPoint.UPDATE_ROWS_FLUSHED, 3 * TABLES + 1, 3),                # batch 3, first table's updated rows flushed
+    (CrashPoint.COMMIT_BETWEEN_ROWS_AND_SNAPSHOT, 5, 4),                # batch 4: rows durable, no snapshot yet
+    (CrashPoint.COMMIT_BEFORE_ROOT, 7, 6),                              # batch 6: rows and snapshot durable, no root
 ]
 # Points in a batch's own capture and update: pipelined, the commit of the batch before may still
 # be running on the worker when they are reached, so the pool may hold one batch less. Points inside
 # a commit are exact either way.
-IN_BATCH = {"undo:between-payload-and-header", "update:mid", "update:rows-flushed"}
+IN_BATCH = {CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, CrashPoint.UPDATE_MID, CrashPoint.UPDATE_ROWS_FLUSHED}
 
 
 def expected_batches(point: str, expected: int, pipeline: bool) -> range:
@@ -143,19 +143,19 @@ def test_kill_at_named_point_recovers_exactly(shm_dir, ref_dir, point, count, ex
 
 def test_torn_root_recovers_exactly(shm_dir, ref_dir):
     pool = str(shm_dir / "t.pool")
-    killed = run_child(pool, env={CRASH_ENV: "commit:torn-root:8"})
+    killed = run_child(pool, env={CRASH_ENV: f"{CrashPoint.COMMIT_TORN_ROOT}:8"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     batch, problems = exactness_problems(pool, ref_dir)
     assert problems == [] and 0 < batch < STEPS
 
 
 @pytest.mark.parametrize("power_loss", ["0", "1"], ids=["sigkill", "power-loss"])
-@pytest.mark.parametrize("point", ["recover:mid", "recover:before-root"])
+@pytest.mark.parametrize("point", [CrashPoint.RECOVER_MID, CrashPoint.RECOVER_BEFORE_ROOT])
 def test_kill_during_recovery_then_recover_again(shm_dir, ref_dir, point, power_loss):
     """Recovery writes only absolute old values: dying inside it and recovering again is the same."""
     pool = str(shm_dir / "t.pool")
     env = {"CXLTRAIN_POWER_LOSS": power_loss}
-    assert run_child(pool, env={**env, CRASH_ENV: f"update:mid:{4 * TABLES + 2}"},
+    assert run_child(pool, env={**env, CRASH_ENV: f"{CrashPoint.UPDATE_MID}:{4 * TABLES + 2}"},
                      extra=("--no-pipeline",)).returncode == -signal.SIGKILL  # exactly batch 4 committed
     again = subprocess.run([sys.executable, "-m", "cxltrain", "recover", pool, "--json"], capture_output=True,
                            text=True, env={**os.environ, **env, CRASH_ENV: point})
@@ -214,15 +214,16 @@ def test_power_loss_at_named_point_recovers_exactly(shm_dir, ref_dir, point, cou
 # ---------------------------------------------------------------------------------------------
 # Planted bugs: the same check must fail.
 # ---------------------------------------------------------------------------------------------
+PLANTED_IN_THE_CHECKPOINTER = (Planted.SKIP_UNDO_PERSIST, Planted.COMMIT_BEFORE_ROWS, Planted.CAPTURE_BEFORE_UPDATE)
 PLANTED = [
     # U1 skipped: under power loss the rows of batch 6 reach the media, their undo record never does
-    ("skip-undo-persist", "commit:before-root:7", "1"),
+    (Planted.SKIP_UNDO_PERSIST, f"{CrashPoint.COMMIT_BEFORE_ROOT}:7", "1"),
     # U2 broken: the root names batch 5 before its rows are durable (under power loss they are lost;
     # a SIGKILL keeps them, so that bug is invisible to it)
-    ("commit-before-rows", "commit:after-root:5", "1"),
+    (Planted.COMMIT_BEFORE_ROWS, f"{CrashPoint.COMMIT_AFTER_ROOT}:5", "1"),
     # U4 broken: batch 6's record holds rows as they were before batch 5's update
-    ("capture-before-update", "commit:before-root:7", "0"),
-    ("capture-before-update", "commit:before-root:7", "1"),
+    (Planted.CAPTURE_BEFORE_UPDATE, f"{CrashPoint.COMMIT_BEFORE_ROOT}:7", "0"),
+    (Planted.CAPTURE_BEFORE_UPDATE, f"{CrashPoint.COMMIT_BEFORE_ROOT}:7", "1"),
 ]
 
 
@@ -239,7 +240,7 @@ def test_planted_bugs_are_inert_without_a_crash(shm_dir, ref_dir):
     """Each bug only matters at a crash: a clean run with all of them planted still ends exact,
     so what the tests above catch is the broken ordering, not a broken computation."""
     pool = str(shm_dir / "t.pool")
-    done = run_child(pool, env={FAULT_ENV: "skip-undo-persist,commit-before-rows,capture-before-update"})
+    done = run_child(pool, env={FAULT_ENV: ",".join(PLANTED_IN_THE_CHECKPOINTER)})
     assert done.returncode == 0, done.stderr
     assert differences(export_state(pool), reference(STEPS, ref_dir)) == []
 
@@ -250,8 +251,8 @@ def test_wrapping_ring_and_dense_every_recover_exactly(shm_dir, ref_dir, power_l
     of 2-3 batches live (recovery rolls several back), commits early when it runs short (a clean run
     commits 4 times in 10 batches, all early) and wraps twice; kills land in batches 5 and 8."""
     env = {"CXLTRAIN_UNDO_RING_BYTES": str(32 << 10), "CXLTRAIN_POWER_LOSS": power_loss}
-    for point, killed_in in ((f"update:mid:{5 * TABLES + 2}", 5),
-                             (f"undo:between-payload-and-header:{8 * TABLES + 1}", 8)):
+    for point, killed_in in ((f"{CrashPoint.UPDATE_MID}:{5 * TABLES + 2}", 5),
+                             (f"{CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER}:{8 * TABLES + 1}", 8)):
         pool = str(shm_dir / "t.pool")
         killed = run_child(pool, env={**env, CRASH_ENV: point}, extra=("--dense-every", "5"))
         assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -262,7 +263,7 @@ def test_wrapping_ring_and_dense_every_recover_exactly(shm_dir, ref_dir, power_l
 
 def test_kill_while_creating_the_pool_then_start_fresh(shm_dir, ref_dir):
     pool = str(shm_dir / "t.pool")
-    killed = run_child(pool, env={CRASH_ENV: "create:before-superblock"})
+    killed = run_child(pool, env={CRASH_ENV: CrashPoint.CREATE_BEFORE_SUPERBLOCK})
     assert killed.returncode == -signal.SIGKILL
     assert not os.path.exists(pool) and os.path.exists(pool + ".creating")
     result = train(CONFIG, pool_path=pool, progress=False)
@@ -272,7 +273,8 @@ def test_kill_while_creating_the_pool_then_start_fresh(shm_dir, ref_dir):
 
 def test_checkpoint_off_interrupted_starts_over(shm_dir, ref_dir):
     pool = str(shm_dir / "t.pool")
-    killed = run_child(pool, env={CRASH_ENV: f"update:mid:{3 * TABLES + 1}"}, extra=("--checkpoint", "off"))
+    killed = run_child(pool, env={CRASH_ENV: f"{CrashPoint.UPDATE_MID}:{3 * TABLES + 1}"},
+                       extra=("--checkpoint", "off"))
     assert killed.returncode == -signal.SIGKILL
     result = train(CONFIG, pool_path=pool, progress=False)
     assert result.restarted and result.start_batch == 0 and result.recovered_batch is None
@@ -290,7 +292,8 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     same state is refused."""
     pool = str(shm_dir / "t.pool")
     relaxed = ("--mode", "relaxed", "--dense-every", "3")
-    killed = run_child(pool, env={CRASH_ENV: f"update:mid:{8 * TABLES + 1}", "CXLTRAIN_POWER_LOSS": "1"},
+    killed = run_child(pool, env={CRASH_ENV: f"{CrashPoint.UPDATE_MID}:{8 * TABLES + 1}",
+                                  "CXLTRAIN_POWER_LOSS": "1"},
                        extra=relaxed)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
 

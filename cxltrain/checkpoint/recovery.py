@@ -18,7 +18,7 @@ import dataclasses
 import time
 
 from ..errors import RecoveryError
-from ..faults import crash_point
+from ..faults import CrashPoint, crash_point
 from ..pool import Pool
 from ..pool_format import ROOT_RELAXED
 from . import dense, layout, ring
@@ -83,9 +83,9 @@ def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, d
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win
         ring.restore(pool, ring_region, record)
         if done == 0 and len(rollback) > 1:
-            crash_point("recover:mid")  # one record restored, more to go
+            crash_point(CrashPoint.RECOVER_MID)  # one record restored, more to go
     pool.device.drain()
-    crash_point("recover:before-root")
+    crash_point(CrashPoint.RECOVER_BEFORE_ROOT)
     generation = root.ring_generation + 1
     # ORDERING: the restored rows are durable before the root that retires the records they came
     # from (a new generation: they can never be live again).

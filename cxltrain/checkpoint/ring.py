@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, PoolCorruptError
-from ..faults import crash_point, planted
+from ..faults import CrashPoint, crash_point
 from ..kernels import ops as row_ops
 from ..pool import Pool
 from ..pool_format import Region, RegionKind
@@ -40,8 +40,11 @@ class UndoRing:
     One thread appends; another may reclaim and ask for the start concurrently: the live-record
     bookkeeping (where records are, head, next seq) changes only under `_lock`."""
 
-    def __init__(self, pool: Pool, generation: int, start: int, start_seq: int) -> None:
+    def __init__(self, pool: Pool, generation: int, start: int, start_seq: int, record_device=None) -> None:
         self.pool = pool
+        # what records are stored and persisted through: the pool's device (a planted U1 bug's
+        # view of it in crash tests: checkpoint/ordering.py)
+        self._record_device = pool.device if record_device is None else record_device
         self.region = pool.region(layout.RING_REGION)
         self.capacity = layout.ring_record_bytes(self.region.size)  # the tail mark follows
         self.generation = generation
@@ -90,7 +93,7 @@ class UndoRing:
         with self._lock:  # placed against the live records; reclaim can only free more meanwhile
             offset = self._place(size)
         base = self.region.offset + offset
-        device = self.pool.device
+        device = self._record_device
         payload_len = layout.payload_bytes(count, row_bytes, state_bytes)
         payload = device.array[base + layout.UNDO_HEADER.size : base + layout.UNDO_HEADER.size + payload_len]
         streamed = row_ops.capture_undo(*layout.split_payload(payload, count, row_bytes, state_bytes), weights, state,
@@ -99,19 +102,14 @@ class UndoRing:
                                    state_bytes, layout.payload_checksum(payload, self.pool.superblock.uuid,
                                                                         self.generation, self.next_seq),
                                    None if state_region is None else state_region.index)
-        if not planted("skip-undo-persist"):  # test-only: U1's persists left out on purpose
-            if streamed:  # non-temporal stores: no cache lines to write back
-                device.persist_streamed(base + layout.UNDO_HEADER.size, payload_len)
-            else:
-                device.persist(base + layout.UNDO_HEADER.size, payload_len)
-            crash_point("undo:between-payload-and-header")
-            # U1 — undo before overwrite: the payload is durable before the header that makes it
-            # valid, and the whole record is durable when append returns, which the caller does
-            # before the batch's first in-place store into these rows.
-            device.copy_persist(base, header.pack(self.pool.superblock.uuid))
+        if streamed:  # non-temporal stores: no cache lines to write back
+            device.persist_streamed(base + layout.UNDO_HEADER.size, payload_len)
         else:
-            device.array[base : base + layout.UNDO_HEADER.size] = np.frombuffer(
-                header.pack(self.pool.superblock.uuid), dtype=np.uint8)
+            device.persist(base + layout.UNDO_HEADER.size, payload_len)
+        crash_point(CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER)
+        # ORDERING U1a: the payload is durable before the header that makes it valid, and the whole
+        # record is durable when append returns (before the batch's first in-place store: U1b, U1c).
+        device.copy_persist(base, header.pack(self.pool.superblock.uuid))
         with self._lock:
             self._live.append(LiveRecord(offset, size, self.next_seq, batch))
             self.live_bytes += size

@@ -46,8 +46,6 @@ class Ticket:
 class InlineWorker:
     """Runs each job at once on the caller's thread: undo logging on the critical path."""
 
-    pipelined = False
-
     def submit_capture(self, job: Callable[[], None]) -> Ticket:
         job()
         return _DONE
@@ -73,8 +71,6 @@ _DONE._done.set()
 
 class BackgroundWorker:
     """One daemon thread running captures first, then commit steps (see the module docstring)."""
-
-    pipelined = True
 
     def __init__(self, name: str = "cxltrain-checkpoint") -> None:
         self._cond = threading.Condition()

@@ -1,0 +1,107 @@
+"""The commit pipeline: the steps one commit takes, on the worker (or inline, without the pipeline).
+
+The commit of batch b (`done` = b + 1 batches), handed over by the checkpointer at b's end:
+
+    persist rows     flush the rows updated in place since the last commit, one table per step,
+                     then drain (rows flushed at their update were drained at hand-over)
+    seal snapshot    when one is due: its payload is already in the free dense slot (written and
+                     persisted on the training thread); the header makes it valid
+    write the root   naming `done` as the recovery target, and the ring's new live start
+    reclaim          forget the undo records the durable root no longer needs
+
+The order of the first three is the Ordering strategy's (ordering.py: U2); the reclaim comes after
+all of them (U3). Steps are yielded so the worker can serve captures of b + 1 between them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ..faults import CrashPoint, crash_point
+from ..pool import Pool
+from ..pool_format import ROOT_RELAXED
+from . import dense
+from .ordering import Ordering
+from .ring import UndoRing
+from .seam import LoggedTable
+from .stats import CheckpointStats
+
+# (table, rows [U] int64 sorted) updated in place and not yet persisted
+DirtyRows = list[tuple[LoggedTable, torch.Tensor]]
+
+
+class CommitPipeline:
+    """Builds the steps of each commit over one pool and ring; `durable` is the batch count the
+    last durable root names (read by the training thread, written by whoever runs the steps)."""
+
+    def __init__(self, pool: Pool, ring: UndoRing, stats: CheckpointStats, ordering: Ordering, *,
+                 relaxed: bool) -> None:
+        self.pool, self.ring, self.stats, self.ordering = pool, ring, stats, ordering
+        self._root_flags = ROOT_RELAXED if relaxed else 0
+        self.durable = pool.root.batches_done
+
+    def steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None) -> Iterator[None]:
+        """The commit at `done` batches, timed. dirty: the rows updated since the last commit;
+        written: (slot, payload bytes, payload checksum) of the dense state at `done`, already
+        durable in that slot (dense.write_payload), or None when no snapshot is due."""
+        return self._timed(self._steps(done, dirty, written))
+
+    def _steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None) -> Iterator[None]:
+        yield from self.ordering.commit(self, done, dirty, written)
+        # ORDERING U3: records of batches < done are forgotten (their ring space reused) only now
+        # that a durable root no longer needs them.
+        self.ring.reclaim(done)
+        self.durable = done
+        self.stats.commits += 1
+
+    def seal_and_write_root(self, done: int, written: tuple[int, int, int] | None) -> None:
+        """Make the snapshot at `done` valid (when one is due), then write the root naming `done`."""
+        crash_point(CrashPoint.COMMIT_BETWEEN_ROWS_AND_SNAPSHOT)
+        slot = snapshot_batch = None  # None: the root keeps naming the previous snapshot
+        if written is not None:
+            dense.seal_snapshot(self.pool, written[0], done, *written[1:])
+            self.stats.snapshots += 1
+            slot, snapshot_batch = written[0], done
+            crash_point(CrashPoint.COMMIT_BEFORE_ROOT)
+        start, start_seq = self.ring.start_after_reclaim(done)
+        # ORDERING U2c: the dense snapshot of `done`, when one is due (payload persisted at hand-over,
+        # header sealed just above), is durable before this root names it.
+        self.pool.commit(batches_done=done, flags=self._root_flags, ring_start=start, ring_start_seq=start_seq,
+                         dense_slot=slot, dense_batch=snapshot_batch)
+        crash_point(CrashPoint.COMMIT_AFTER_ROOT)
+
+    def persist_rows(self, dirty: DirtyRows) -> Iterator[None]:
+        """Flush the rows `dirty` names, one table's rows per step, then drain."""
+        for i, (table, rows) in enumerate(dirty):
+            self.flush_rows(table, rows.numpy())
+            if i == 0 and len(dirty) > 1:
+                crash_point(CrashPoint.COMMIT_MID_ROWS)  # one table's rows flushed, more to go
+            yield
+        self.pool.device.drain()
+
+    def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
+        """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""
+        device = self.pool.device
+        weights = self.pool.region(table.weight_region)
+        device.flush_rows(weights.offset, weights.row_stride, indices)
+        row_bytes = weights.row_stride
+        if table.optimizer.state_columns:
+            state = self.pool.region(table.state_region)
+            device.flush_rows(state.offset, state.row_stride, indices)
+            row_bytes += state.row_stride
+        self.stats.rows_persisted += indices.size
+        self.stats.row_bytes += indices.size * row_bytes
+
+    def _timed(self, steps: Iterator[None]) -> Iterator[None]:
+        """`steps`, with the time of each step (not of the captures run between them) counted."""
+        while True:
+            started = time.perf_counter()
+            finished = next(steps, StopIteration) is StopIteration
+            self.stats.commit_seconds += time.perf_counter() - started
+            if finished:
+                return
+            yield

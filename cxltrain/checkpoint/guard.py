@@ -1,0 +1,160 @@
+"""Batch guards: what keeps the tables' in-place updates inside batches, with or without a
+checkpointer. The Runtime holds one of two, with the same interface:
+
+    Checkpointer (checkpointer.py)  every batch durable (DESIGN §4)
+    NoCheckpoint                    checkpoint="off": the null object — no undo log, no per-batch
+                                    commit; the pool is made consistent only by finish()
+
+A guard's state (GuardState) is checked at every transition, as PMDK checks an operation's:
+
+    IDLE --begin_batch--> IN_BATCH --end_batch / abort_batch--> IDLE
+    any  --detach-------> DETACHED  (the tables are let go; nothing else is allowed after)
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+
+import torch
+
+from ..errors import CheckpointError
+from ..pool import Pool
+from . import dense
+from .seam import LoggedTable
+from .stats import CheckpointStats
+
+
+class GuardState(enum.Enum):
+    IDLE = "between batches"
+    IN_BATCH = "in a batch"
+    DETACHED = "detached from its tables"
+
+
+class BatchGuard(abc.ABC):
+    """Keeps in-place table updates inside batches: a table looked up with gradients outside a
+    batch, or updated in a batch other than the one that looked it up, is refused before any store.
+    Attaches itself to `tables` (their `checkpointer`) until detach()."""
+
+    stats: CheckpointStats | None = None  # the checkpointer's totals; None without one
+
+    def __init__(self, pool: Pool, tables: list[LoggedTable]) -> None:
+        self.pool, self.tables = pool, tables
+        self.state = GuardState.IDLE
+        self._batch: int | None = None   # the batch in flight (set exactly while IN_BATCH)
+        self._next = pool.root.batches_done     # the batch expected next
+        self.touched = False             # the batch in flight has looked up a table with gradients
+        for table in tables:
+            table.checkpointer = self
+
+    def _move(self, expected: GuardState, to: GuardState, action: str) -> None:
+        """The transition `action` from `expected` to `to`; any other state is a caller's bug."""
+        if self.state is not expected:
+            raise CheckpointError(f"cannot {action}: the checkpoint guard is {self.state.value}, "
+                                  f"not {expected.value}")
+        self.state = to
+
+    @property
+    def in_flight(self) -> int | None:
+        """The batch begun and not yet ended, if any."""
+        return self._batch
+
+    @property
+    def next_batch(self) -> int:
+        """The batch that begins next: batches done so far."""
+        return self._next
+
+    def begin_batch(self, batch: int) -> None:
+        if self.state is GuardState.IDLE and batch != self._next:
+            raise CheckpointError(f"batch {batch} out of order: the next batch is {self._next}")
+        self._move(GuardState.IDLE, GuardState.IN_BATCH, f"begin batch {batch}")
+        self._batch = batch
+        self.touched = False
+
+    def abort_batch(self) -> None:
+        """The batch in flight did nothing (no table looked up with gradients): forget it."""
+        if self.touched:
+            raise CheckpointError(f"batch {self._batch} has already changed the tables")
+        self._move(GuardState.IN_BATCH, GuardState.IDLE, "abort a batch")
+        self._batch = None
+
+    def end_batch(self, batch: int) -> None:
+        if self.state is GuardState.IN_BATCH and batch != self._batch:
+            raise CheckpointError(f"end of batch {batch}, but batch {self._batch} is in flight")
+        self._move(GuardState.IN_BATCH, GuardState.IDLE, f"end batch {batch}")
+        self._batch = None
+        self._next = batch + 1
+
+    def detach(self) -> None:
+        """Let go of the tables; a guard already detached stays so."""
+        self.state = GuardState.DETACHED
+        for table in self.tables:
+            table.checkpointer = None
+
+    def _check_finish(self, done: int) -> None:
+        if self.state is not GuardState.IDLE or done != self._next:
+            raise CheckpointError(f"cannot commit at batch {done}: the pool is at batch {self._next}"
+                                  + (f", batch {self._batch} in flight" if self._batch is not None else "")
+                                  + (", the guard is detached" if self.state is GuardState.DETACHED else ""))
+
+    # -- what a table calls (seam.TableGuard) ---------------------------------------------------
+    def _check_in_batch(self, table: LoggedTable) -> int:
+        if self._batch is None:
+            raise CheckpointError(f"table {table.name!r} was looked up with gradients outside a batch of "
+                                  "rt.batches(): its update could not be undone after a crash "
+                                  "(use torch.no_grad() for evaluation)")
+        self.touched = True
+        return self._batch
+
+    @abc.abstractmethod
+    def capture(self, table: LoggedTable, indices: torch.Tensor) -> int:
+        """A lookup with gradients of `indices` [N]; returns the batch (seam.TableGuard)."""
+
+    def before_update(self, table: LoggedTable, batch: int | None) -> None:
+        """Called by a table's backward before it stores into its rows; `batch` is what capture returned."""
+        if batch != self._batch:
+            raise CheckpointError(f"table {table.name!r}: backward of a lookup made in batch {batch} ran in "
+                                  + (f"batch {self._batch}" if self._batch is not None else "no batch")
+                                  + ": call backward inside the batch that did the forward")
+
+    def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
+        """Called by a table's backward after it stored into `rows` [U]; nothing to do here."""
+
+    # -- what the Runtime calls at the end ------------------------------------------------------
+    @abc.abstractmethod
+    def finish(self, done: int) -> None:
+        """The run ends at `done` batches: make everything durable and committed there."""
+
+    def wait_durable(self) -> float:
+        """Wait for the commit in flight, if any; returns the seconds waited."""
+        return 0.0
+
+
+class NoCheckpoint(BatchGuard):
+    """checkpoint="off": the guard alone. The first in-place change makes the pool's root stop
+    vouching for the tables (batch -1), so a crash before finish() means starting over."""
+
+    def __init__(self, pool: Pool, tables: list[LoggedTable], state: dense.DenseState) -> None:
+        super().__init__(pool, tables)
+        self.dense_state = state
+
+    def capture(self, table: LoggedTable, indices: torch.Tensor) -> int:
+        batch = self._check_in_batch(table)
+        if self.pool.root.batches_done != -1:
+            # ORDERING: nothing can roll the tables back once they change in place: the root stops
+            # vouching for them first
+            self.pool.commit(batches_done=-1, dense_slot=0)
+        return batch
+
+    def finish(self, done: int) -> None:
+        """Every table region and a dense snapshot durable, then a root naming `done`."""
+        self._check_finish(done)
+        pool = self.pool
+        if pool.root.batches_done == done:
+            return
+        for table in self.tables:
+            table.persist()
+        slot = dense.free_slot(pool)
+        dense.write_snapshot(pool, slot, done, self.dense_state.capture(done))
+        # ORDERING: every table region and the snapshot are durable before the root names them
+        pool.commit(batches_done=done, dense_slot=slot, dense_batch=done)

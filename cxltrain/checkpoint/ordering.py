@@ -1,0 +1,121 @@
+"""The orderings of the persistence protocol (DESIGN §4) as one strategy object the checkpointer
+holds, so that a planted bug is a different strategy rather than a flag its hot paths test.
+
+Production runs `Ordering`. Each planted bug (faults.Planted, chosen with CXLTRAIN_FAULT) is a
+subclass that breaks one rule, picked once when the checkpointer is built (for_planted):
+
+    SkipUndoPersist      U1  the undo record is stored but never persisted
+    CommitBeforeRows     U2  the root is written before the batch's rows are persisted
+    CaptureBeforeUpdate  U4  the undo record holds the rows as they were before the previous update
+
+Several planted at once combine (one class deriving from each).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from ..faults import Planted
+from .seam import LoggedTable
+
+if TYPE_CHECKING:
+    from ..devices.base import Device
+    from .commit import CommitPipeline
+
+
+class Ordering:
+    """The protocol's orderings as production runs them."""
+
+    # Rows may be flushed right after their update, on the training thread (their drain before the
+    # commit is handed over keeps U2); a strategy that needs the commit to flush them says False.
+    flush_at_update = True
+
+    def undo_device(self, device: Device) -> Device:
+        """The device an undo record is stored and persisted through (U1): the pool's."""
+        return device
+
+    def capture_source(self, table: LoggedTable,
+                       storage: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The (rows [R, P], state [R, K] or None) an undo record is gathered from (U4): the
+        table's live storage, `storage` itself."""
+        return storage
+
+    def commit(self, pipeline: CommitPipeline, done: int, dirty: list, written) -> Iterator[None]:
+        """A commit's steps up to its durable root: the rows, then the snapshot and the root."""
+        yield from pipeline.persist_rows(dirty)
+        # ORDERING U2b: the rows updated in place since the last commit are durable (persist_rows
+        # ends with a drain) before the root that names `done` is written.
+        pipeline.seal_and_write_root(done, written)
+
+
+class SkipUndoPersist(Ordering):
+    """Planted U1 bug: the record's stores land, its persists are left out."""
+
+    def undo_device(self, device: Device) -> Device:
+        return _UnpersistedDevice(device)
+
+
+class CommitBeforeRows(Ordering):
+    """Planted U2 bug: the root names the batch before its rows are durable."""
+
+    flush_at_update = False  # the rows must still be unflushed when the root is written
+
+    def commit(self, pipeline: CommitPipeline, done: int, dirty: list, written) -> Iterator[None]:
+        pipeline.seal_and_write_root(done, written)
+        yield from pipeline.persist_rows(dirty)
+
+
+class CaptureBeforeUpdate(Ordering):
+    """Planted U4 bug: the record is gathered from the rows as they were at the table's previous
+    capture, i.e. before the previous batch's update — what capturing too early records."""
+
+    def __init__(self) -> None:
+        self._stale: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def capture_source(self, table, storage):
+        weights, state = storage
+        copy = (weights.clone(), None if state is None else state.clone())
+        previous = self._stale.get(table.name, copy)
+        self._stale[table.name] = copy
+        return previous
+
+
+PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
+    Planted.SKIP_UNDO_PERSIST: SkipUndoPersist,
+    Planted.COMMIT_BEFORE_ROWS: CommitBeforeRows,
+    Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
+}
+
+
+def for_planted(planted: Iterable[str]) -> Ordering:
+    """The strategy for these planted faults (names from faults.Planted; others are not the
+    checkpointer's and are ignored): production's when none of them is one of PLANTED_ORDERINGS."""
+    bugs = tuple(PLANTED_ORDERINGS[name] for name in sorted(planted) if name in PLANTED_ORDERINGS)
+    if not bugs:
+        return Ordering()
+    if len(bugs) == 1:
+        return bugs[0]()
+    return type("PlantedOrdering", bugs, {})()
+
+
+class _UnpersistedDevice:
+    """The planted U1 bug's view of a device: stores go through, persists do nothing."""
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+
+    @property
+    def array(self) -> np.ndarray:
+        return self._device.array
+
+    def persist(self, offset: int, length: int) -> None:
+        pass
+
+    def persist_streamed(self, offset: int, length: int) -> None:
+        pass
+
+    def copy_persist(self, offset: int, data: bytes) -> None:
+        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)

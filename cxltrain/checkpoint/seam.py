@@ -1,0 +1,65 @@
+"""The seam between the tables and the checkpointer, typed both ways (structural: neither side
+imports the other's classes).
+
+What a table tells its guard (TableGuard), per lookup with gradients — shapes: N lookups, U rows:
+
+    batch = guard.capture(table, indices)     forward: indices [N] int64 will be updated in backward
+    guard.before_update(table, batch)         backward, before the table's first in-place store
+    <the table's fused update, in place>      stores into its unique rows [U]
+    guard.after_update(table, batch, rows)    backward, right after: rows [U] int64, sorted
+
+What the checkpointer needs of a table (LoggedTable): its name, the pool regions of its weights
+and optimizer state, how many state columns its optimizer keeps, and its storage to gather from.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class LoggedTable(Protocol):
+    """A table whose in-place updates a guard keeps inside batches and a checkpointer undo-logs
+    (cxltrain.tables.PersistentEmbeddingBag)."""
+
+    name: str
+    checkpointer: TableGuard | None   # the guard it reports to; set by the guard, None when detached
+
+    @property
+    def weight_region(self) -> str: ...
+
+    @property
+    def state_region(self) -> str: ...
+
+    @property
+    def optimizer(self) -> _StatefulOptimizer: ...
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows [R, P] padded, optimizer state [R, K] or None): zero-copy views of the pool."""
+        ...
+
+    def persist(self) -> None:
+        """Make every row and the optimizer state durable (whole regions)."""
+        ...
+
+
+class _StatefulOptimizer(Protocol):
+    @property
+    def state_columns(self) -> int: ...
+
+
+class TableGuard(Protocol):
+    """What a table calls at its lookups and updates (see the module docstring)."""
+
+    def capture(self, table: LoggedTable, indices: torch.Tensor) -> int:
+        """A lookup with gradients of rows `indices` [N]; returns the batch, handed back below."""
+        ...
+
+    def before_update(self, table: LoggedTable, batch: int | None) -> None:
+        """Returns once the table may store into the rows it looked up in `batch` (U1)."""
+        ...
+
+    def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
+        """The table has stored into `rows` [U] (sorted, unique)."""
+        ...
