@@ -13,7 +13,7 @@ Several planted at once combine (one class deriving from each).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -23,7 +23,15 @@ from .seam import LoggedTable
 
 if TYPE_CHECKING:
     from ..devices.base import Device
-    from .commit import CommitPipeline
+
+
+class CommitSteps(Protocol):
+    """The two steps of a commit whose order an Ordering decides (commit.CommitPipeline has them);
+    named here so this module needs nothing of the pipeline that calls it."""
+
+    def persist_rows(self, dirty: list) -> Iterator[None]: ...
+
+    def seal_and_write_root(self, done: int, written: tuple[int, int, int] | None) -> None: ...
 
 
 class Ordering:
@@ -43,7 +51,7 @@ class Ordering:
         table's live storage, `storage` itself."""
         return storage
 
-    def commit(self, pipeline: CommitPipeline, done: int, dirty: list, written) -> Iterator[None]:
+    def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
         """A commit's steps up to its durable root: the rows, then the snapshot and the root."""
         yield from pipeline.persist_rows(dirty)
         # ORDERING U2b: the rows updated in place since the last commit are durable (persist_rows
@@ -63,7 +71,7 @@ class CommitBeforeRows(Ordering):
 
     flush_at_update = False  # the rows must still be unflushed when the root is written
 
-    def commit(self, pipeline: CommitPipeline, done: int, dirty: list, written) -> Iterator[None]:
+    def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
         pipeline.seal_and_write_root(done, written)
         yield from pipeline.persist_rows(dirty)
 
