@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from .errors import ConfigError
+from .modes import CHECKPOINTS, MODES, STRICT, UNDO
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,9 +24,9 @@ class TrainConfig:
     dense_lr: float = 1e-3             # Adam on the MLPs
     bottom_mlp: tuple[int, ...] = (512, 256)
     top_mlp: tuple[int, ...] = (512, 256)
-    checkpoint: str = "undo"           # "undo": every batch durable; "off": consistent only at the end
+    checkpoint: str = UNDO             # "undo": every batch durable; "off": consistent only at the end
     dense_every: int = 1               # dense snapshot every k batches (strict: and commit)
-    mode: str = "strict"               # "strict": exact recovery; "relaxed": embeddings every batch,
+    mode: str = STRICT                 # "strict": exact recovery; "relaxed": embeddings every batch,
                                        # dense state every dense_every batches (DESIGN §4)
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
@@ -48,10 +49,10 @@ class TrainConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not self.zipf_exponent > 0:
             raise ConfigError(f"zipf exponent must be > 0, got {self.zipf_exponent}")
-        if self.mode not in ("strict", "relaxed"):
-            raise ConfigError(f"mode must be 'strict' or 'relaxed', got {self.mode!r}")
-        if self.checkpoint not in ("undo", "off"):
-            raise ConfigError(f"checkpoint must be 'undo' or 'off', got {self.checkpoint!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.checkpoint not in CHECKPOINTS:
+            raise ConfigError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoint!r}")
         for name in ("sparse_lr", "dense_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")

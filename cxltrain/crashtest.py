@@ -42,6 +42,7 @@ from .faults import CrashPoint
 from .config import TrainConfig
 from .errors import ConfigError, CxlTrainError
 from .knobs import KNOBS
+from .emulation.cxl import memory_dir
 
 # The run every trial kills: small enough for ~1 s trials, large enough to have several batches
 # in flight during any kill, two tables (records interleave), row-wise Adagrad, Adam, dropout-free.
@@ -259,8 +260,7 @@ class Torture:
             KNOBS.validate()
         self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
         self.only, self.fail_fast, self.config = only, fail_fast, config
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=base)
+        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
         self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
         self.references = References(config, self.work)
         self._context = multiprocessing.get_context("forkserver")

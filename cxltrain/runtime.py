@@ -32,16 +32,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import (MODES, BatchGuard, Checkpointer, CheckpointStats, NoCheckpoint, has_checkpoint, recover,
+from .checkpoint import (BatchGuard, Checkpointer, CheckpointStats, NoCheckpoint, has_checkpoint, recover,
                          verify)
 from .checkpoint import dense, layout
 from .errors import ConfigError, PoolError, RecoveryError
 from .knobs import KNOBS
+from .modes import CHECKPOINTS, MODES, STRICT, UNDO
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import RegionKind, pool_size_for
 from .tables import PersistentEmbeddingBag, pool_holds, region_names
 
-CHECKPOINT_MODES = ("undo", "off")
 DEFAULT_UNDO_RING_BYTES = 64 << 20
 
 
@@ -80,12 +80,12 @@ class Runtime:
 
     def __init__(self, pool: str | os.PathLike, model: nn.Module,
                  optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
-                 schedulers: Sequence = (), checkpoint: str = "undo", dense_every: int = 1,
-                 mode: str = "strict", pipeline: bool = True, background_capture: bool = False,
+                 schedulers: Sequence = (), checkpoint: str = UNDO, dense_every: int = 1,
+                 mode: str = STRICT, pipeline: bool = True, background_capture: bool = False,
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ConfigError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
+        if checkpoint not in CHECKPOINTS:
+            raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         for name, value in (("dense_every", dense_every), ("pool_size", pool_size),
@@ -185,7 +185,7 @@ class Runtime:
             self._start_fresh(pool, tables_present=present)
         self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
                                     pipeline=self.pipeline, background_capture=self.background_capture)
-                       if self.checkpoint == "undo" else NoCheckpoint(pool, tables, self._state))
+                       if self.checkpoint == UNDO else NoCheckpoint(pool, tables, self._state))
 
     def _resume(self, pool: Pool) -> None:
         started = time.perf_counter()

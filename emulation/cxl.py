@@ -51,15 +51,25 @@ POOL_NAME = f"cxltrain-{os.getuid()}-train.pool"
 FLUSH_POINT = "device:flush"
 
 
+# The memory-backed file system an emulated pool lives on where the machine has one.
+SHM = "/dev/shm"
+
+
+def memory_dir() -> str:
+    """The folder for memory-backed scratch pools: /dev/shm where this process may write there,
+    else the temp folder (not memory-backed: slower, and not an emulated CXL device)."""
+    if os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK):
+        return SHM
+    return tempfile.gettempdir()
+
+
 def default_pool_dir(required_bytes: int = 0) -> str:
-    """Where the emulated pool lives by default: the knob, else /dev/shm when it exists and has room
-    for `required_bytes` (or already holds the pool), else the temp folder."""
+    """Where the emulated pool lives by default: the knob, else memory_dir() when that is /dev/shm
+    and has room for `required_bytes` (or already holds the pool), else the temp folder."""
     if KNOBS.pool_dir:
         return KNOBS.pool_dir
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
-        if os.path.exists(os.path.join(shm, POOL_NAME)) or _free_bytes(shm) >= required_bytes:
-            return shm
+    if memory_dir() == SHM and (os.path.exists(os.path.join(SHM, POOL_NAME)) or _free_bytes(SHM) >= required_bytes):
+        return SHM
     return tempfile.gettempdir()
 
 

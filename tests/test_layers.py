@@ -21,8 +21,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaves everything reads and that read nothing of ours (only each other): errors; knobs (the
     # tunables: kernels read native_kernels, devices read device/power_loss, so knobs must sit
     # below both, and names the device backends itself rather than asking devices); faults (crash
-    # points called from the kernels' callers up to the pool and the emulated device's flush).
-    ("leaves", ("cxltrain.errors", "cxltrain.knobs", "cxltrain.faults")),
+    # points called from the kernels' callers up to the pool and the emulated device's flush);
+    # modes (the checkpointing choices' names, spelled once for the command line and the checkpointer).
+    ("leaves", ("cxltrain.errors", "cxltrain.knobs", "cxltrain.faults", "cxltrain.modes")),
     # The ground floor proper: row kernels and the on-media format (which checksums with them).
     ("kernels", ("cxltrain.kernels", "cxltrain.pool_format")),
     ("devices", ("cxltrain.devices", "cxltrain.emulation")),

@@ -14,11 +14,11 @@
     recovery.py      rolling a pool back to its last committed batch
 """
 
-from .checkpointer import MODES, Checkpointer
+from .checkpointer import Checkpointer
 from .guard import BatchGuard, GuardState, NoCheckpoint
 from .recovery import RecoveryReport, has_checkpoint, recover, verify
 from .seam import LoggedTable, TableGuard
 from .stats import CheckpointStats
 
-__all__ = ["MODES", "BatchGuard", "Checkpointer", "CheckpointStats", "GuardState", "LoggedTable", "NoCheckpoint",
+__all__ = ["BatchGuard", "Checkpointer", "CheckpointStats", "GuardState", "LoggedTable", "NoCheckpoint",
            "RecoveryReport", "TableGuard", "has_checkpoint", "recover", "verify"]

@@ -74,6 +74,7 @@ import torch
 from ..errors import CheckpointError
 from ..faults import CrashPoint, crash_point, planted_faults
 from ..kernels import ops as row_ops
+from ..modes import MODES, RELAXED, STRICT
 from ..pool import Pool
 from . import codec, dense, ordering
 from .commit import CommitPipeline, DirtyRows
@@ -83,7 +84,6 @@ from .seam import LoggedTable
 from .stats import CheckpointStats
 from .worker import BackgroundWorker, InlineWorker, Ticket
 
-MODES = ("strict", "relaxed")
 
 
 class Checkpointer(BatchGuard):
@@ -96,7 +96,7 @@ class Checkpointer(BatchGuard):
     """
 
     def __init__(self, pool: Pool, tables: list[LoggedTable], state: dense.DenseState, *, dense_every: int = 1,
-                 mode: str = "strict", pipeline: bool = True, background_capture: bool = False) -> None:
+                 mode: str = STRICT, pipeline: bool = True, background_capture: bool = False) -> None:
         if dense_every < 1:
             raise CheckpointError(f"dense_every must be >= 1, got {dense_every}")
         if mode not in MODES:
@@ -108,7 +108,7 @@ class Checkpointer(BatchGuard):
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq,
                              record_device=self._ordering.undo_device(pool.device))
         self.stats = CheckpointStats()
-        self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == "relaxed")
+        self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == RELAXED)
         self.committed = root.batches_done          # the batch of the last commit handed over (embeddings)
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
@@ -195,7 +195,7 @@ class Checkpointer(BatchGuard):
         self._largest_batch_bytes = max(self._largest_batch_bytes, self._batch_bytes)
         done = batch + 1
         snapshot_due = done - self.dense_committed >= self.dense_every
-        due = snapshot_due or self.mode == "relaxed"
+        due = snapshot_due or self.mode == RELAXED
         # room for two batches like the largest so far, plus what the wrap can waste (< one record)
         ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
         if due or ring_short:
