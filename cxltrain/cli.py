@@ -203,36 +203,37 @@ def _run_train(args) -> int:
 
             print(f"emulated device models {describe_model()}", flush=True)
         result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts)
-    if result.steps == 0:
-        print(f"nothing to train: the pool is at batch {result.batch}, --steps is {args.steps}")
+    progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
+    if progress.steps == 0:
+        print(f"nothing to train: the pool is at batch {progress.batch}, --steps is {args.steps}")
     else:
-        s = result.split_ms
-        print(f"trained {result.steps} batches in {result.seconds:.1f} s ({result.steps_per_s:.1f} steps/s) "
-              f"on {result.device}; loss {result.first_loss:.4f} -> {result.final_loss:.4f}")
-        if result.early_writebacks is not None:
-            print(f"early write-back: {result.early_writebacks:,} unpersisted cache lines reached the media "
+        s = timings.split_ms
+        print(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} steps/s) "
+              f"on {result.pool.device}; loss {quality.first_loss:.4f} -> {quality.final_loss:.4f}")
+        if result.pool.early_writebacks is not None:
+            print(f"early write-back: {result.pool.early_writebacks:,} unpersisted cache lines reached the media "
                   "before their flush")
         print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
               f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint {s.checkpoint:.1f} "
-              f"+ MLP {s.mlp:.1f}; {result.rows_updated_per_batch:,.0f} rows updated per batch")
-    if result.cost_model is not None:
-        modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.cost_model["ms_per_batch"].items())
+              f"+ MLP {s.mlp:.1f}; {result.pool.rows_updated_per_batch:,.0f} rows updated per batch")
+    if result.pool.cost_model is not None:
+        modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.pool.cost_model["ms_per_batch"].items())
         print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
-    if result.checkpoint == "undo":
+    if checkpoint.method == "undo":
         dense_part = "" if args.mode == "strict" else f", relaxed: dense state every {args.dense_every}"
         where = ("pipelined, capture and row flushes on the worker" if args.background_capture
                  else "pipelined" if args.pipeline else "synchronous")
         print(f"checkpoint: every batch durable ({where}{dense_part}); "
-              f"the pool is committed at batch {result.batch}")
-        if result.checkpoint_stats is not None:
-            print(summary_line(result.checkpoint_stats))
-    if result.train_auc is None:
+              f"the pool is committed at batch {progress.batch}")
+        if checkpoint.stats is not None:
+            print(summary_line(checkpoint.stats))
+    if quality.train_auc is None:
         pass
-    elif result.eval_auc is None:
-        print(f"final AUC {result.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
+    elif quality.eval_auc is None:
+        print(f"final AUC {quality.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
     else:
-        print(f"final AUC {result.eval_auc:.4f} (held-out), {result.train_auc:.4f} (last batches); "
-              f"eval logloss {result.eval_logloss:.4f}")
+        print(f"final AUC {quality.eval_auc:.4f} (held-out), {quality.train_auc:.4f} (last batches); "
+              f"eval logloss {quality.eval_logloss:.4f}")
     if args.json:
         print(json.dumps(result.to_json()))
     return 0

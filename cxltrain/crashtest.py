@@ -199,8 +199,8 @@ def check_recovery(pool: str, references: References, config: TrainConfig) -> tu
         result = train(config, pool_path=pool, progress=False)
     except CxlTrainError as e:
         return batch, problems + [f"resume refused: {e}"]
-    if batch is not None and result.recovered_batch != batch:
-        problems.append(f"resume recovered batch {result.recovered_batch}, export said {batch}")
+    if batch is not None and result.progress.recovered_batch != batch:
+        problems.append(f"resume recovered batch {result.progress.recovered_batch}, export said {batch}")
     final = export_state(pool)
     problems += [f"after resuming to {config.steps}: {d}" for d in differences(final, references(config.steps))]
     return batch, problems

@@ -1,7 +1,7 @@
 """The main job: DLRM on deterministic synthetic Criteo-like data, tables in a persistent pool.
 
     result = train(TrainConfig(steps=200, rows=100_000))
-    print(result.steps_per_s, result.eval_auc)
+    print(result.timings.steps_per_s, result.quality.eval_auc)
 
 The loop runs inside a `cxltrain.Runtime`: with `checkpoint="undo"` (the default) every batch is
 durable, and running again on the same pool after a crash recovers the last committed batch and
@@ -54,35 +54,78 @@ class StepSplit:
 
 
 @dataclasses.dataclass
-class TrainResult:
-    pool: str
-    device: str
+class RunProgress:
+    """Where the run started and ended, in the pool's batches."""
+
     batch: int                         # batches whose updates are in the pool's state
     steps: int                         # batches run by this invocation
     start_batch: int                   # the first of them (0 unless the pool was recovered)
+    restarted: bool                    # the pool held the tables but no committed checkpoint: started over
+    recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
+    recovery_seconds: float
+
+
+@dataclasses.dataclass
+class RunTimings:
     seconds: float                     # the training loop only
     steps_per_s: float
+    split_ms: StepSplit
+
+
+@dataclasses.dataclass
+class ModelQuality:
     first_loss: float | None           # None: nothing left to train (the pool was at --steps already)
     final_loss: float | None           # mean over the last 10% of batches
     train_auc: float | None            # over the last 10% of batches
     eval_auc: float | None             # held-out batches, after training (None: a file with none left)
     eval_logloss: float | None
-    rows_updated_per_batch: float      # unique rows written per batch, all tables
-    split_ms: StepSplit
-    restarted: bool                    # the pool held the tables but no committed checkpoint: started over
-    checkpoint: str                    # "undo" or "off"
+
+
+@dataclasses.dataclass
+class CheckpointSummary:
+    method: str                        # "undo" or "off"
     mode: str                          # "strict" or "relaxed"
     pipeline: bool                     # commits on a background worker
     background_capture: bool           # undo captures on the worker too
-    recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
-    recovery_seconds: float
-    checkpoint_stats: dict | None      # CheckpointStats of this run (None with checkpoint "off")
+    stats: dict | None                 # CheckpointStats.to_json() of this run (None with checkpoint "off")
+
+
+@dataclasses.dataclass
+class PoolUse:
+    """The pool, its device, and what the run did to them."""
+
+    path: str
+    device: str                        # the device kind
+    rows_updated_per_batch: float      # unique rows written per batch, all tables
     device_model: str | None = None    # what the emulated device modelled (power loss, domain, write-back)
     cost_model: dict | None = None     # per batch: pool traffic and what it would take on each memory preset
     early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
 
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` did and measured, grouped; `to_json()` is the flat `cxltrain train --json`."""
+
+    pool: PoolUse
+    progress: RunProgress
+    timings: RunTimings
+    quality: ModelQuality
+    checkpoint: CheckpointSummary
+
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The flat layout `--json` has always printed: same keys, same order."""
+        pool, progress, timings, quality, checkpoint = (self.pool, self.progress, self.timings, self.quality,
+                                                         self.checkpoint)
+        return {"pool": pool.path, "device": pool.device, "batch": progress.batch, "steps": progress.steps,
+                "start_batch": progress.start_batch, "seconds": timings.seconds, "steps_per_s": timings.steps_per_s,
+                "first_loss": quality.first_loss, "final_loss": quality.final_loss, "train_auc": quality.train_auc,
+                "eval_auc": quality.eval_auc, "eval_logloss": quality.eval_logloss,
+                "rows_updated_per_batch": pool.rows_updated_per_batch, "split_ms": dataclasses.asdict(timings.split_ms),
+                "restarted": progress.restarted, "checkpoint": checkpoint.method, "mode": checkpoint.mode,
+                "pipeline": checkpoint.pipeline, "background_capture": checkpoint.background_capture,
+                "recovered_batch": progress.recovered_batch, "recovery_seconds": progress.recovery_seconds,
+                "checkpoint_stats": checkpoint.stats, "device_model": pool.device_model,
+                "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks}
 
 
 def build_model(config: TrainConfig) -> DLRM:
@@ -211,20 +254,20 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     eval_auc, eval_loss = evaluate(model, source, heldout_batches(source, config.steps))
     rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
     stats = rt.stats
-    return TrainResult(pool=rt.path, device=device.kind, batch=rt.batch, steps=steps, start_batch=first,
-                       seconds=seconds, steps_per_s=steps / seconds if steps else 0.0,
-                       first_loss=losses[0] if losses else None,
-                       final_loss=sum(losses[-tail:]) / tail if losses else None,
-                       train_auc=roc_auc(torch.cat(tail_logits), torch.cat(tail_labels)) if losses else None,
-                       eval_auc=eval_auc, eval_logloss=eval_loss, rows_updated_per_batch=rows_updated,
-                       split_ms=split, restarted=rt.restarted, checkpoint=config.checkpoint,
-                       mode=config.mode, pipeline=config.pipeline,
-                       background_capture=config.background_capture and config.pipeline,
-                       recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds,
-                       checkpoint_stats=None if stats is None else stats.to_json(), device_model=device.model,
-                       cost_model=modelled_costs(model, rt, steps, device_work),
-                       early_writebacks=None if device.evictor is None else device.evictor.lines_written)
-
+    return TrainResult(
+        pool=PoolUse(path=rt.path, device=device.kind, rows_updated_per_batch=rows_updated,
+                     device_model=device.model, cost_model=modelled_costs(model, rt, steps, device_work),
+                     early_writebacks=None if device.evictor is None else device.evictor.lines_written),
+        progress=RunProgress(batch=rt.batch, steps=steps, start_batch=first, restarted=rt.restarted,
+                             recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds),
+        timings=RunTimings(seconds=seconds, steps_per_s=steps / seconds if steps else 0.0, split_ms=split),
+        quality=ModelQuality(first_loss=losses[0] if losses else None,
+                             final_loss=sum(losses[-tail:]) / tail if losses else None,
+                             train_auc=roc_auc(torch.cat(tail_logits), torch.cat(tail_labels)) if losses else None,
+                             eval_auc=eval_auc, eval_logloss=eval_loss),
+        checkpoint=CheckpointSummary(method=config.checkpoint, mode=config.mode, pipeline=config.pipeline,
+                                     background_capture=config.background_capture and config.pipeline,
+                                     stats=None if stats is None else stats.to_json()))
 
 class _StepClock:
     """Splits the wall time of the timed batches: data, embedding lookups, embedding updates,

@@ -267,7 +267,7 @@ def test_kill_while_creating_the_pool_then_start_fresh(shm_dir, ref_dir):
     assert killed.returncode == -signal.SIGKILL
     assert not os.path.exists(pool) and os.path.exists(pool + ".creating")
     result = train(CONFIG, pool_path=pool, progress=False)
-    assert result.recovered_batch is None and not os.path.exists(pool + ".creating")
+    assert result.progress.recovered_batch is None and not os.path.exists(pool + ".creating")
     assert differences(export_state(pool), reference(STEPS, ref_dir)) == []
 
 
@@ -277,7 +277,7 @@ def test_checkpoint_off_interrupted_starts_over(shm_dir, ref_dir):
                        extra=("--checkpoint", "off"))
     assert killed.returncode == -signal.SIGKILL
     result = train(CONFIG, pool_path=pool, progress=False)
-    assert result.restarted and result.start_batch == 0 and result.recovered_batch is None
+    assert result.progress.restarted and result.progress.start_batch == 0 and result.progress.recovered_batch is None
     assert differences(export_state(pool), reference(STEPS, ref_dir)) == []
 
 
@@ -316,6 +316,7 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     assert differences(recovered["optimizers"], dense_state["optimizers"]) == []
 
     result = train(dataclasses.replace(CONFIG, mode="relaxed", dense_every=3), pool_path=pool, progress=False)
-    assert (result.recovered_batch, result.start_batch, result.batch) == (report.batch, report.batch, STEPS)
+    progress = result.progress
+    assert (progress.recovered_batch, progress.start_batch, progress.batch) == (report.batch, report.batch, STEPS)
     with Pool.open(pool, writable=False) as p:
         assert (p.root.batches_done, p.root.dense_batch) == (STEPS, STEPS)  # a clean end snapshots the dense state

@@ -33,14 +33,14 @@ def test_no_cap_unless_asked(shm_dir):
 def test_train_reports_its_pool_traffic_and_modelled_costs(shm_dir, checkpoint):
     config = TrainConfig(steps=4, batch_size=32, num_tables=2, rows=400, dim=8, seed=1, checkpoint=checkpoint)
     result = train(config, pool_path=str(shm_dir / "t.pool"), progress=False)
-    counts, ms = result.cost_model["counts"], result.cost_model["ms_per_batch"]
+    counts, ms = result.pool.cost_model["counts"], result.pool.cost_model["ms_per_batch"]
     lookups = config.batch_size * config.num_tables  # one id per table per sample
     if checkpoint == "undo":
         # lookups, plus the rows each undo record captured
-        assert counts["gather_rows"] == lookups + round(result.rows_updated_per_batch)
+        assert counts["gather_rows"] == lookups + round(result.pool.rows_updated_per_batch)
         assert counts["log_bytes"] > 0 and counts["drains"] > 0
     else:
         assert counts["gather_rows"] == lookups and counts["log_bytes"] == 0
-    assert counts["write_rows"] == round(result.rows_updated_per_batch)
+    assert counts["write_rows"] == round(result.pool.rows_updated_per_batch)
     assert set(ms) == {"dram", "optane-1dimm", "optane-6dimm", "cxl-expander"}
     assert ms["dram"] < ms["cxl-expander"] and ms["optane-6dimm"] <= ms["optane-1dimm"]

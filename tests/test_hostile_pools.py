@@ -419,7 +419,7 @@ def test_a_non_finite_loss_stops_train_before_its_backward(folder, monkeypatch):
     monkeypatch.undo()
     assert export_state(path)["batch"] == 2
     assert differences(export_state(path), reference(2, folder)) == []
-    assert train(CONFIG, pool_path=path, progress=False).recovered_batch == 2
+    assert train(CONFIG, pool_path=path, progress=False).progress.recovered_batch == 2
     assert differences(export_state(path), reference(3, folder)) == []
 
 

@@ -53,9 +53,9 @@ def _ours_steps(config: TrainConfig, pool: str) -> dict:
     # bytes a commit flushes per updated row: the padded weight row and its optimizer state
     table = build_model(dataclasses.replace(config, num_tables=1, rows=1)).tables[0]
     row_bytes = sum(spec.nbytes(KNOBS.row_align) for spec in table.region_specs())
-    return {"mean_ms": result.split_ms.total, "split_ms": dataclasses.asdict(result.split_ms),
-            "checkpoint_stats": result.checkpoint_stats, "row_bytes": row_bytes,
-            "timed_steps": result.steps}
+    return {"mean_ms": result.timings.split_ms.total, "split_ms": dataclasses.asdict(result.timings.split_ms),
+            "checkpoint_stats": result.checkpoint.stats, "row_bytes": row_bytes,
+            "timed_steps": result.progress.steps}
 
 
 def _plain_save(config: TrainConfig, torch_path: str, dcp_path: str, steps: int) -> dict:
