@@ -520,7 +520,7 @@ def _run_bench(args) -> int:
         save_plot(results, args.plot)
         print(f"plot: {args.plot}")
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(results.to_json()))
     return 0
 
 

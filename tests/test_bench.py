@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from cxltrain.bench import methods, plain
+from cxltrain.bench.records import EmbeddingTiming, OursSteps, PlainSteps, Unmeasured
 from cxltrain.bench.report import targets
+from cxltrain.bench.results import (BenchResults, EmbeddingRow, Machine, Recovery, RecoverySize, StepRow,
+                                    StepTiming)
 from cxltrain.bench.suite import _step_row
 from cxltrain.config import TrainConfig
 from cxltrain.trainer import build_model, build_source
@@ -135,7 +138,7 @@ def test_periodic_saves_fall_in_the_timed_window(shm_dir):
     finally:
         torch.save = real_save
     assert len(saved) == 2
-    assert result["state_bytes"] > TINY.num_tables * TINY.rows * TINY.dim * 4  # tables, MLPs, Adam state
+    assert result.state_bytes > TINY.num_tables * TINY.rows * TINY.dim * 4  # tables, MLPs, Adam state
     assert not (shm_dir / "ckpt").exists()  # the checkpoint goes when the run ends
 
 
@@ -159,20 +162,27 @@ def test_methods_need_the_fields_they_override():
 def test_bytes_per_batch():
     strict = next(m for m in methods.step_methods() if m.name == "ours-strict")
     stats = {"batches": 4, "undo_bytes": 1000, "dense_bytes": 400, "rows_persisted": 10}
-    row = _step_row(strict, {"mean_ms": 5.0, "checkpoint_stats": stats, "row_bytes": 260})
-    assert row["bytes_per_batch"] == (1000 + 400 + 10 * 260) / 4 and row["batches_lost"] == 1
+    row = _step_row(strict, OursSteps(mean_ms=5.0, split_ms={}, checkpoint_stats=stats, row_bytes=260,
+                                      timed_steps=4))
+    assert row.bytes_per_batch == (1000 + 400 + 10 * 260) / 4 and row.batches_lost == 1
     dcp = next(m for m in methods.step_methods() if m.name == "plain-dcp-100")
-    row = _step_row(dcp, {"mean_ms": 5.0, "median_ms": 4.0, "state_bytes": 2000, "overlap_steps": 3})
-    assert row["bytes_per_batch"] == 20 and row["batches_lost"] == 103
+    row = _step_row(dcp, PlainSteps(mean_ms=5.0, median_ms=4.0, state_bytes=2000, overlap_steps=3))
+    assert row.bytes_per_batch == 20 and row.batches_lost == 103
 
 
 def test_targets_hold_and_miss():
-    results = {"steps": [{"method": "ours-strict", "pooling": 1, "ratio": 1.04}],
-               "recovery": {"sizes": [{"table_gb": 0.5, "ours_seconds": 0.05}, {"table_gb": 2.05, "ours_seconds": 0.4},
-                                      {"table_gb": 4.1, "ours_seconds": 0.2}]},
-               "embedding": [{"contender": "ours", "optimizer": "sgd", "pooling": 1, "ms": 3.0},
-                             {"contender": "torch", "optimizer": "sgd", "pooling": 1, "ms": 2.0}]}
-    held = {t["name"]: t["held"] for t in targets(results)}
+    strict = StepTiming(mean_ms=5.2, median_ms=None, batches_lost=1, bytes_per_batch=0.0, ratio=1.04)
+    results = BenchResults(
+        machine=Machine(cpu="cpu", cores=2, memory_gib=8.0, torch="2", threads=2, python="3"), config=TINY,
+        quick=True, scratch_dir="/dev/shm", paired=[], bandwidth=Unmeasured("not measured"),
+        steps=[StepRow(method="ours-strict", label="ours, strict", pooling=1, baseline="ours-off", timing=strict)],
+        recovery=Recovery(nothing_process_seconds=None, nothing_reason=None,
+                          sizes=[RecoverySize(rows=1, table_gb=0.5, ours_seconds=0.05),
+                                 RecoverySize(rows=2, table_gb=2.05, ours_seconds=0.4),
+                                 RecoverySize(rows=3, table_gb=4.1, ours_seconds=0.2)]),
+        embedding=[EmbeddingRow(contender="ours", optimizer="sgd", pooling=1, timing=EmbeddingTiming(3.0, 1.0)),
+                   EmbeddingRow(contender="torch", optimizer="sgd", pooling=1, timing=EmbeddingTiming(2.0, 1.0))])
+    held = {t.name: t.held for t in targets(results)}
     assert held == {"strict per-batch step time / no checkpoint": True,
                     "recovery of 2.05 GB of tables, s": True,
                     "recovery time, largest / smallest tables": False,     # 0.2 / 0.05 = 4x

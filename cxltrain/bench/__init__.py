@@ -7,6 +7,8 @@ Layer: above the trainer, beside the command line. Modules:
     embedding.py  lookup + update throughput: ours, nn.EmbeddingBag + torch optimizers, torchrec/FBGEMM
     bandwidth.py  memory copy bandwidth, the ceiling for row gathers
     worker.py     one measurement in a fresh process
+    records.py    typed records of what a job measured (and their JSON)
+    results.py    the typed results of a whole run, as report.py and plot.py read them
     suite.py      runs every measurement, one after the other
     report.py     the text report and the targets;  plot.py  the plot
 """

@@ -17,6 +17,15 @@ import torch
 from ..config import TrainConfig
 from ..kernels import ops
 from ..trainer import build_source
+from .records import Bandwidth
+
+
+def measure_bandwidth(config: TrainConfig, nbytes: int, threads: int) -> Bandwidth:
+    """Copy bandwidth of `nbytes`, and the row gather of one batch of `config`'s tables."""
+    copied, numpy_gbps, torch_gbps = copy_bandwidth(nbytes, threads)
+    rows, gather_gbps, note = gather_bandwidth(config, threads)
+    return Bandwidth(bytes=copied, numpy_1_thread_gbps=numpy_gbps, torch_gbps=torch_gbps, threads=threads,
+                     rows=rows, row_bytes=config.dim * 4, gather_gbps=gather_gbps, note=note)
 
 
 def _best_gbps(nbytes: int, copy: Callable[[], None], repeats: int) -> float:
@@ -30,20 +39,20 @@ def _best_gbps(nbytes: int, copy: Callable[[], None], repeats: int) -> float:
     return nbytes / min(seconds) / 1e9
 
 
-def copy_bandwidth(nbytes: int, threads: int, repeats: int = 5) -> dict:
-    """GB/s of a single-threaded numpy copy and of a torch copy with `threads` threads."""
+def copy_bandwidth(nbytes: int, threads: int, repeats: int = 5) -> tuple[int, float, float]:
+    """(bytes copied, GB/s of a single-threaded numpy copy, GB/s of a torch copy with `threads` threads)."""
     src = np.ones(nbytes // 4, dtype=np.float32)
     dst = np.empty_like(src)
     numpy_gbps = _best_gbps(src.nbytes, lambda: np.copyto(dst, src), repeats)
     torch.set_num_threads(threads)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
     torch_gbps = _best_gbps(src.nbytes, lambda: tdst.copy_(tsrc), repeats)
-    return {"bytes": src.nbytes, "numpy_1_thread_gbps": numpy_gbps, f"torch_{threads}_threads_gbps": torch_gbps,
-            "threads": threads}
+    return src.nbytes, numpy_gbps, torch_gbps
 
 
-def gather_bandwidth(config: TrainConfig, threads: int, repeats: int = 20) -> dict:
-    """GB/s of gathering one batch's unique rows of one table (table 0 of batch 0, skewed ids)."""
+def gather_bandwidth(config: TrainConfig, threads: int, repeats: int = 20) -> tuple[int, float, str]:
+    """(rows, GB/s, how) of gathering one batch's unique rows of one table (table 0 of batch 0,
+    skewed ids)."""
     torch.set_num_threads(threads)
     table = torch.rand(config.rows, config.dim)
     rows = torch.unique(build_source(config).batch(0).values[0])
@@ -52,6 +61,5 @@ def gather_bandwidth(config: TrainConfig, threads: int, repeats: int = 20) -> di
     old_ids = payload[rows.numel() * config.dim * 4 :].view(np.int64)
     streamed = ops.capture_undo(old_rows, np.empty((rows.numel(), 0), np.uint8), old_ids, table, None, rows)
     gbps = _best_gbps(old_rows.size, lambda: ops.capture_undo(old_rows, None, old_ids, table, None, rows), repeats)
-    return {"rows": rows.numel(), "row_bytes": config.dim * 4, "gather_gbps": gbps,
-            "note": "the undo capture's kernel" + (", non-temporal stores" if streamed else "")}
+    return rows.numel(), gbps, "the undo capture's kernel" + (", non-temporal stores" if streamed else "")
 

@@ -27,6 +27,7 @@ from ..pool_format import pool_size_for
 from ..tables import PersistentEmbeddingBag
 from ..trainer import build_source
 from .plain import remove
+from .records import EmbeddingTiming
 
 OPTIMIZERS = ("sgd", "adagrad")
 TORCHREC_INSTALL = "make bench-extras (pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 and their deps)"
@@ -43,7 +44,7 @@ def torchrec_missing() -> str | None:
 
 
 def measure(contender: str, optimizer: str, config: TrainConfig, *, pool_path: str, warmup: int,
-            timed: int) -> dict:
+            timed: int) -> EmbeddingTiming:
     """Median ms of one lookup + backward + update over all F tables, and lookups per second."""
     source = build_source(config)
     batches = [source.batch(b) for b in range(min(warmup + timed, 8))]  # data generation stays out
@@ -61,7 +62,7 @@ def measure(contender: str, optimizer: str, config: TrainConfig, *, pool_path: s
         close()
     ms = statistics.median(times)
     lookups = config.batch_size * config.pooling * config.num_tables
-    return {"ms": ms, "mlookups_per_s": lookups / ms / 1000}
+    return EmbeddingTiming(ms=ms, mlookups_per_s=lookups / ms / 1000)
 
 
 def _ours(config: TrainConfig, optimizer: str, pool_path: str):

@@ -21,10 +21,11 @@ import time
 import torch
 
 from ..config import TrainConfig
+from .records import PairedTiming
 
 
 def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str], *, warmup: int, blocks: int,
-                 block_steps: int) -> dict:
+                 block_steps: int) -> PairedTiming:
     """Mean ms per step of `base` and `method` over `blocks` alternating blocks of `block_steps`
     steps each (after `warmup` steps each), their ratio, and each block pair's ratio."""
     from ..trainer import build_model, build_source, make_runtime, train_step
@@ -58,6 +59,6 @@ def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str],
             next(batches, None)  # ends (commits) the last batch
     base_ms, method_ms = (1000.0 * sum(s) / (blocks * block_steps) for s in seconds)
     block_ratios = [b / a for a, b in zip(*seconds)]
-    return {"base_ms": base_ms, "method_ms": method_ms, "ratio": method_ms / base_ms,
-            "median_block_ratio": statistics.median(block_ratios), "block_ratios": block_ratios,
-            "blocks": blocks, "block_steps": block_steps}
+    return PairedTiming(base_ms=base_ms, method_ms=method_ms, ratio=method_ms / base_ms,
+                        median_block_ratio=statistics.median(block_ratios), block_ratios=block_ratios,
+                        blocks=blocks, block_steps=block_steps)

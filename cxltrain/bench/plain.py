@@ -21,6 +21,7 @@ from ..config import TrainConfig
 from ..optim import SGD
 from ..trainer import build_source
 from ..models import DLRM
+from .records import PlainSteps
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}
 
@@ -107,14 +108,14 @@ def remove(path: str) -> None:
 
 
 def train_steps(config: TrainConfig, *, save: str, every: int, path: str, warmup: int,
-                timed: int, sparse: str = "sgd") -> dict:
+                timed: int, sparse: str = "sgd") -> PlainSteps:
     """Train `warmup + timed` batches, checkpointing with `save` ("none", "torch" or "dcp") to `path`
     every `every` batches of the timed window (every batch of the warm-up too, when every = 1).
 
-    Returns "mean_ms": the timed window's wall time per step, checkpoint cost included: with
+    Returns mean_ms: the timed window's wall time per step, checkpoint cost included: with
     timed a multiple of every, the window holds whole periods, its last save at its end, and the
-    wait for an asynchronous save still running then counts too; "median_ms" of the steps;
-    "state_bytes" of a full checkpoint; for dcp, "overlap_steps": the most steps one save ran
+    wait for an asynchronous save still running then counts too; median_ms of the steps;
+    state_bytes of a full checkpoint; for dcp, overlap_steps: the most steps one save ran
     behind training (a crash in that time falls back to the checkpoint before).
     """
     import torch.distributed.checkpoint as dcp
@@ -153,5 +154,5 @@ def train_steps(config: TrainConfig, *, save: str, every: int, path: str, warmup
     finally:
         remove(path)
     ordered = sorted(step_ms)
-    return {"mean_ms": (sum(step_ms) + drain_ms) / len(step_ms), "median_ms": ordered[len(ordered) // 2],
-            "state_bytes": state_bytes(full_state(model, opts)), "overlap_steps": overlap}
+    return PlainSteps(mean_ms=(sum(step_ms) + drain_ms) / len(step_ms), median_ms=ordered[len(ordered) // 2],
+                      state_bytes=state_bytes(full_state(model, opts)), overlap_steps=overlap)

@@ -7,6 +7,7 @@ in one line before any measurement starts.
 from __future__ import annotations
 
 from ..errors import CxlTrainError
+from .results import BenchResults
 
 
 def require_matplotlib() -> None:
@@ -16,15 +17,16 @@ def require_matplotlib() -> None:
         raise CxlTrainError("--plot needs matplotlib: pip install -e '.[bench]' (or make bench-extras)") from None
 
 
-def points(results: dict) -> list[tuple[str, float, int]]:
+def points(results: BenchResults) -> list[tuple[str, float, int]]:
     """(label, step-time ratio, batches lost) of every measured method that loses a bounded number of
     batches, at the first pooling (the methods that lose everything have no place on a log axis)."""
-    first = results["steps"][0]["pooling"]
-    return [(r["label"], r["ratio"], r["batches_lost"]) for r in results["steps"]
-            if r["pooling"] == first and r.get("ratio") is not None and r.get("batches_lost") is not None]
+    first = results.steps[0].pooling
+    return [(r.label, r.timing.ratio, r.timing.batches_lost) for r in results.steps
+            if r.pooling == first and r.timing is not None and r.timing.ratio is not None
+            and r.timing.batches_lost is not None]
 
 
-def save_plot(results: dict, path: str) -> None:
+def save_plot(results: BenchResults, path: str) -> None:
     require_matplotlib()
     import matplotlib
 
@@ -43,8 +45,8 @@ def save_plot(results: dict, path: str) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("batches a crash can lose (log)")
     ax.set_ylabel("step time / no checkpoint (log)")
-    m = results["machine"]
-    ax.set_title(f"{m['cpu']}, {m['threads']} threads", fontsize=9)
+    m = results.machine
+    ax.set_title(f"{m.cpu}, {m.threads} threads", fontsize=9)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)

@@ -7,7 +7,7 @@ still a fresh process (no earlier job's tables, caches or threads), without payi
 each time.
 
     if __name__ == "__main__":           # the fork server imports the main module again
-        results = run_bench(full_plan())  # a dict, see report.py for its layout
+        results = run_bench(full_plan())  # a results.BenchResults; report.py describes its JSON
 """
 
 from __future__ import annotations
@@ -27,7 +27,19 @@ from typing import Callable
 from ..config import TrainConfig
 from ..knobs import KNOBS
 from .methods import Method, step_methods
+from .records import (
+    Bandwidth,
+    EmbeddingTiming,
+    LoadTime,
+    OursSteps,
+    PairedTiming,
+    PlainSteps,
+    RecoveredPool,
+    SavedCheckpoint,
+    Unmeasured,
+)
 from .report import machine_info, targets
+from .results import BenchResults, EmbeddingRow, PairedRow, Recovery, RecoverySize, StepRow, StepTiming
 
 GB = 1e9
 
@@ -92,7 +104,7 @@ def scratch_dir() -> str:
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class JobResult:
-    result: dict | None
+    result: dict | None    # the job's record as JSON (worker.run_job), as it crossed the process boundary
     error: str | None      # one line: why there is no result
     wall_seconds: float
     returncode: int | None = None
@@ -108,7 +120,7 @@ def _in_fork(job: dict, conn) -> None:
     from .worker import run_job
 
     try:
-        result = run_job(job)
+        result = run_job(job).to_json()
         conn.send(("ok", result, _cpu_seconds(resource.RUSAGE_SELF)))
     except BaseException as e:  # the parent reports it as this job's reason, one line
         traceback.print_exc()
@@ -186,23 +198,19 @@ class Jobs:
 # ---------------------------------------------------------------------------------------------
 # the sections
 # ---------------------------------------------------------------------------------------------
-def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -> dict:
-    from .worker import config_to_json
-
+def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -> BenchResults:
     started = time.perf_counter()
     jobs = Jobs(plan.job_timeout_s)
     where = scratch_dir()
-    tag = f"cxltrain-bench-{os.getpid()}"
-    results = {"machine": machine_info(KNOBS.threads), "config": config_to_json(plan.config),
-               "quick": plan.name == "quick", "scratch_dir": where}
-    results["steps"] = _step_times(plan, jobs, os.path.join(where, tag), log)
-    results["paired"] = _paired(plan, jobs, os.path.join(where, tag), log)
-    results["recovery"] = _recovery(plan, jobs, os.path.join(where, tag), log)
-    results["embedding"] = _embedding(plan, jobs, os.path.join(where, tag), log)
-    results["bandwidth"] = _bandwidth(plan, jobs, log)
-    results["seconds"] = time.perf_counter() - started
-    results["job_cpu_seconds"] = jobs.cpu_seconds
-    results["targets"] = targets(results)
+    prefix = os.path.join(where, f"cxltrain-bench-{os.getpid()}")
+    machine = machine_info(KNOBS.threads)
+    results = BenchResults(machine=machine, config=plan.config, quick=plan.name == "quick", scratch_dir=where,
+                           steps=_step_times(plan, jobs, prefix, log), paired=_paired(plan, jobs, prefix, log),
+                           recovery=_recovery(plan, jobs, prefix, log), embedding=_embedding(plan, jobs, prefix, log),
+                           bandwidth=_bandwidth(plan, jobs, log))
+    results.seconds = time.perf_counter() - started
+    results.job_cpu_seconds = jobs.cpu_seconds
+    results.targets = targets(results)
     return results
 
 
@@ -216,7 +224,7 @@ def _timed(log: Callable[[str], None], what: str, run: Callable[[], JobResult], 
     return outcome
 
 
-def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[StepRow]:
     from .plain import remove
     from .worker import config_to_json
 
@@ -230,7 +238,7 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
         rounds = plan.ours_rounds if pooling == plan.step_poolings[0] else 1
         schedule = [m for _ in range(rounds) for m in methods if m.family == "ours"]
         schedule += [m for m in methods if m.family != "ours"]
-        runs: dict[str, list[dict]] = {}
+        runs: dict[str, list[OursSteps | PlainSteps]] = {}
         reasons: dict[str, str] = {}
         for method in schedule:
             if method.name in reasons:
@@ -244,29 +252,30 @@ def _step_times(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
             if outcome.error is not None:
                 reasons[method.name] = outcome.error
             else:
-                runs.setdefault(method.name, []).append(outcome.result)
-        measured: dict[str, dict] = {}
+                steps = OursSteps if method.family == "ours" else PlainSteps
+                runs.setdefault(method.name, []).append(steps.from_json(outcome.result))
+        measured: dict[str, StepTiming] = {}
         for method in methods:
-            row = {"method": method.name, "label": method.label, "pooling": pooling, "baseline": method.baseline}
+            row = StepRow(method=method.name, label=method.label, pooling=pooling, baseline=method.baseline)
             if method.name in reasons:
-                row["reason"] = reasons[method.name]
+                row.reason = reasons[method.name]
             else:
-                done = sorted(runs[method.name], key=lambda result: result["mean_ms"])
-                row.update(_step_row(method, done[(len(done) - 1) // 2]))  # the median run (lower one if even)
+                done = sorted(runs[method.name], key=lambda result: result.mean_ms)
+                row.timing = _step_row(method, done[(len(done) - 1) // 2])  # the median run (lower one if even)
                 if len(done) > 1:
-                    row["runs_ms"] = [result["mean_ms"] for result in runs[method.name]]
-                measured[method.name] = row
+                    row.timing.runs_ms = [result.mean_ms for result in runs[method.name]]
+                measured[method.name] = row.timing
             rows.append(row)
         for row in rows:
-            base = measured.get(row["baseline"])
-            if row["pooling"] == pooling and "mean_ms" in row and base is not None:
-                row["ratio"] = row["mean_ms"] / base["mean_ms"]
+            base = measured.get(row.baseline)
+            if row.pooling == pooling and row.timing is not None and base is not None:
+                row.timing.ratio = row.timing.mean_ms / base.mean_ms
         if "plain" in measured and "ours-off" in measured:
-            measured["ours-off"]["plain_over_ours_off"] = measured["plain"]["mean_ms"] / measured["ours-off"]["mean_ms"]
+            measured["ours-off"].plain_over_ours_off = measured["plain"].mean_ms / measured["ours-off"].mean_ms
     return rows
 
 
-def _paired(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+def _paired(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[PairedRow]:
     """Each of plan.paired against ours-off in one process, in alternating blocks (paired.py)."""
     from .worker import config_to_json
 
@@ -277,7 +286,8 @@ def _paired(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
                "pools": [f"{prefix}-paired-off.pool", f"{prefix}-paired-{method.name}.pool"],
                "warmup": warmup, "blocks": blocks, "block_steps": block_steps}
         outcome = _timed(log, f"paired {method.name} / ours-off", lambda: jobs.forked(job))
-        rows.append({"method": method.name, "label": method.label, **(outcome.result or {"reason": outcome.error})})
+        rows.append(PairedRow(method=method.name, label=method.label, reason=outcome.error,
+                              timing=None if outcome.error else PairedTiming.from_json(outcome.result)))
     return rows
 
 
@@ -292,27 +302,18 @@ def _step_job(method: Method, config: TrainConfig, plan: BenchPlan, prefix: str,
             "path": f"{prefix}-{method.name}.ckpt", "warmup": warmup, "timed": timed}
 
 
-def _step_row(method: Method, result: dict) -> dict:
+def _step_row(method: Method, result: OursSteps | PlainSteps) -> StepTiming:
     """Step ms, batches a crash loses, bytes written per batch, for one measured method."""
-    row = {"mean_ms": result["mean_ms"], "median_ms": result.get("median_ms")}
-    if method.family == "ours":
-        stats = result["checkpoint_stats"]
-        row["batches_lost"] = method.batches_lost()
-        if stats and stats["batches"]:
-            written = stats["undo_bytes"] + stats["dense_bytes"] + stats["rows_persisted"] * result["row_bytes"]
-            row["bytes_per_batch"] = written / stats["batches"]
-        else:
-            row["bytes_per_batch"] = 0.0
-        return row
-    row["batches_lost"] = method.batches_lost(result["overlap_steps"])
-    row["full_checkpoint_bytes"] = result["state_bytes"]
-    row["bytes_per_batch"] = 0.0 if method.save == "none" else result["state_bytes"] / method.every
-    if method.save == "dcp":
-        row["overlap_steps"] = result["overlap_steps"]
-    return row
+    if isinstance(result, OursSteps):  # ours times means only: no median
+        return StepTiming(mean_ms=result.mean_ms, median_ms=None, batches_lost=method.batches_lost(),
+                          bytes_per_batch=result.bytes_written_per_batch())
+    return StepTiming(mean_ms=result.mean_ms, median_ms=result.median_ms,
+                      batches_lost=method.batches_lost(result.overlap_steps), full_checkpoint_bytes=result.state_bytes,
+                      bytes_per_batch=0.0 if method.save == "none" else result.state_bytes / method.every,
+                      overlap_steps=result.overlap_steps if method.save == "dcp" else None)
 
 
-def _recovery(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> dict:
+def _recovery(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> Recovery:
     """Ours (a pool killed mid-batch, then `cxltrain recover`) vs torch.load and DCP load of a full
     checkpoint, per table size; all in fresh processes."""
     from .plain import remove
@@ -322,39 +323,39 @@ def _recovery(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> dict:
     sizes = []
     for rows in plan.recovery_rows:
         config = dataclasses.replace(plan.config, rows=rows, steps=6)
-        entry = {"rows": rows, "table_gb": config.num_tables * rows * config.dim * 4 / GB}
+        entry = RecoverySize(rows=rows, table_gb=config.num_tables * rows * config.dim * 4 / GB)
         pool, torch_path, dcp_path = f"{prefix}-recover.pool", f"{prefix}-recover.pt", f"{prefix}-recover.dcp"
         try:
-            entry.update(_recover_ours(config, pool, jobs, log))
+            _recover_ours(entry, config, pool, jobs, log)
             remove(pool)
             saved = _timed(log, f"recovery {rows:,} rows: plain model, torch.save + dcp.save",
                            lambda: jobs.forked({"job": "plain-save", "config": config_to_json(config), "steps": 2,
                                                 "torch_path": torch_path, "dcp_path": dcp_path}))
             if saved.error is not None:
-                entry["torch_reason"] = entry["dcp_reason"] = saved.error
+                entry.torch_reason = entry.dcp_reason = saved.error
             else:
-                entry["full_checkpoint_bytes"] = saved.result["state_bytes"]
+                entry.full_checkpoint_bytes = SavedCheckpoint.from_json(saved.result).state_bytes
                 for name, path in (("torch", torch_path), ("dcp", dcp_path)):
                     loaded = _timed(log, f"recovery {rows:,} rows: {name} load",
                                     lambda: jobs.worker({"job": f"{name}-load", "config": config_to_json(config),
                                                          "path": path}))
                     remove(path)  # before the next load: /dev/shm is memory
                     if loaded.error is not None:
-                        entry[f"{name}_reason"] = loaded.error
+                        setattr(entry, f"{name}_reason", loaded.error)
                     else:
-                        entry[f"{name}_seconds"] = loaded.result["seconds"]
-                        entry[f"{name}_process_seconds"] = loaded.wall_seconds
+                        setattr(entry, f"{name}_seconds", LoadTime.from_json(loaded.result).seconds)
+                        setattr(entry, f"{name}_process_seconds", loaded.wall_seconds)
         finally:
             for path in (pool, pool + ".creating", torch_path, dcp_path):
                 remove(path)
         sizes.append(entry)
-    return {"nothing_process_seconds": nothing.wall_seconds if nothing.error is None else None,
-            "nothing_reason": nothing.error, "sizes": sizes}
+    return Recovery(nothing_process_seconds=nothing.wall_seconds if nothing.error is None else None,
+                    nothing_reason=nothing.error, sizes=sizes)
 
 
-def _recover_ours(config: TrainConfig, pool: str, jobs: Jobs, log) -> dict:
+def _recover_ours(entry: RecoverySize, config: TrainConfig, pool: str, jobs: Jobs, log) -> None:
     """Train a pool and SIGKILL it half-way through updating the tables in batch 3, then time
-    `cxltrain recover` on it in a fresh process."""
+    `cxltrain recover` on it in a fresh process; into `entry`'s ours_* fields."""
     from .worker import config_to_json
 
     crash_at = f"update:mid:{config.num_tables * 3 + 1}"  # table 0's update of batch 3 (0-based)
@@ -362,17 +363,19 @@ def _recover_ours(config: TrainConfig, pool: str, jobs: Jobs, log) -> dict:
                    lambda: jobs.worker({"job": "ours-crash", "config": config_to_json(config), "pool": pool},
                                        env={"CXLTRAIN_CRASH_AT": crash_at}), killed_ok=True)
     if built.returncode != -9:
-        return {"ours_reason": f"the training run was not killed as planned ({built.error or 'it finished'})"}
+        entry.ours_reason = f"the training run was not killed as planned ({built.error or 'it finished'})"
+        return
     recovered = _timed(log, f"recovery {config.rows:,} rows: cxltrain recover",
                        lambda: jobs.fresh(["-m", "cxltrain", "recover", pool, "--json"]))
     if recovered.error is not None:
-        return {"ours_reason": recovered.error}
-    return {"ours_seconds": recovered.result["seconds"], "ours_process_seconds": recovered.wall_seconds,
-            "ours_rows_restored": recovered.result["rows_restored"],
-            "ours_batches_rolled_back": recovered.result["batches_rolled_back"]}
+        entry.ours_reason = recovered.error
+        return
+    report = RecoveredPool.from_json(recovered.result)
+    entry.ours_seconds, entry.ours_process_seconds = report.seconds, recovered.wall_seconds
+    entry.ours_rows_restored, entry.ours_batches_rolled_back = report.rows_restored, report.batches_rolled_back
 
 
-def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
+def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[EmbeddingRow]:
     from .embedding import CONTENDERS, OPTIMIZERS
     from .worker import config_to_json
 
@@ -380,10 +383,10 @@ def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
     for pooling in plan.embedding_poolings:
         config = dataclasses.replace(plan.config, pooling=pooling)
         for optimizer in OPTIMIZERS:
-            runs: dict[str, list[dict]] = {contender: [] for contender in CONTENDERS}
+            runs: dict[str, list[EmbeddingTiming | Unmeasured]] = {contender: [] for contender in CONTENDERS}
             for _ in range(plan.embedding_rounds):
                 for contender in CONTENDERS:
-                    if runs[contender] and "ms" not in runs[contender][-1]:
+                    if runs[contender] and isinstance(runs[contender][-1], Unmeasured):
                         continue  # no result the first time (e.g. torchrec missing): not again
                     warmup, timed = plan.embedding_steps
                     outcome = _timed(log, f"embedding {contender} {optimizer} pooling {pooling}",
@@ -391,20 +394,31 @@ def _embedding(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[dict]:
                                                           "contender": contender, "optimizer": optimizer,
                                                           "pool": f"{prefix}-emb.pool", "warmup": warmup,
                                                           "timed": timed}))
-                    runs[contender].append(outcome.result or {"reason": outcome.error})  # a result may be a reason
+                    runs[contender].append(_embedding_run(outcome))
             for contender in CONTENDERS:
-                row = {"contender": contender, "optimizer": optimizer, "pooling": pooling}
-                timed_runs = sorted((r for r in runs[contender] if "ms" in r), key=lambda r: r["ms"])
-                row.update(timed_runs[(len(timed_runs) - 1) // 2] if timed_runs else runs[contender][-1])
+                row = EmbeddingRow(contender=contender, optimizer=optimizer, pooling=pooling)
+                in_order = [r for r in runs[contender] if isinstance(r, EmbeddingTiming)]
+                timed_runs = sorted(in_order, key=lambda r: r.ms)
+                if timed_runs:
+                    row.timing = timed_runs[(len(timed_runs) - 1) // 2]
+                else:
+                    row.reason = runs[contender][-1].reason
                 if len(timed_runs) > 1:
-                    row["runs_ms"] = [r["ms"] for r in runs[contender] if "ms" in r]
+                    row.runs_ms = [r.ms for r in in_order]
                 rows.append(row)
     return rows
 
 
-def _bandwidth(plan: BenchPlan, jobs: Jobs, log) -> dict:
+def _embedding_run(outcome: JobResult) -> EmbeddingTiming | Unmeasured:
+    """A run's timing, or why it has none (the job may answer with a reason: torchrec missing)."""
+    if not outcome.result:
+        return Unmeasured(outcome.error)
+    return (Unmeasured if "reason" in outcome.result else EmbeddingTiming).from_json(outcome.result)
+
+
+def _bandwidth(plan: BenchPlan, jobs: Jobs, log) -> Bandwidth | Unmeasured:
     from .worker import config_to_json
 
     outcome = _timed(log, "copy bandwidth", lambda: jobs.forked(
         {"job": "bandwidth", "config": config_to_json(plan.config), "nbytes": plan.copy_bytes}))
-    return outcome.result or {"reason": outcome.error}
+    return Bandwidth.from_json(outcome.result) if outcome.result else Unmeasured(outcome.error)

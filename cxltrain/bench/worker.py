@@ -32,6 +32,12 @@ from ..config import TrainConfig
 from ..knobs import KNOBS
 from ..trainer import build_source
 from . import plain
+from .records import LoadTime, OursSteps, Record, SavedCheckpoint, Unmeasured
+
+
+@dataclasses.dataclass
+class NothingLoaded(Record):
+    """The `nothing` job's result: only its process's wall time counts."""
 
 
 def config_to_json(config: TrainConfig) -> dict:
@@ -43,7 +49,7 @@ def config_from_json(fields: dict) -> TrainConfig:
     return TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
-def _ours_steps(config: TrainConfig, pool: str) -> dict:
+def _ours_steps(config: TrainConfig, pool: str) -> OursSteps:
     from ..trainer import build_model, train
 
     try:
@@ -53,12 +59,11 @@ def _ours_steps(config: TrainConfig, pool: str) -> dict:
     # bytes a commit flushes per updated row: the padded weight row and its optimizer state
     table = build_model(dataclasses.replace(config, num_tables=1, rows=1)).tables[0]
     row_bytes = sum(spec.nbytes(KNOBS.row_align) for spec in table.region_specs())
-    return {"mean_ms": result.timings.split_ms.total, "split_ms": dataclasses.asdict(result.timings.split_ms),
-            "checkpoint_stats": result.checkpoint.stats, "row_bytes": row_bytes,
-            "timed_steps": result.progress.steps}
+    return OursSteps(mean_ms=result.timings.split_ms.total, split_ms=dataclasses.asdict(result.timings.split_ms),
+                     checkpoint_stats=result.checkpoint.stats, row_bytes=row_bytes, timed_steps=result.progress.steps)
 
 
-def _plain_save(config: TrainConfig, torch_path: str, dcp_path: str, steps: int) -> dict:
+def _plain_save(config: TrainConfig, torch_path: str, dcp_path: str, steps: int) -> SavedCheckpoint:
     import torch.distributed.checkpoint as dcp
 
     model = plain.plain_model(config)
@@ -74,19 +79,20 @@ def _plain_save(config: TrainConfig, torch_path: str, dcp_path: str, steps: int)
     torch_seconds = time.perf_counter() - started
     started = time.perf_counter()
     dcp.save(plain.dcp_state(model, opts), checkpoint_id=dcp_path)
-    return {"state_bytes": plain.state_bytes(plain.full_state(model, opts)), "torch_save_seconds": torch_seconds,
-            "dcp_save_seconds": time.perf_counter() - started}
+    return SavedCheckpoint(state_bytes=plain.state_bytes(plain.full_state(model, opts)),
+                           torch_save_seconds=torch_seconds, dcp_save_seconds=time.perf_counter() - started)
 
 
-def _load(config: TrainConfig, path: str, load) -> dict:
+def _load(config: TrainConfig, path: str, load) -> LoadTime:
     started = time.perf_counter()
     model = plain.plain_model(config, initialize=False)
     opts = plain.optimizers(model, config)
     load(model, opts, path)
-    return {"seconds": time.perf_counter() - started}
+    return LoadTime(seconds=time.perf_counter() - started)
 
 
-def run_job(job: dict) -> dict:
+def run_job(job: dict) -> Record:
+    """Run one job; its record's to_json() is what reaches the suite."""
     torch.set_num_threads(KNOBS.threads)
     kind = job["job"]
     config = config_from_json(job["config"]) if "config" in job else None
@@ -112,19 +118,19 @@ def run_job(job: dict) -> dict:
     if kind == "dcp-load":
         return _load(config, job["path"], plain.load_dcp_state)
     if kind == "nothing":
-        return {}
+        return NothingLoaded()
     if kind == "embedding":
         from .embedding import measure, torchrec_missing
 
         missing = torchrec_missing() if job["contender"] == "torchrec" else None
         if missing:
-            return {"reason": missing}
+            return Unmeasured(missing)
         return measure(job["contender"], job["optimizer"], config, pool_path=job["pool"],
                        warmup=job["warmup"], timed=job["timed"])
     if kind == "bandwidth":
-        from .bandwidth import copy_bandwidth, gather_bandwidth
+        from .bandwidth import measure_bandwidth
 
-        return {**copy_bandwidth(job["nbytes"], KNOBS.threads), **gather_bandwidth(config, KNOBS.threads)}
+        return measure_bandwidth(config, job["nbytes"], KNOBS.threads)
     raise ValueError(f"unknown bench job {kind!r}")
 
 
@@ -153,7 +159,7 @@ quiet_library_warnings()
 
 def main(argv: list[str]) -> int:
     result = run_job(json.loads(argv[0]))
-    print(json.dumps(result), flush=True)
+    print(json.dumps(result.to_json()), flush=True)
     return 0
 
 

@@ -1,0 +1,170 @@
+"""Typed records of `cxltrain bench`: what one job measured, and the rows of the results.
+
+Code that reads a figure reads an attribute, so a misspelt name fails loudly instead of reading a
+missing key. Each record still prints the JSON layout `cxltrain bench --json` has always printed:
+`to_json()` leaves out the fields marked `optional()` while they are None (keys that a row has
+only sometimes), and spreads a `flattened()` record's keys into its parent's. Torch-free, like
+the rest of what the command line imports before measuring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+_OMIT_NONE = "omit_none"
+_FLATTEN = "flatten"
+
+
+def optional() -> Any:
+    """A field whose key is absent from the JSON while it is None."""
+    return dataclasses.field(default=None, metadata={_OMIT_NONE: True})
+
+
+def flattened() -> Any:
+    """A nested record (or None) whose keys sit in its parent's JSON object."""
+    return dataclasses.field(default=None, metadata={_OMIT_NONE: True, _FLATTEN: True})
+
+
+def _json_value(value):
+    if isinstance(value, Record):
+        return value.to_json()
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return value
+
+
+class Record:
+    """Base of the bench's dataclasses: their JSON form, and back (for what crosses processes)."""
+
+    def to_json(self) -> dict:
+        out = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.metadata.get(_OMIT_NONE):
+                continue
+            if field.metadata.get(_FLATTEN):
+                out.update(value.to_json())
+            else:
+                out[field.name] = _json_value(value)
+        return out
+
+    @classmethod
+    def from_json(cls, fields: dict):
+        """From a flat JSON object; keys the record has no field for are left out, and a field
+        with no default must be there."""
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields
+                      or f.default is dataclasses.MISSING})
+
+
+@dataclasses.dataclass
+class Unmeasured(Record):
+    """A measurement that has no figures, and why."""
+
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------
+# What one job measured (worker.py); they cross the process boundary as JSON
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class OursSteps(Record):
+    """One `cxltrain.trainer.train` run's timed steps."""
+
+    mean_ms: float
+    split_ms: dict                     # trainer.StepSplit as JSON
+    checkpoint_stats: dict | None      # CheckpointStats.to_json() (None: checkpoints off)
+    row_bytes: int                     # bytes a commit flushes per updated row (padded weights + state)
+    timed_steps: int
+
+    def bytes_written_per_batch(self) -> float:
+        """Undo records, dense snapshots and flushed rows, per committed batch."""
+        stats = self.checkpoint_stats
+        if not stats or not stats["batches"]:
+            return 0.0
+        written = stats["undo_bytes"] + stats["dense_bytes"] + stats["rows_persisted"] * self.row_bytes
+        return written / stats["batches"]
+
+
+@dataclasses.dataclass
+class PlainSteps(Record):
+    """plain.train_steps: a plain-PyTorch run, checkpoint cost included."""
+
+    mean_ms: float
+    median_ms: float
+    state_bytes: int                   # a full checkpoint
+    overlap_steps: int                 # the most steps one asynchronous save ran behind training
+
+
+@dataclasses.dataclass
+class PairedTiming(Record):
+    """paired.paired_steps: ours without checkpoints and with a method, in alternating blocks."""
+
+    base_ms: float
+    method_ms: float
+    ratio: float
+    median_block_ratio: float
+    block_ratios: list[float]
+    blocks: int
+    block_steps: int
+
+
+@dataclasses.dataclass
+class EmbeddingTiming(Record):
+    """embedding.measure: median ms of one lookup + update over all tables."""
+
+    ms: float
+    mlookups_per_s: float
+
+
+@dataclasses.dataclass
+class SavedCheckpoint(Record):
+    """A full plain checkpoint written with torch.save and with dcp.save."""
+
+    state_bytes: int
+    torch_save_seconds: float
+    dcp_save_seconds: float
+
+
+@dataclasses.dataclass
+class LoadTime(Record):
+    """Seconds to read a full checkpoint back into a fresh model, inside its process."""
+
+    seconds: float
+
+
+@dataclasses.dataclass
+class RecoveredPool(Record):
+    """What the bench reads of `cxltrain recover --json`."""
+
+    seconds: float
+    rows_restored: int
+    batches_rolled_back: int
+
+
+@dataclasses.dataclass
+class Bandwidth(Record):
+    """Copy and row-gather bandwidth, GB/s (bandwidth.py)."""
+
+    bytes: int
+    numpy_1_thread_gbps: float
+    torch_gbps: float                  # a torch copy with `threads` threads
+    threads: int
+    rows: int
+    row_bytes: int
+    gather_gbps: float
+    note: str
+
+    def to_json(self) -> dict:
+        # the torch figure's key names its thread count, as it always has
+        return {"bytes": self.bytes, "numpy_1_thread_gbps": self.numpy_1_thread_gbps,
+                f"torch_{self.threads}_threads_gbps": self.torch_gbps, "threads": self.threads,
+                "rows": self.rows, "row_bytes": self.row_bytes, "gather_gbps": self.gather_gbps, "note": self.note}
+
+    @classmethod
+    def from_json(cls, fields: dict) -> Bandwidth:
+        threads = fields["threads"]
+        rest = {k: v for k, v in fields.items() if k != f"torch_{threads}_threads_gbps"}
+        return cls(**rest, torch_gbps=fields[f"torch_{threads}_threads_gbps"])
