@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from cxltrain.pool import Pool
+from helpers import cxltrain  # noqa: F401 (test_bench imports it from here)
 from test_pool import REFUSALS, small_pool
 
 SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", "--batch-size", "256",
          "--no-progress"]
-
-
-def cxltrain(*args, env=None, timeout=300, **popen):
-    """Run the command line; `popen`: more subprocess.run arguments (user=, preexec_fn=)."""
-    script = Path(sys.executable).with_name("cxltrain")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, **popen)
 
 
 def assert_one_line_error(result, code=1, match=""):

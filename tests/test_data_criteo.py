@@ -10,22 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from cxltrain.data import Batch, CriteoFile, criteo
+from cxltrain.data import CriteoFile, criteo
 from cxltrain.data.synthetic import hash_key, splitmix64
 from cxltrain.errors import ConfigError
+from helpers import assert_same_batch
 
 # CI checks the repository out with shared/ beside it (/work/shared next to /work/main).
 SAMPLE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo_sample.csv"
 LINES = 200   # data lines in the sample
-
-
-def assert_same(a: Batch, b: Batch) -> None:
-    assert a.index == b.index
-    assert torch.equal(a.dense, b.dense)
-    assert torch.equal(a.labels, b.labels)
-    assert len(a.values) == len(b.values)
-    for x, y in zip(a.values + a.offsets, b.values + b.offsets):
-        assert torch.equal(x, y)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +65,7 @@ def test_raw_and_csv_layouts_give_the_same_batches(raw_file, sample):
     assert (raw.layout, sample.layout) == ("tsv", "csv")
     assert raw.num_batches == sample.num_batches == LINES // 16
     for b in range(raw.num_batches):
-        assert_same(raw.batch(b), sample.batch(b))
+        assert_same_batch(raw.batch(b), sample.batch(b))
 
 
 def test_values_are_as_documented(sample, sample_rows):
@@ -125,10 +117,10 @@ def test_jumping_to_a_batch_equals_reading_in_order(raw_file):
     in_order = list(src.batches())
     assert [b.index for b in in_order] == list(range(LINES // 7))
     for b in reversed(range(src.num_batches)):
-        assert_same(src.batch(b), in_order[b])
+        assert_same_batch(src.batch(b), in_order[b])
     assert [b.index for b in src.batches(3, 6)] == [3, 4, 5]
     again = CriteoFile(raw_file, batch_size=7, rows=500)
-    assert_same(again.batch(17), in_order[17])
+    assert_same_batch(again.batch(17), in_order[17])
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
@@ -139,7 +131,7 @@ def test_index_is_right_across_read_chunks(raw_file, monkeypatch, chunk, batch_s
     chunked = CriteoFile(raw_file, batch_size=batch_size, rows=100)
     assert chunked.num_batches == whole.num_batches == LINES // batch_size
     for b in {0, whole.num_batches // 2, whole.num_batches - 1}:
-        assert_same(chunked.batch(b), whole.batch(b))
+        assert_same_batch(chunked.batch(b), whole.batch(b))
 
 
 def test_last_partial_batch_is_dropped(raw_file, sample_rows):
@@ -158,7 +150,7 @@ def test_line_endings(tmp_path, raw_file, sample_rows, ending, final_newline):
         src = CriteoFile(other, batch_size=batch_size, rows=100)
         assert src.num_batches == reference.num_batches
         for b in range(src.num_batches):
-            assert_same(src.batch(b), reference.batch(b))
+            assert_same_batch(src.batch(b), reference.batch(b))
 
 
 # -- malformed input ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from cxltrain.pool import Pool
 from cxltrain.pool_format import ROOT_RELAXED
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag
+from helpers import assert_same_export
 
 ROWS, DIM, BATCH = 500, 4, 16
 
@@ -78,14 +79,6 @@ def state_of(path) -> dict:
     return export_state(str(path))
 
 
-def assert_same(a: dict, b: dict) -> None:
-    assert a["batch"] == b["batch"]
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    assert repr(a["optimizers"]) == repr(b["optimizers"]) and a["schedulers"] == b["schedulers"]
-
-
 @pytest.mark.parametrize("dense_every", [1, 3])
 def test_exception_mid_run_then_resume_is_exact(shm_dir, dense_every):
     path = shm_dir / "p.pool"
@@ -95,11 +88,11 @@ def test_exception_mid_run_then_resume_is_exact(shm_dir, dense_every):
     recovered = state_of(path)
     assert recovered["batch"] == committed
     train_steps(shm_dir / "ref.pool", committed, dense_every=dense_every)
-    assert_same(recovered, state_of(shm_dir / "ref.pool"))
+    assert_same_export(recovered, state_of(shm_dir / "ref.pool"))
     rt, start = train_steps(path, 10, dense_every=dense_every)
     assert start == committed and rt.recovered_batch == committed
     train_steps(shm_dir / "full.pool", 10, dense_every=dense_every)
-    assert_same(state_of(path), state_of(shm_dir / "full.pool"))
+    assert_same_export(state_of(path), state_of(shm_dir / "full.pool"))
 
 
 def test_export_keys_follow_the_module_tree(shm_dir):
@@ -137,8 +130,8 @@ def test_synchronous_and_pipelined_runs_end_bit_identical(shm_dir):
     sync, _ = train_steps(shm_dir / "s.pool", 6, pipeline=False)
     piped, _ = train_steps(shm_dir / "p.pool", 6)
     background, _ = train_steps(shm_dir / "b.pool", 6, background_capture=True)
-    assert_same(state_of(shm_dir / "s.pool"), state_of(shm_dir / "p.pool"))
-    assert_same(state_of(shm_dir / "b.pool"), state_of(shm_dir / "p.pool"))
+    assert_same_export(state_of(shm_dir / "s.pool"), state_of(shm_dir / "p.pool"))
+    assert_same_export(state_of(shm_dir / "b.pool"), state_of(shm_dir / "p.pool"))
     # where each capture ran: inside backward on the training thread, or handed over in forward
     assert piped.stats.training_capture_seconds > 0 == piped.stats.training_lookup_seconds
     assert background.stats.training_capture_seconds == 0 < background.stats.training_lookup_seconds
@@ -166,7 +159,7 @@ def test_a_ring_too_small_for_the_interval_commits_early(shm_dir):
     rt, _ = train_steps(shm_dir / "p.pool", 20, dense_every=50, undo_ring_bytes=4 * record)
     assert rt.stats.ring_full_commits >= 3 and rt.stats.ring_wait_seconds > 0
     train_steps(shm_dir / "ref.pool", 20)
-    assert_same(state_of(shm_dir / "p.pool"), state_of(shm_dir / "ref.pool"))
+    assert_same_export(state_of(shm_dir / "p.pool"), state_of(shm_dir / "ref.pool"))
 
 
 def test_a_ring_smaller_than_one_record_is_a_clear_error(shm_dir):
@@ -221,7 +214,7 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
     rt, start = train_steps(path, 6, checkpoint="off")
     assert rt.restarted and start == 0 and rt.stats is None
     train_steps(shm_dir / "ref.pool", 6)
-    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
+    assert_same_export(state_of(path), state_of(shm_dir / "ref.pool"))
 
 
 def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
@@ -332,7 +325,7 @@ def test_a_torn_record_header_ends_the_log(shm_dir):
     _tear_last_header(path, unmark=True)
     assert recover_pool(str(path)).records_restored == 1
     train_steps(shm_dir / "ref.pool", 2)
-    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
+    assert_same_export(state_of(path), state_of(shm_dir / "ref.pool"))
 
 
 def test_a_damaged_header_of_a_record_in_use_is_refused(shm_dir):
