@@ -1,4 +1,9 @@
-"""CriteoFile: both layouts, random access, values as documented, malformed input."""
+"""CriteoFile: both layouts, random access, values as documented, malformed input.
+
+The tests read a file they generate (helpers.write_criteo: LINES rows in the layout of the shared
+sample, with its properties: negatives, missing values, 27 distinct C1 values), so a plain clone
+runs them. The real sample, ../shared/data/criteo_sample.csv, is read by the last two tests, which
+skip where it is absent."""
 
 from __future__ import annotations
 
@@ -13,28 +18,37 @@ import torch
 from cxltrain.data import CriteoFile, criteo
 from cxltrain.data.synthetic import hash_key, splitmix64
 from cxltrain.errors import ConfigError
-from helpers import assert_same_batch
+from helpers import SHARED_CRITEO_SAMPLE, assert_same_batch, write_criteo
 
-# CI checks the repository out with shared/ beside it (/work/shared next to /work/main).
-SAMPLE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo_sample.csv"
-LINES = 200   # data lines in the sample
+LINES = 200   # data lines in the sample (the shared one and the generated one alike)
 
 
-@pytest.fixture(scope="module")
-def sample() -> Path:
-    """The shared sample (CSV layout, with header)."""
-    if not SAMPLE.is_file():
-        pytest.skip(f"shared Criteo sample not found at {SAMPLE} (shared/ sits beside the repo)")
-    return SAMPLE
-
-
-@pytest.fixture(scope="module")
-def sample_rows(sample) -> list[list[str]]:
+def read_rows(sample: Path) -> list[list[str]]:
     """The sample's data lines as fields (header dropped)."""
     with open(sample, newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == list(criteo.HEADER) and len(rows) == LINES + 1
     return rows[1:]
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> Path:
+    """A generated sample in the shared sample's layout (CSV, with header): LINES rows."""
+    return write_criteo(tmp_path_factory.mktemp("criteo") / "criteo_sample.csv", LINES, layout="csv")
+
+
+@pytest.fixture(scope="module")
+def sample_rows(sample) -> list[list[str]]:
+    """The sample's data lines as fields (header dropped)."""
+    return read_rows(sample)
+
+
+@pytest.fixture(scope="module")
+def shared_sample() -> Path:
+    """The real shared sample (CSV layout, with header); CI checks shared/ out beside the repo."""
+    if not SHARED_CRITEO_SAMPLE.is_file():
+        pytest.skip(f"shared Criteo sample not found at {SHARED_CRITEO_SAMPLE} (shared/ sits beside the repo)")
+    return SHARED_CRITEO_SAMPLE
 
 
 def raw_fields(fields: list[str]) -> list[str]:
@@ -60,6 +74,11 @@ def raw_file(tmp_path, sample_rows) -> Path:
 
 
 def test_raw_and_csv_layouts_give_the_same_batches(raw_file, sample):
+    assert_raw_and_csv_layouts_give_the_same_batches(raw_file, sample)
+
+
+def assert_raw_and_csv_layouts_give_the_same_batches(raw_file: Path, sample: Path) -> None:
+    """The sample and its raw-layout copy read as the same batches."""
     raw = CriteoFile(raw_file, batch_size=16, rows=1000)
     sample = CriteoFile(sample, batch_size=16, rows=1000)
     assert (raw.layout, sample.layout) == ("tsv", "csv")
@@ -69,6 +88,11 @@ def test_raw_and_csv_layouts_give_the_same_batches(raw_file, sample):
 
 
 def test_values_are_as_documented(sample, sample_rows):
+    assert_values_are_as_documented(sample, sample_rows)
+
+
+def assert_values_are_as_documented(sample: Path, sample_rows: list[list[str]]) -> None:
+    """Every dense value, label and id of the sample, read as one batch, is what the docs say."""
     src = CriteoFile(sample, batch_size=LINES, rows=10**6, seed=3)
     batch = src.batch(0)
     assert batch.dense.shape == (LINES, 13) and batch.dense.dtype == torch.float32
@@ -270,3 +294,15 @@ def test_bad_settings_are_refused(tmp_path, kwargs, message):
     # Settings are checked before the file is opened: this file need not exist.
     with pytest.raises(ConfigError, match=message):
         CriteoFile(tmp_path / "day_0", **kwargs)
+
+
+# -- the real sample ------------------------------------------------------------------------
+
+
+def test_the_shared_sample_values_are_as_documented(shared_sample):
+    assert_values_are_as_documented(shared_sample, read_rows(shared_sample))
+
+
+def test_the_shared_sample_reads_the_same_in_the_raw_layout(tmp_path, shared_sample):
+    raw_file = write_raw(tmp_path / "day_0", read_rows(shared_sample))
+    assert_raw_and_csv_layouts_give_the_same_batches(raw_file, shared_sample)
