@@ -38,8 +38,7 @@ from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.pool import Pool
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.trainer import train
-from helpers import (cxltrain, cxltrain_command, reference_export, references, run_and_kill,
-                     shm_tempdir)
+from helpers import cxltrain, cxltrain_command, reference_export, references, run_and_kill, shm_tempdir
 
 STEPS = TRIAL_CONFIG.steps
 CONFIG = TRIAL_CONFIG  # the run `cxltrain crashtest` kills, too
