@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+from helpers import shm_tempdir
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -22,10 +18,8 @@ def _fixed_threads():
 @pytest.fixture
 def shm_dir():
     """A private folder on the memory-backed file system (the emulated CXL device's home)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="cxltrain-test-", dir=base)
-    yield Path(path)
-    shutil.rmtree(path, ignore_errors=True)
+    with shm_tempdir("cxltrain-test-") as path:
+        yield Path(path)
 
 
 @pytest.fixture(params=["emulated", "file"])

@@ -23,25 +23,22 @@ CXLTRAIN_TEST_SEED. `-m slow` runs 30 random kills per device model instead of 3
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
-import time
 
 import pytest
 import torch
 
-from cxltrain.crashtest import TRIAL_CONFIG, References, check_recovery, differences
+from cxltrain.crashtest import TRIAL_CONFIG, check_recovery, differences
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.pool import Pool
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.trainer import train
+from helpers import cxltrain, cxltrain_command, reference_export, references, run_and_kill, shm_tempdir
 
 STEPS = TRIAL_CONFIG.steps
 CONFIG = TRIAL_CONFIG  # the run `cxltrain crashtest` kills, too
@@ -51,42 +48,27 @@ TABLES = CONFIG.num_tables
 
 def run_child(pool: str, *, env: dict | None = None, kill_after: float | None = None, steps: int = STEPS,
               extra: tuple = ()) -> subprocess.CompletedProcess:
-    """`cxltrain train` in a child; with kill_after, SIGKILLed that many seconds after it starts."""
-    cmd = [sys.executable, "-m", "cxltrain", "train", "--pool", pool, "--steps", str(steps), "--no-progress",
-           *CLI_ARGS, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    if kill_after is not None:
-        proc.stdout.readline()  # "pool ...": the child is about to build the model and pool
-        proc.stdout.readline()  # "training from batch 0": the pool exists, the first batch is next
-        time.sleep(kill_after)
-        proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-@functools.lru_cache(maxsize=None)
-def _references(folder: str) -> References:
-    return References(CONFIG, folder)
+    """`cxltrain train` in a child; with kill_after, SIGKILLed that many seconds after it has printed
+    "pool ..." (about to build the model and pool) and "training from batch 0" (the pool exists)."""
+    cmd = [*cxltrain_command(), "train", "--pool", pool, "--steps", str(steps), "--no-progress", *CLI_ARGS, *extra]
+    return run_and_kill(cmd, env=env, kill_after=kill_after, ready_lines=2)
 
 
 def reference(batches: int, folder: str) -> dict:
     """Export of an uninterrupted run of `batches` batches on a fresh pool (cached per folder)."""
-    return _references(folder)(batches)
+    return reference_export(CONFIG, batches, folder)
 
 
 @pytest.fixture(scope="module")
 def ref_dir():
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    folder = tempfile.mkdtemp(prefix="cxltrain-ref-", dir=base)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    with shm_tempdir("cxltrain-ref-") as folder:
+        yield folder
 
 
 def exactness_problems(pool: str, ref_dir: str, steps: int = STEPS) -> tuple[int | None, list[str]]:
     """Recover and export the killed run's pool, compare with the reference of its batch; then
     resume it to `steps` and compare with that reference. Returns (recovered batch, problems)."""
-    return check_recovery(pool, _references(ref_dir), dataclasses.replace(CONFIG, steps=steps))
+    return check_recovery(pool, references(CONFIG, ref_dir), dataclasses.replace(CONFIG, steps=steps))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,8 +77,7 @@ def test_reference_cache_equals_cli_runs(shm_dir, ref_dir):
     pool, out = str(shm_dir / "cli.pool"), str(shm_dir / "cli.pt")
     done = run_child(pool, steps=4, extra=("--json",))
     assert done.returncode == 0, done.stderr
-    exported = subprocess.run([sys.executable, "-m", "cxltrain", "export", pool, out, "--json"],
-                              capture_output=True, text=True)
+    exported = cxltrain("export", pool, out, "--json")
     assert exported.returncode == 0, exported.stderr
     state = torch.load(out, weights_only=True)
     assert state["batch"] == 4
@@ -157,11 +138,9 @@ def test_kill_during_recovery_then_recover_again(shm_dir, ref_dir, point, power_
     env = {"CXLTRAIN_POWER_LOSS": power_loss}
     assert run_child(pool, env={**env, CRASH_ENV: f"{CrashPoint.UPDATE_MID}:{4 * TABLES + 2}"},
                      extra=("--no-pipeline",)).returncode == -signal.SIGKILL  # exactly batch 4 committed
-    again = subprocess.run([sys.executable, "-m", "cxltrain", "recover", pool, "--json"], capture_output=True,
-                           text=True, env={**os.environ, **env, CRASH_ENV: point})
+    again = cxltrain("recover", pool, "--json", env={**env, CRASH_ENV: point})
     assert again.returncode == -signal.SIGKILL, again.stderr
-    done = subprocess.run([sys.executable, "-m", "cxltrain", "recover", pool, "--json"], capture_output=True,
-                          text=True, env={**os.environ, **env})
+    done = cxltrain("recover", pool, "--json", env=env)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["batch"] == 4 and report["records_restored"] == TABLES
@@ -301,7 +280,7 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     shutil.copy(pool, strict_copy)
     with Pool.open(strict_copy) as p:
         p.commit(batches_done=p.root.batches_done, flags=0)  # the same root without the relaxed flag
-    refused = subprocess.run([sys.executable, "-m", "cxltrain", "recover", strict_copy], capture_output=True, text=True)
+    refused = cxltrain("recover", strict_copy)
     assert refused.returncode == 1 and "strict" in refused.stderr and len(refused.stderr.splitlines()) == 1
 
     report = recover_pool(pool)

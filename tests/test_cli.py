@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from cxltrain.pool import Pool
+from helpers import cxltrain, write_criteo  # test_bench imports cxltrain from here
 from test_pool import REFUSALS, small_pool
 
 SMALL = ["--steps", "30", "--rows", "2000", "--num-tables", "3", "--dim", "16", "--batch-size", "256",
          "--no-progress"]
-
-
-def cxltrain(*args, env=None, timeout=300, **popen):
-    """Run the command line; `popen`: more subprocess.run arguments (user=, preexec_fn=)."""
-    script = Path(sys.executable).with_name("cxltrain")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, **popen)
 
 
 def assert_one_line_error(result, code=1, match=""):
@@ -204,23 +193,8 @@ def test_help_for_every_command():
         assert result.returncode == 0 and "usage:" in result.stdout
 
 
-def raw_criteo_file(path: Path, lines: int) -> Path:
-    """The shared Criteo sample rewritten in the raw layout users have (TSV, integers, no header)."""
-    sample = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo_sample.csv"
-    if not sample.exists():
-        pytest.skip(f"shared Criteo sample not found at {sample}")
-    rows = sample.read_text().splitlines()[1 : lines + 1]
-    out = []
-    for row in rows:
-        fields = row.split(",")
-        ints = [str(int(float(x))) if x else "" for x in fields[1:14]]
-        out.append("\t".join([fields[0], *ints, *fields[14:]]))
-    path.write_text("\n".join(out) + "\n")
-    return path
-
-
 def test_train_on_a_raw_criteo_file(shm_dir):
-    data = raw_criteo_file(shm_dir / "day_0", 160)
+    data = write_criteo(shm_dir / "day_0", 160)  # the raw layout users have (TSV, integers, no header)
     common = ["--data", data, "--batch-size", "32", "--num-tables", "26", "--rows", "1000", "--dim", "16",
               "--no-progress"]
     result = cxltrain("train", "--pool", shm_dir / "c.pool", "--steps", "3", *common, "--json")

@@ -10,21 +10,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from cxltrain import knobs
 from cxltrain.crashtest import KINDS, DeviceModel, Torture
 from cxltrain.faults import PLANTED, Planted
+from helpers import cxltrain
 
-CLI = [sys.executable, "-m", "cxltrain", "crashtest", "--no-progress", "--json"]
+CLI = ["crashtest", "--no-progress", "--json"]
 SEED = 11
 
 
 def crashtest(*args: str, keep=None) -> tuple[subprocess.CompletedProcess, dict]:
-    cmd = CLI + list(args) + (["--keep", str(keep)] if keep else [])
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = cxltrain(*CLI, *args, *(["--keep", keep] if keep else []), timeout=600)
     assert "Traceback" not in done.stderr, done.stderr
     return done, json.loads(done.stdout.splitlines()[-1])
 
@@ -65,5 +64,5 @@ def test_planted_bug_is_caught_within_50_trials(fault, tmp_path):
 
 def test_bad_arguments_are_one_line():
     for args in (["--trials", "0"], ["--evict-rate", "10"], ["--plant", "nonsense"], ["--domain", "eadr"]):
-        done = subprocess.run(CLI + args, capture_output=True, text=True, timeout=120)
+        done = cxltrain(*CLI, *args, timeout=120)
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)

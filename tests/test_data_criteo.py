@@ -1,4 +1,9 @@
-"""CriteoFile: both layouts, random access, values as documented, malformed input."""
+"""CriteoFile: both layouts, random access, values as documented, malformed input.
+
+The tests read a file they generate (helpers.write_criteo: LINES rows in the layout of the shared
+sample, with its properties: negatives, missing values, 27 distinct C1 values), so a plain clone
+runs them. The real sample, ../shared/data/criteo_sample.csv, is read by the last two tests, which
+skip where it is absent."""
 
 from __future__ import annotations
 
@@ -10,39 +15,40 @@ import numpy as np
 import pytest
 import torch
 
-from cxltrain.data import Batch, CriteoFile, criteo
+from cxltrain.data import CriteoFile, criteo
 from cxltrain.data.synthetic import hash_key, splitmix64
 from cxltrain.errors import ConfigError
+from helpers import SHARED_CRITEO_SAMPLE, assert_same_batch, write_criteo
 
-# CI checks the repository out with shared/ beside it (/work/shared next to /work/main).
-SAMPLE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo_sample.csv"
-LINES = 200   # data lines in the sample
-
-
-def assert_same(a: Batch, b: Batch) -> None:
-    assert a.index == b.index
-    assert torch.equal(a.dense, b.dense)
-    assert torch.equal(a.labels, b.labels)
-    assert len(a.values) == len(b.values)
-    for x, y in zip(a.values + a.offsets, b.values + b.offsets):
-        assert torch.equal(x, y)
+LINES = 200   # data lines in the sample (the shared one and the generated one alike)
 
 
-@pytest.fixture(scope="module")
-def sample() -> Path:
-    """The shared sample (CSV layout, with header)."""
-    if not SAMPLE.is_file():
-        pytest.skip(f"shared Criteo sample not found at {SAMPLE} (shared/ sits beside the repo)")
-    return SAMPLE
-
-
-@pytest.fixture(scope="module")
-def sample_rows(sample) -> list[list[str]]:
+def read_rows(sample: Path) -> list[list[str]]:
     """The sample's data lines as fields (header dropped)."""
     with open(sample, newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == list(criteo.HEADER) and len(rows) == LINES + 1
     return rows[1:]
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> Path:
+    """A generated sample in the shared sample's layout (CSV, with header): LINES rows."""
+    return write_criteo(tmp_path_factory.mktemp("criteo") / "criteo_sample.csv", LINES, layout="csv")
+
+
+@pytest.fixture(scope="module")
+def sample_rows(sample) -> list[list[str]]:
+    """The sample's data lines as fields (header dropped)."""
+    return read_rows(sample)
+
+
+@pytest.fixture(scope="module")
+def shared_sample() -> Path:
+    """The real shared sample (CSV layout, with header); CI checks shared/ out beside the repo."""
+    if not SHARED_CRITEO_SAMPLE.is_file():
+        pytest.skip(f"shared Criteo sample not found at {SHARED_CRITEO_SAMPLE} (shared/ sits beside the repo)")
+    return SHARED_CRITEO_SAMPLE
 
 
 def raw_fields(fields: list[str]) -> list[str]:
@@ -68,15 +74,25 @@ def raw_file(tmp_path, sample_rows) -> Path:
 
 
 def test_raw_and_csv_layouts_give_the_same_batches(raw_file, sample):
+    assert_raw_and_csv_layouts_give_the_same_batches(raw_file, sample)
+
+
+def assert_raw_and_csv_layouts_give_the_same_batches(raw_file: Path, sample: Path) -> None:
+    """The sample and its raw-layout copy read as the same batches."""
     raw = CriteoFile(raw_file, batch_size=16, rows=1000)
     sample = CriteoFile(sample, batch_size=16, rows=1000)
     assert (raw.layout, sample.layout) == ("tsv", "csv")
     assert raw.num_batches == sample.num_batches == LINES // 16
     for b in range(raw.num_batches):
-        assert_same(raw.batch(b), sample.batch(b))
+        assert_same_batch(raw.batch(b), sample.batch(b))
 
 
 def test_values_are_as_documented(sample, sample_rows):
+    assert_values_are_as_documented(sample, sample_rows)
+
+
+def assert_values_are_as_documented(sample: Path, sample_rows: list[list[str]]) -> None:
+    """Every dense value, label and id of the sample, read as one batch, is what the docs say."""
     src = CriteoFile(sample, batch_size=LINES, rows=10**6, seed=3)
     batch = src.batch(0)
     assert batch.dense.shape == (LINES, 13) and batch.dense.dtype == torch.float32
@@ -125,10 +141,10 @@ def test_jumping_to_a_batch_equals_reading_in_order(raw_file):
     in_order = list(src.batches())
     assert [b.index for b in in_order] == list(range(LINES // 7))
     for b in reversed(range(src.num_batches)):
-        assert_same(src.batch(b), in_order[b])
+        assert_same_batch(src.batch(b), in_order[b])
     assert [b.index for b in src.batches(3, 6)] == [3, 4, 5]
     again = CriteoFile(raw_file, batch_size=7, rows=500)
-    assert_same(again.batch(17), in_order[17])
+    assert_same_batch(again.batch(17), in_order[17])
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 1000])
@@ -139,7 +155,7 @@ def test_index_is_right_across_read_chunks(raw_file, monkeypatch, chunk, batch_s
     chunked = CriteoFile(raw_file, batch_size=batch_size, rows=100)
     assert chunked.num_batches == whole.num_batches == LINES // batch_size
     for b in {0, whole.num_batches // 2, whole.num_batches - 1}:
-        assert_same(chunked.batch(b), whole.batch(b))
+        assert_same_batch(chunked.batch(b), whole.batch(b))
 
 
 def test_last_partial_batch_is_dropped(raw_file, sample_rows):
@@ -158,7 +174,7 @@ def test_line_endings(tmp_path, raw_file, sample_rows, ending, final_newline):
         src = CriteoFile(other, batch_size=batch_size, rows=100)
         assert src.num_batches == reference.num_batches
         for b in range(src.num_batches):
-            assert_same(src.batch(b), reference.batch(b))
+            assert_same_batch(src.batch(b), reference.batch(b))
 
 
 # -- malformed input ------------------------------------------------------------------------
@@ -278,3 +294,15 @@ def test_bad_settings_are_refused(tmp_path, kwargs, message):
     # Settings are checked before the file is opened: this file need not exist.
     with pytest.raises(ConfigError, match=message):
         CriteoFile(tmp_path / "day_0", **kwargs)
+
+
+# -- the real sample ------------------------------------------------------------------------
+
+
+def test_the_shared_sample_values_are_as_documented(shared_sample):
+    assert_values_are_as_documented(shared_sample, read_rows(shared_sample))
+
+
+def test_the_shared_sample_reads_the_same_in_the_raw_layout(tmp_path, shared_sample):
+    raw_file = write_raw(tmp_path / "day_0", read_rows(shared_sample))
+    assert_raw_and_csv_layouts_give_the_same_batches(raw_file, shared_sample)

@@ -20,17 +20,9 @@ from hypothesis import strategies as st
 
 from cxltrain.data import Batch, SyntheticCriteo, synthetic
 from cxltrain.errors import ConfigError
+from helpers import assert_same_batch
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def assert_same(a: Batch, b: Batch) -> None:
-    assert a.index == b.index
-    assert torch.equal(a.dense, b.dense)
-    assert torch.equal(a.labels, b.labels)
-    assert len(a.values) == len(b.values) == len(a.offsets) == len(b.offsets)
-    for x, y in zip(a.values + a.offsets, b.values + b.offsets):
-        assert torch.equal(x, y)
 
 
 def differ(a: Batch, b: Batch) -> bool:
@@ -50,8 +42,8 @@ def small(**overrides) -> SyntheticCriteo:
 def test_same_seed_and_batch_give_identical_tensors():
     a, b = small(), small()
     for i in (0, 1, 7, 2**40):
-        assert_same(a.batch(i), b.batch(i))
-        assert_same(a.batch(i), a.batch(i))
+        assert_same_batch(a.batch(i), b.batch(i))
+        assert_same_batch(a.batch(i), a.batch(i))
 
 
 # The child prints a digest of every tensor; the parent computes the same digest in-process.
@@ -90,8 +82,8 @@ def test_call_order_does_not_matter():
     src.batch(5)
     src.batch(2)   # earlier calls must leave no state behind
     for b in range(6):
-        assert_same(forward[b], backward[b])
-        assert_same(forward[b], src.batch(b))
+        assert_same_batch(forward[b], backward[b])
+        assert_same_batch(forward[b], src.batch(b))
 
 
 def test_seeds_and_batches_differ():

@@ -16,7 +16,8 @@ from cxltrain.devices.discovery import (cpuless_nodes, dax_mounts, device_nodes,
                                         parse_ndctl, run_tool)
 from cxltrain.devices.mounts import read_mounts
 from cxltrain.emulation import cxl
-from test_cli import cxltrain, last_json
+from helpers import cxltrain
+from test_cli import last_json
 
 GIB = 1 << 30
 

@@ -44,11 +44,9 @@ import functools
 import os
 import random
 import resource
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -71,10 +69,11 @@ from cxltrain.pool_format import RegionKind
 from cxltrain.runtime import Runtime, check_checkpoint, export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag
 from cxltrain.trainer import build_model, train
+from helpers import assert_same_export, cxltrain, reference_export, run_python, shm_tempdir
 from test_checkpoint_crash import differences
-from test_cli import assert_one_line_error, cxltrain
+from test_cli import assert_one_line_error
 from test_pool import _newer_version
-from test_runtime import assert_same, make_batch, make_run, state_of, train_steps
+from test_runtime import make_batch, make_run, state_of, train_steps
 
 CONFIG = TrainConfig(steps=3, batch_size=32, num_tables=2, rows=500, dim=8, bottom_mlp=(8,), top_mlp=(8,), seed=5)
 RING_BYTES = 64 << 10
@@ -98,8 +97,8 @@ def _run_killed(path: str) -> None:
     """`train` of CONFIG in a child process, SIGKILLed before the root of batch 3 is written."""
     code = ("from cxltrain.config import TrainConfig; from cxltrain.trainer import train; "
             f"train({CONFIG!r}, pool_path={path!r}, progress=False)")
-    env = {**os.environ, CRASH_ENV: "commit:before-root:3", "CXLTRAIN_UNDO_RING_BYTES": str(RING_BYTES)}
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    env = {CRASH_ENV: "commit:before-root:3", "CXLTRAIN_UNDO_RING_BYTES": str(RING_BYTES)}
+    child = run_python(code, env=env, timeout=300)
     assert child.returncode == -signal.SIGKILL, child.stderr
 
 
@@ -151,10 +150,8 @@ def _spans(path: str) -> tuple[tuple, tuple]:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    path = tempfile.mkdtemp(prefix="cxltrain-hostile-", dir=base)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with shm_tempdir("cxltrain-hostile-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -172,16 +169,6 @@ def seeds(folder) -> dict[str, SeedImage]:
             made[name] = SeedImage(name, f.read(), spans, tables)
         os.unlink(path)
     return made
-
-
-@functools.lru_cache(maxsize=None)
-def reference(batches: int, folder: str) -> dict:
-    """Export of an uninterrupted run of `batches` batches of CONFIG on a fresh pool."""
-    path = os.path.join(folder, f"reference-{batches}.pool")
-    train(dataclasses.replace(CONFIG, steps=batches), pool_path=path, progress=False)
-    state = export_state(path)
-    os.unlink(path)
-    return state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +268,7 @@ def check_image(seed_image: SeedImage, steps, folder: str) -> str:
     assert problems == [], f"recover succeeded on a pool `pool check` refuses: {problems}"
     assert pool_check(path) == [], "the recovered pool fails `pool check`"
     got = export_state(path)  # recovers again: recovery is idempotent
-    want = reference(got["batch"], folder)
+    want = reference_export(CONFIG, got["batch"], folder)
     for key, rows in touched_rows(seed_image, touched).items():
         got["model"][key][rows] = want["model"][key][rows]  # no checksum covers table rows
     wrong = differences(got, want)
@@ -394,11 +381,11 @@ def test_a_non_finite_table_gradient_stops_the_run_before_the_batch_commits(shm_
         with Runtime(path, model, optimizer, schedulers=[scheduler]) as rt:
             for batch in rt.batches(make_batch, stop=5):
                 _poisoned_batch(model, batch, table).backward()
-    assert_same(state_of(path), before)  # the other table's stores, if any, are rolled back
+    assert_same_export(state_of(path), before)  # the other table's stores, if any, are rolled back
     assert torch.isfinite(state_of(path)["model"][f"towers.{table}.weight"]).all()
     train_steps(path, 5)  # resuming works, and ends where an uninterrupted run does
     train_steps(shm_dir / "ref.pool", 5)
-    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
+    assert_same_export(state_of(path), state_of(shm_dir / "ref.pool"))
 
 
 def test_a_non_finite_loss_stops_train_before_its_backward(folder, monkeypatch):
@@ -418,9 +405,9 @@ def test_a_non_finite_loss_stops_train_before_its_backward(folder, monkeypatch):
         train(CONFIG, pool_path=path, progress=False)
     monkeypatch.undo()
     assert export_state(path)["batch"] == 2
-    assert differences(export_state(path), reference(2, folder)) == []
+    assert differences(export_state(path), reference_export(CONFIG, 2, folder)) == []
     assert train(CONFIG, pool_path=path, progress=False).progress.recovered_batch == 2
-    assert differences(export_state(path), reference(3, folder)) == []
+    assert differences(export_state(path), reference_export(CONFIG, 3, folder)) == []
 
 
 # ---------------------------------------------------------------------------------------------

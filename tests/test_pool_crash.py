@@ -12,12 +12,9 @@ written). Random kills are there to find windows nobody named.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,6 +22,7 @@ from cxltrain.errors import NotAPoolError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV
 from cxltrain.pool import Pool
 from cxltrain.pool_inspect import inspect
+from helpers import run_and_kill
 
 CHILD = """
 import sys
@@ -44,14 +42,8 @@ print("done", flush=True)
 def run_child(path, rounds, env=None, kill_after=None):
     """Run the child; with kill_after, SIGKILL it that many seconds after its pool exists.
     Returns its exit code."""
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(rounds)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    if kill_after is not None:
-        proc.stdout.readline()  # "created"
-        time.sleep(kill_after)
-        proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=120)
-    return proc.returncode
+    cmd = [sys.executable, "-c", CHILD, str(path), str(rounds)]
+    return run_and_kill(cmd, env=env, kill_after=kill_after, ready_lines=1, timeout=120).returncode  # "created"
 
 
 def crashed_pool_problem(path) -> str | None:

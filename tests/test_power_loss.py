@@ -21,6 +21,7 @@ from cxltrain.errors import ConfigError
 from cxltrain.knobs import KNOBS, override
 from cxltrain.pool import Pool
 from cxltrain.pool_inspect import inspect
+from helpers import run_python
 
 SIZE = 64 << 10
 OLD = 0xAA  # what the file holds before the child runs
@@ -41,8 +42,7 @@ DIE = "\nos.kill(os.getpid(), signal.SIGKILL)\n"
 
 def run_child(body: str, path, power_loss: str = "1", env: dict | None = None) -> str:
     """Run PRELUDE + body in a child that SIGKILLs itself; returns its stdout."""
-    out = subprocess.run([sys.executable, "-c", PRELUDE + body + DIE, str(path)], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "CXLTRAIN_POWER_LOSS": power_loss, **(env or {})})
+    out = run_python(PRELUDE + body + DIE, path, env={"CXLTRAIN_POWER_LOSS": power_loss, **(env or {})})
     assert out.returncode == -signal.SIGKILL, out.stderr
     return out.stdout
 

@@ -7,22 +7,17 @@ moment would under SIGKILL.
 
 from __future__ import annotations
 
-import os
-import random
-
-import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import cxltrain
-from cxltrain.checkpoint import layout, ring
-from cxltrain.errors import CheckpointError, ConfigError, PoolCorruptError, RecoveryError
+from cxltrain.errors import CheckpointError, ConfigError, RecoveryError
 from cxltrain.optim import SGD
 from cxltrain.pool import Pool
-from cxltrain.pool_format import ROOT_RELAXED
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag
+from helpers import assert_same_export
 
 ROWS, DIM, BATCH = 500, 4, 16
 
@@ -78,14 +73,6 @@ def state_of(path) -> dict:
     return export_state(str(path))
 
 
-def assert_same(a: dict, b: dict) -> None:
-    assert a["batch"] == b["batch"]
-    assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
-    assert repr(a["optimizers"]) == repr(b["optimizers"]) and a["schedulers"] == b["schedulers"]
-
-
 @pytest.mark.parametrize("dense_every", [1, 3])
 def test_exception_mid_run_then_resume_is_exact(shm_dir, dense_every):
     path = shm_dir / "p.pool"
@@ -95,11 +82,11 @@ def test_exception_mid_run_then_resume_is_exact(shm_dir, dense_every):
     recovered = state_of(path)
     assert recovered["batch"] == committed
     train_steps(shm_dir / "ref.pool", committed, dense_every=dense_every)
-    assert_same(recovered, state_of(shm_dir / "ref.pool"))
+    assert_same_export(recovered, state_of(shm_dir / "ref.pool"))
     rt, start = train_steps(path, 10, dense_every=dense_every)
     assert start == committed and rt.recovered_batch == committed
     train_steps(shm_dir / "full.pool", 10, dense_every=dense_every)
-    assert_same(state_of(path), state_of(shm_dir / "full.pool"))
+    assert_same_export(state_of(path), state_of(shm_dir / "full.pool"))
 
 
 def test_export_keys_follow_the_module_tree(shm_dir):
@@ -137,8 +124,8 @@ def test_synchronous_and_pipelined_runs_end_bit_identical(shm_dir):
     sync, _ = train_steps(shm_dir / "s.pool", 6, pipeline=False)
     piped, _ = train_steps(shm_dir / "p.pool", 6)
     background, _ = train_steps(shm_dir / "b.pool", 6, background_capture=True)
-    assert_same(state_of(shm_dir / "s.pool"), state_of(shm_dir / "p.pool"))
-    assert_same(state_of(shm_dir / "b.pool"), state_of(shm_dir / "p.pool"))
+    assert_same_export(state_of(shm_dir / "s.pool"), state_of(shm_dir / "p.pool"))
+    assert_same_export(state_of(shm_dir / "b.pool"), state_of(shm_dir / "p.pool"))
     # where each capture ran: inside backward on the training thread, or handed over in forward
     assert piped.stats.training_capture_seconds > 0 == piped.stats.training_lookup_seconds
     assert background.stats.training_capture_seconds == 0 < background.stats.training_lookup_seconds
@@ -146,34 +133,6 @@ def test_synchronous_and_pipelined_runs_end_bit_identical(shm_dir):
     assert sync.stats.commit_lag_max == 0 and sync.stats.wait_seconds == 0   # nothing to wait for inline
     assert piped.stats.commit_lag_max <= 1 and piped.stats.commits == sync.stats.commits == 6
     assert piped.stats.to_json()["bytes_persisted_per_batch"] == sync.stats.to_json()["bytes_persisted_per_batch"] > 0
-
-
-def test_relaxed_mode_snapshots_the_dense_state_every_k_and_flags_its_roots(shm_dir):
-    rt, _ = train_steps(shm_dir / "p.pool", 7, dense_every=3, mode="relaxed")
-    # a commit per batch, snapshots at 3 and 6; leaving commits batch 7 again, with its snapshot
-    assert (rt.stats.commits, rt.stats.snapshots) == (8, 3)
-    with Pool.open(str(shm_dir / "p.pool"), writable=False) as pool:
-        assert pool.root.flags == ROOT_RELAXED and pool.root.dense_batch == 7
-    with pytest.raises(KeyboardInterrupt):
-        train_steps(shm_dir / "p.pool", 12, fail_at=11, dense_every=3, mode="relaxed")
-    report = recover_pool(str(shm_dir / "p.pool"))
-    assert (report.batch, report.dense_batch, report.dense_lag) == (11, 10, 1)
-
-
-def test_a_ring_too_small_for_the_interval_commits_early(shm_dir):
-    """dense_every=50 with room for about 4 batches of records: snapshots come early, counted."""
-    record = 2 * layout.record_bytes(BATCH * 3, 64, 4)  # both tables, at most this many rows each
-    rt, _ = train_steps(shm_dir / "p.pool", 20, dense_every=50, undo_ring_bytes=4 * record)
-    assert rt.stats.ring_full_commits >= 3 and rt.stats.ring_wait_seconds > 0
-    train_steps(shm_dir / "ref.pool", 20)
-    assert_same(state_of(shm_dir / "p.pool"), state_of(shm_dir / "ref.pool"))
-
-
-def test_a_ring_smaller_than_one_record_is_a_clear_error(shm_dir):
-    with pytest.raises(CheckpointError, match="cannot fit the 1,024-byte undo ring"):
-        train_steps(shm_dir / "p.pool", 3, undo_ring_bytes=1024)
-    with pytest.raises(CheckpointError, match="batch 0 needs more undo space than the ring has left"):
-        train_steps(shm_dir / "q.pool", 3, undo_ring_bytes=4096)
 
 
 def test_gradient_lookups_outside_a_batch_are_refused(shm_dir):
@@ -221,7 +180,7 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
     rt, start = train_steps(path, 6, checkpoint="off")
     assert rt.restarted and start == 0 and rt.stats is None
     train_steps(shm_dir / "ref.pool", 6)
-    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
+    assert_same_export(state_of(path), state_of(shm_dir / "ref.pool"))
 
 
 def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
@@ -229,138 +188,6 @@ def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
     (shm_dir / "p.pool.creating").write_bytes(b"left by a crashed run")
     train_steps(path, 1)
     assert path.exists() and not (shm_dir / "p.pool.creating").exists()
-
-
-# ---------------------------------------------------------------------------------------------
-# The undo ring on its own: wrap-around, the scan, corruption.
-# ---------------------------------------------------------------------------------------------
-def _ring_pool(path, ring_bytes):
-    pool = Pool.create(str(path), 8 << 20)
-    table = PersistentEmbeddingBag(ROWS, DIM, name="t", seed=4)
-    pool.add_regions([*table.region_specs(),
-                      cxltrain.pool.RegionSpec(layout.RING_REGION, cxltrain.pool_format.RegionKind.UNDO_RING,
-                                               "uint8", (ring_bytes,))])
-    table.attach(pool, initialize=True)
-    pool.commit(batches_done=0, ring_generation=5)
-    return pool, table
-
-
-def test_ring_wraps_and_the_scan_follows(shm_dir):
-    seed = int(os.environ.get("CXLTRAIN_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed {seed}")  # shown on failure
-    rng = np.random.default_rng(seed)
-    pool, table = _ring_pool(shm_dir / "r.pool", 16 * 1024)
-    writer = ring.UndoRing(pool, 5, 0, 0)
-    weights, state = table.storage()
-    offsets = []
-
-    def append(batch):  # a record of 5-29 rows (0.4-2 KiB), then the "update" it undoes
-        rows = torch.from_numpy(np.unique(rng.integers(0, ROWS, rng.integers(5, 30))))
-        writer.append(batch, pool.region("t.weight"), pool.region("t.optim"), rows, weights, state)
-        offsets.append(writer._live[-1].offset)
-        weights[rows] += 1.0
-
-    def commit(target):  # records of batches < target reclaimed
-        start, seq = writer.start_after_reclaim(target)
-        pool.commit(batches_done=target, ring_start=start, ring_start_seq=seq)
-        writer.reclaim(target)
-
-    batch = 0
-    # round and round the ring, committing every third batch; then on until the head is in the
-    # ring's second half, so the records that follow must wrap before the ring fills
-    while batch < 40 or writer.head < writer.capacity // 2:
-        append(batch)
-        if batch % 3 == 2 or batch >= 40:
-            commit(batch)
-        batch += 1
-    while len(writer._live) < 2 or writer._live[-1].offset > writer._live[-2].offset:
-        append(batch)  # no commits: the live records end up straddling the end of the ring
-        batch += 1
-    live = ring.scan(pool, 5, pool.root.ring_start, pool.root.ring_start_seq)
-    assert [r.header.batch for r in live] == list(range(pool.root.batches_done, batch))
-    assert sum(b < a for a, b in zip(offsets, offsets[1:])) >= 3, "the ring wrapped too rarely"
-    assert ring.scan(pool, 6, pool.root.ring_start, pool.root.ring_start_seq) == []  # another generation
-    pool.close()
-
-
-def test_a_corrupt_record_body_is_refused_before_anything_is_written(shm_dir):
-    path = shm_dir / "p.pool"
-    with pytest.raises(KeyboardInterrupt):
-        train_steps(path, 5, fail_at=2)
-    before = path.read_bytes()
-    with Pool.open(str(path)) as pool:
-        region = pool.region(layout.RING_REGION)
-        start = pool.root.ring_start
-        pool.device.array[region.offset + start + layout.UNDO_HEADER.size + 3] ^= 0x40  # a payload bit
-        damaged = bytes(pool.device.array)
-    with pytest.raises(PoolCorruptError, match="payload checksum mismatch"):
-        recover_pool(str(path))
-    assert path.read_bytes() == damaged != before
-
-
-def _tear_last_header(path, *, unmark: bool = False) -> None:
-    """Flip a bit in the header of batch 2's second record. unmark: also set the ring's tail mark
-    back to what it was before that record was appended (the capture persists the mark right after
-    the record), i.e. the state of a crash inside that record's append."""
-    with Pool.open(str(path)) as pool:
-        live = ring.scan(pool, pool.root.ring_generation, pool.root.ring_start, pool.root.ring_start_seq)
-        assert len(live) == 2  # batch 2, both tables
-        region = pool.region(layout.RING_REGION)
-        pool.device.array[region.offset + live[1].offset + 40] ^= 1
-        if unmark:
-            tail = region.offset + layout.ring_record_bytes(region.size)
-            for copy in range(layout.TAIL_COPIES):
-                mark = layout.pack_tail_mark(pool.root.ring_generation, live[1].header.seq, pool.superblock.uuid, copy)
-                pool.device.array[tail + copy * layout.TAIL_MARK.size : tail + (copy + 1) * layout.TAIL_MARK.size] = \
-                    np.frombuffer(mark, dtype=np.uint8)
-
-
-def test_a_torn_record_header_ends_the_log(shm_dir):
-    """A header that never became valid: by U1 no store of its batch was issued, so recovery must
-    stop there — shown by tearing the last record's header of a batch that died between forward
-    (records written) and backward (no store), with the tail mark not yet covering that record (a
-    crash inside its append), and recovering to the same batch. Captures in forward are the
-    background ones (by default they happen in backward, right before each table's update)."""
-    path = shm_dir / "p.pool"
-    train_steps(path, 2)
-    model, optimizer, scheduler = make_run()
-    with pytest.raises(KeyboardInterrupt):
-        with cxltrain.Runtime(path, model, optimizer, schedulers=[scheduler], background_capture=True) as rt:
-            for batch in rt.batches(make_batch, stop=3):
-                model.loss(batch)  # forward only: both tables' records of batch 2 are in the ring
-                raise KeyboardInterrupt("crash")
-    _tear_last_header(path, unmark=True)
-    assert recover_pool(str(path)).records_restored == 1
-    train_steps(shm_dir / "ref.pool", 2)
-    assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
-
-
-def test_a_damaged_header_of_a_record_in_use_is_refused(shm_dir):
-    """The same tear after batch 2's backward has stored into the rows: the tail mark covers the
-    record, so the damage is refused instead of leaving the second table un-rolled-back."""
-    path = shm_dir / "p.pool"
-    with pytest.raises(KeyboardInterrupt):
-        train_steps(path, 5, fail_at=2)
-    _tear_last_header(path)
-    damaged = path.read_bytes()
-    with pytest.raises(PoolCorruptError, match="undo record 5 is damaged"):
-        recover_pool(str(path))
-    assert path.read_bytes() == damaged
-
-
-def test_recovery_restores_only_the_live_records(shm_dir):
-    """Whatever the table size, recovery restores the batch in flight's rows and nothing else."""
-    for rows in (1_000, 400_000):
-        model = nn.Module()
-        model.t = PersistentEmbeddingBag(rows, 16, name="t", seed=1)
-        with pytest.raises(KeyboardInterrupt):
-            with cxltrain.Runtime(shm_dir / f"{rows}.pool", model) as rt:
-                for batch in rt.batches(lambda b: torch.arange(b, b + 64) % rows, stop=3):
-                    model.t(batch.view(8, 8)).sum().backward()
-                    if rt.batch == 2:
-                        raise KeyboardInterrupt
-        report = recover_pool(str(shm_dir / f"{rows}.pool"))
-        assert (report.batch, report.records_restored, report.rows_restored) == (2, 1, 64)
 
 
 def test_resuming_with_another_thread_count_says_exactness_is_not_promised(shm_dir):
@@ -433,12 +260,6 @@ def test_bad_arguments_are_config_errors(shm_dir):
             cxltrain.Runtime(shm_dir / "p.pool", TwoTower(), **kwargs)
     with pytest.raises(ConfigError, match="optimizers must be"):
         cxltrain.Runtime(shm_dir / "p.pool", TwoTower(), [42])
-
-
-def test_dense_slots_too_small_say_how_big_they_are(shm_dir):
-    with pytest.raises(CheckpointError, match=r"does not fit the pool's dense slots \(4,032 bytes\)"):
-        train_steps(shm_dir / "p.pool", 1, dense_slot_bytes=4096)
-    assert not (shm_dir / "p.pool").exists()
 
 
 def test_a_table_of_another_optimizer_is_refused(shm_dir):

@@ -1,0 +1,159 @@
+"""Helpers the test files share: comparisons, child processes, the command line, reference runs and
+a generated Criteo file. Import them as `from helpers import ...` (pytest puts tests/ on sys.path:
+the folder has no __init__.py, so its files are imported by their bare names)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cxltrain.config import TrainConfig
+from cxltrain.crashtest import References
+from cxltrain.data import Batch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_CRITEO_SAMPLE = SHARED_DATA / "criteo_sample.csv"   # CI checks shared/ out beside the repo
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------------------------
+def assert_same_batch(a: Batch, b: Batch) -> None:
+    """Two batches are equal: same number, and every tensor (dense, labels, ids, offsets) equal."""
+    assert a.index == b.index
+    assert torch.equal(a.dense, b.dense)
+    assert torch.equal(a.labels, b.labels)
+    assert len(a.values) == len(b.values) == len(a.offsets) == len(b.offsets)
+    for x, y in zip(a.values + a.offsets, b.values + b.offsets):
+        assert torch.equal(x, y)
+
+
+def assert_same_export(a: dict, b: dict) -> None:
+    """Two `export_state` results are equal: batch, every model tensor, optimizers and schedulers."""
+    assert a["batch"] == b["batch"]
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    assert repr(a["optimizers"]) == repr(b["optimizers"]) and a["schedulers"] == b["schedulers"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders and child processes
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def shm_tempdir(prefix: str):
+    """A private folder on the memory-backed file system (the emulated CXL device's home), removed
+    afterwards; an ordinary temporary folder where there is no /dev/shm."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    path = tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_python(code: str, *args, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -c code args...` in a child with this environment plus `env`; output captured as text."""
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_and_kill(cmd: list[str], *, env: dict | None = None, kill_after: float | None = None,
+                 ready_lines: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `cmd`; with kill_after, SIGKILL it that many seconds after it has printed `ready_lines`
+    lines (its signal that the part worth killing is next). Output captured as text."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    if kill_after is not None:
+        for _ in range(ready_lines):
+            proc.stdout.readline()
+        time.sleep(kill_after)
+        proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
+def cxltrain_command() -> list[str]:
+    """The command that runs the command line: the installed script, or `python -m cxltrain`."""
+    script = Path(sys.executable).with_name("cxltrain")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cxltrain"]
+
+
+def cxltrain(*args, env=None, timeout=300, **popen) -> subprocess.CompletedProcess:
+    """Run the command line; `popen`: more subprocess.run arguments (user=, preexec_fn=)."""
+    return subprocess.run(cxltrain_command() + [str(a) for a in args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, **popen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference runs
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def references(config: TrainConfig, folder: str) -> References:
+    """Exports of uninterrupted runs of `config`, one per batch count, made once per folder."""
+    return References(config, folder)
+
+
+def reference_export(config: TrainConfig, batches: int, folder: str) -> dict:
+    """Export of an uninterrupted run of `batches` batches of `config` on a fresh pool (cached)."""
+    return references(config, folder)(batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# A Criteo file of our own
+# ---------------------------------------------------------------------------------------------
+CRITEO_HEADER = ("label", *(f"I{i}" for i in range(1, 14)), *(f"C{i}" for i in range(1, 27)))
+C1_DISTINCT = 27   # distinct C1 values in a generated file (as in the shared sample's 200 lines)
+
+
+def criteo_rows(lines: int = 200, seed: int = 0) -> list[list[str]]:
+    """`lines` rows of the raw Criteo layout's 40 fields, deterministic from `seed`: a 0/1 label
+    (about a quarter clicks), I1..I13 integers (some negative, some missing: ''), C1..C26 8-hex-digit
+    hashes or '' (C1 never missing, with exactly C1_DISTINCT values, each used at least once)."""
+    assert lines >= C1_DISTINCT
+    rng = np.random.default_rng(seed)
+    vocabularies = [[f"{int(v):08x}" for v in rng.integers(0, 1 << 32, size)]
+                    for size in [C1_DISTINCT, *rng.integers(2, 500, 25)]]
+    rows = []
+    for i in range(lines):
+        label = str(int(rng.random() < 0.25))
+        ints = []
+        for _ in range(13):
+            kind = rng.random()
+            ints.append("" if kind < 0.2 else str(-int(rng.integers(1, 4))) if kind < 0.25
+                        else str(int(rng.integers(0, 10_000))))
+        cats = [vocabularies[0][i] if i < C1_DISTINCT else str(rng.choice(vocabularies[0]))]
+        for vocabulary in vocabularies[1:]:
+            cats.append("" if rng.random() < 0.1 else str(rng.choice(vocabulary)))
+        rows.append([label, *ints, *cats])
+    return rows
+
+
+def write_criteo(path: Path, lines: int = 200, seed: int = 0, layout: str = "raw") -> Path:
+    """A generated Criteo file at `path` (see criteo_rows). layout "raw": what users have (Kaggle
+    train.txt, Terabyte day_N: tab-separated, no header, integers as integers); "csv": the shared
+    sample's layout (a header row, comma-separated, integers written as floats: `260.0`)."""
+    rows = criteo_rows(lines, seed)
+    if layout == "raw":
+        text = "".join("\t".join(row) + "\n" for row in rows)
+    elif layout == "csv":
+        as_floats = [[r[0], *(f"{int(v)}.0" if v else "" for v in r[1:14]), *r[14:]] for r in rows]
+        text = "".join(",".join(row) + "\n" for row in [list(CRITEO_HEADER), *as_floats])
+    else:
+        raise ValueError(f"layout must be 'raw' or 'csv', not {layout!r}")
+    path.write_text(text)
+    return path

@@ -1,0 +1,124 @@
+"""The undo ring (cxltrain.checkpoint.ring): its size against the records a batch writes, wrap-around
+and the scan that follows it, and recovery's row scatter (ring.restore): an undo record's old rows go
+back in place bit for bit, and no other row of the table changes. Recovery scatters raw bytes with
+numpy (any region dtype, row indices read straight from the record), so this is the scatter the
+kernels' tests once covered.
+
+Recovery's use of the ring's records (torn and damaged ones included) is in test_recovery.py.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import cxltrain
+from cxltrain.checkpoint import layout, ring
+from cxltrain.errors import CheckpointError
+from cxltrain.pool import Pool, RegionSpec
+from cxltrain.pool_format import RegionKind
+from cxltrain.tables import PersistentEmbeddingBag
+from helpers import assert_same_export
+from test_runtime import BATCH, DIM, ROWS, state_of, train_steps
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring's size
+# ---------------------------------------------------------------------------------------------
+def test_a_ring_too_small_for_the_interval_commits_early(shm_dir):
+    """dense_every=50 with room for about 4 batches of records: snapshots come early, counted."""
+    record = 2 * layout.record_bytes(BATCH * 3, 64, 4)  # both tables, at most this many rows each
+    rt, _ = train_steps(shm_dir / "p.pool", 20, dense_every=50, undo_ring_bytes=4 * record)
+    assert rt.stats.ring_full_commits >= 3 and rt.stats.ring_wait_seconds > 0
+    train_steps(shm_dir / "ref.pool", 20)
+    assert_same_export(state_of(shm_dir / "p.pool"), state_of(shm_dir / "ref.pool"))
+
+
+def test_a_ring_smaller_than_one_record_is_a_clear_error(shm_dir):
+    with pytest.raises(CheckpointError, match="cannot fit the 1,024-byte undo ring"):
+        train_steps(shm_dir / "p.pool", 3, undo_ring_bytes=1024)
+    with pytest.raises(CheckpointError, match="batch 0 needs more undo space than the ring has left"):
+        train_steps(shm_dir / "q.pool", 3, undo_ring_bytes=4096)
+
+
+# ---------------------------------------------------------------------------------------------
+# The undo ring on its own: wrap-around, the scan.
+# ---------------------------------------------------------------------------------------------
+def _ring_pool(path, ring_bytes):
+    pool = Pool.create(str(path), 8 << 20)
+    table = PersistentEmbeddingBag(ROWS, DIM, name="t", seed=4)
+    pool.add_regions([*table.region_specs(),
+                      cxltrain.pool.RegionSpec(layout.RING_REGION, cxltrain.pool_format.RegionKind.UNDO_RING,
+                                               "uint8", (ring_bytes,))])
+    table.attach(pool, initialize=True)
+    pool.commit(batches_done=0, ring_generation=5)
+    return pool, table
+
+
+def test_ring_wraps_and_the_scan_follows(shm_dir):
+    seed = int(os.environ.get("CXLTRAIN_TEST_SEED", random.randrange(1 << 30)))
+    print(f"seed {seed}")  # shown on failure
+    rng = np.random.default_rng(seed)
+    pool, table = _ring_pool(shm_dir / "r.pool", 16 * 1024)
+    writer = ring.UndoRing(pool, 5, 0, 0)
+    weights, state = table.storage()
+    offsets = []
+
+    def append(batch):  # a record of 5-29 rows (0.4-2 KiB), then the "update" it undoes
+        rows = torch.from_numpy(np.unique(rng.integers(0, ROWS, rng.integers(5, 30))))
+        writer.append(batch, pool.region("t.weight"), pool.region("t.optim"), rows, weights, state)
+        offsets.append(writer._live[-1].offset)
+        weights[rows] += 1.0
+
+    def commit(target):  # records of batches < target reclaimed
+        start, seq = writer.start_after_reclaim(target)
+        pool.commit(batches_done=target, ring_start=start, ring_start_seq=seq)
+        writer.reclaim(target)
+
+    batch = 0
+    # round and round the ring, committing every third batch; then on until the head is in the
+    # ring's second half, so the records that follow must wrap before the ring fills
+    while batch < 40 or writer.head < writer.capacity // 2:
+        append(batch)
+        if batch % 3 == 2 or batch >= 40:
+            commit(batch)
+        batch += 1
+    while len(writer._live) < 2 or writer._live[-1].offset > writer._live[-2].offset:
+        append(batch)  # no commits: the live records end up straddling the end of the ring
+        batch += 1
+    live = ring.scan(pool, 5, pool.root.ring_start, pool.root.ring_start_seq)
+    assert [r.header.batch for r in live] == list(range(pool.root.batches_done, batch))
+    assert sum(b < a for a, b in zip(offsets, offsets[1:])) >= 3, "the ring wrapped too rarely"
+    assert ring.scan(pool, 6, pool.root.ring_start, pool.root.ring_start_seq) == []  # another generation
+    pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Recovery's row scatter (ring.restore)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed,count", [(0, 1), (1, 7), (2, 64), (3, 0)])  # odd counts: indices off 8-byte alignment
+def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
+    rows_total, dim = 200, 12
+    g = torch.Generator().manual_seed(seed)
+    with Pool.create(str(shm_dir / "ring.pool"), size=8 << 20) as pool:
+        pool.add_regions([RegionSpec("t.weight", RegionKind.TABLE_WEIGHTS, "float32", (rows_total, dim), True),
+                          RegionSpec("t.state", RegionKind.TABLE_OPTIM_STATE, "float32", (rows_total, 1)),
+                          RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (1 << 20,))])
+        weights = torch.from_numpy(pool.array("t.weight", padded=True))
+        state = torch.from_numpy(pool.array("t.state", padded=True))
+        weights.copy_(torch.randn(weights.shape, generator=g))
+        state.copy_(torch.rand(state.shape, generator=g))
+        before = weights.clone(), state.clone()
+        rows = torch.sort(torch.randperm(rows_total, generator=g)[:count]).values
+        undo = ring.UndoRing(pool, generation=1, start=0, start_seq=0)
+        undo.append(0, pool.region("t.weight"), pool.region("t.state"), rows, weights, state)
+        undo.mark_tail()
+        weights[rows] = torch.randn(count, weights.shape[1], generator=g)  # the batch's in-place update
+        state[rows] = 7.0
+        [record] = ring.scan(pool, 1, 0, 0)
+        ring.restore(pool, pool.region(layout.RING_REGION), record)
+        assert torch.equal(weights, before[0]) and torch.equal(state, before[1])
