@@ -11,20 +11,31 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from typing import Callable, Sequence
 
 from . import knobs
-from .errors import ConfigError, CxlTrainError, PoolError
+from .errors import ConfigError, CxlTrainError, PoolError, TrainingStopped
 from .knobs import KNOBS
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the command, not a usage dump."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # "-1G", "-inf", "-.5" are values to validate with our own message, not unknown options
+        # (argparse itself only takes "-1" and "-1.5" as values)
+        self._negative_number_matcher = re.compile(r"^-(\.?\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
@@ -202,7 +213,8 @@ def _run_train(args) -> int:
             from .emulation.cxl import describe_model
 
             print(f"emulated device models {describe_model()}", flush=True)
-        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts)
+        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts,
+                       stop=_sigterm.requested)
     if result.steps == 0:
         print(f"nothing to train: the pool is at batch {result.batch}, --steps is {args.steps}")
     else:
@@ -239,6 +251,7 @@ def _run_train(args) -> int:
 
 
 def _say_where_training_starts(rt) -> None:
+    _sigterm.arm()  # from here a SIGTERM stops the loop at a batch boundary
     if rt.restarted:
         print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
               "interrupted); training restarts at batch 0", file=sys.stderr)
@@ -346,11 +359,19 @@ def _run_pool_create(args) -> int:
         size = parse_size("64M")
     with Pool.create(args.path, size) as pool:
         summary = {"path": pool.path, "size": pool.superblock.pool_size, "device": pool.device.kind,
-                   "uuid": pool.superblock.uuid.hex()}
-    print(f"created {args.path}: {summary['size']:,} bytes on {summary['device']}")
+                   "uuid": pool.superblock.uuid.hex(), "persistent_memory": pool.device.is_pmem}
+    print(f"created {args.path}: {summary['size']:,} bytes on {_device_words(pool.device)}")
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+def _device_words(device) -> str:
+    """The backend, and whether the media is persistent memory: the pmem backend also maps ordinary files
+    (persisted with msync then), which must not read as "on pmem"."""
+    if device.kind in ("pmem", "msync") and not device.is_pmem:
+        return f"an ordinary file, not persistent memory ({device.kind} backend, persisted with msync)"
+    return device.kind
 
 
 def _report_json(report) -> dict:
@@ -360,6 +381,7 @@ def _report_json(report) -> dict:
     return {
         "path": report.path,
         "ok": report.ok,
+        "in_use": report.in_use,
         "problems": report.problems,
         "file_size": report.file_size,
         "superblock": None if sb is None else {
@@ -390,9 +412,15 @@ def _inspect_or_fail(path: str):
 
 
 def _run_pool_info(args) -> int:
+    report = _inspect_or_fail(args.path)
+    if not args.json:  # with --json, stdout is the JSON alone
+        _print_pool_info(report)
+    return _finish_report(report, args.json)
+
+
+def _print_pool_info(report) -> None:
     from .pool_format import ROOT_RELAXED, SLOT_NAMES
 
-    report = _inspect_or_fail(args.path)
     sb = report.superblock
     print(f"pool {report.path}: format v{sb.version}, {sb.pool_size:,} bytes, uuid {sb.uuid.hex()}")
     for s in report.slots:
@@ -408,11 +436,17 @@ def _run_pool_info(args) -> int:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
-    return _finish_report(report, args.json)
+
+
+def _say_in_use(report) -> None:
+    if report.in_use and report.root is not None:
+        print(f"note: {report.path} is in use by a writer; showing its last committed root (seq {report.root.seq}, "
+              f"batch {report.root.batches_done})", file=sys.stderr)
 
 
 def _finish_report(report, as_json: bool) -> int:
     """Problems to stderr, one line each; the JSON summary last; exit 1 if anything is wrong."""
+    _say_in_use(report)
     for problem in report.problems:
         print(f"{report.path}: {problem}", file=sys.stderr)
     if as_json:
@@ -426,12 +460,14 @@ def _run_pool_check(args) -> int:
 
     report = inspect(args.path)
     checkpoint = None
-    if report.ok:  # then the checksums above the pool layer: live undo records, the dense snapshot
+    if report.in_use:  # the writer changes the undo ring and the dense slots under us: not checked
+        checkpoint = "undo records and dense snapshot not checked while a writer holds the pool"
+    elif report.ok:  # then the checksums above the pool layer: live undo records, the dense snapshot
         try:
             checkpoint = check_checkpoint(args.path)
         except PoolError as e:
             report.problems.append(str(e).removeprefix(f"{args.path}: "))
-    if report.ok:
+    if report.ok and not args.json:
         print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
               f"batch {report.root.batches_done}"
               + (f"; {checkpoint}" if checkpoint else ""))
@@ -525,8 +561,11 @@ def _run_bench(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="cxltrain", description="Train recommendation models whose embedding tables live in "
                                                   "persistent memory (PMEM, CXL, or an emulated CXL pool).")
+    parser.add_argument("--version", action="version", version=f"cxltrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_train(sub)
@@ -621,20 +660,69 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"cxltrain: warning: {message}", file=sys.stderr)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, where it stops the process at once: cleaned up after as Ctrl-C is."""
+
+
+class _StopOnSigterm:
+    """SIGTERM handler. Once training runs (`arm`), it asks the loop to stop at the next batch
+    boundary, where the pool is committed; before that, or on a second SIGTERM, it stops at once."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.armed = False
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, signum, frame) -> None:
+        if self.armed and not self.requested.is_set():
+            self.requested.set()
+            return
+        raise _Terminated()
+
+
+_sigterm = _StopOnSigterm()
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout went away (`cxltrain ... | head`): later writes, and the flush at exit,
+    go nowhere instead of raising BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     warnings.showwarning = _one_line_warning
+    global _sigterm
+    _sigterm = _StopOnSigterm()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm) if in_main_thread else None
     try:
         KNOBS.validate()
         return run(args)
+    except TrainingStopped as e:  # asked for, not an error
+        print(f"cxltrain: {e}", file=sys.stderr)
+        return EXIT_TERMINATED
     except CxlTrainError as e:
         print(f"cxltrain: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except _Terminated:
+        print("cxltrain: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("cxltrain: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -24,7 +25,7 @@ from .data.batch import BatchSource
 from .devices import DeviceCounters
 from .config import TrainConfig
 from .checkpoint.layout import record_bytes
-from .errors import ConfigError, NonFiniteError
+from .errors import ConfigError, NonFiniteError, TrainingStopped
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
@@ -138,11 +139,12 @@ def pool_bytes(config: TrainConfig) -> int:
 
 
 def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
-          on_ready: Callable[[Runtime], None] | None = None) -> TrainResult:
+          on_ready: Callable[[Runtime], None] | None = None, stop: threading.Event | None = None) -> TrainResult:
     """Run batches up to `config.steps` (resuming a pool after its last committed batch); returns
     what the run did and measured. `on_ready(rt)` is called once the pool is open (and recovered),
     before the first batch. A NaN or inf loss or table gradient stops the run with NonFiniteError
-    before that batch is committed; the pool keeps the previous commit."""
+    before that batch is committed; the pool keeps the previous commit. Setting `stop` ends the run
+    at the next batch boundary, with the batches done committed: TrainingStopped says which."""
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
@@ -152,7 +154,11 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     with make_runtime(config, model, dense_opt, pool_path) as rt:
         if on_ready is not None:
             on_ready(rt)
-        return _run(config, model, source, rt, progress)
+        result = _run(config, model, source, rt, progress, stop)
+    if result is None:  # after the block: its normal exit has committed the batches done
+        raise TrainingStopped(f"stopped by SIGTERM at a batch boundary; {rt.path} is committed at batch "
+                              f"{rt.batch} (run the same command to resume)")
+    return result
 
 
 def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,7 +176,8 @@ def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, to
     return logits, loss
 
 
-def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool) -> TrainResult:
+def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool,
+         stop: threading.Event | None = None) -> TrainResult | None:
     first = rt.start_batch
     steps = max(0, config.steps - first)
     tail = max(1, steps // 10)
@@ -193,6 +200,9 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     device_before = device.counters.copy()
     loop_start = time.perf_counter()
     for batch in rt.batches(fetch, stop=config.steps):
+        if stop is not None and stop.is_set():
+            bar.close()
+            return None  # before the batch touches anything: the Runtime drops it, commits the rest
         b = rt.batch
         if b == timed_from:
             clock.start()

@@ -78,7 +78,8 @@ def test_pool_info_says_when_a_root_is_relaxed(shm_dir):
     assert cxltrain("train", "--pool", path, *SMALL, "--mode", "relaxed", "--dense-every", "4").returncode == 0
     info = cxltrain("pool", "info", path, "--json").stdout
     current = max((r for r in last_json(info)["roots"] if r["state"] == "valid"), key=lambda r: r["seq"])
-    assert current["relaxed"] is True and "relaxed (the dense state may trail the embeddings)" in info
+    assert current["relaxed"] is True
+    assert "relaxed (the dense state may trail the embeddings)" in cxltrain("pool", "info", path).stdout
 
 
 def test_train_is_deterministic_and_resumes_an_existing_pool(shm_dir):
@@ -185,7 +186,6 @@ def test_second_opener_gets_a_clear_error(shm_dir):
     path = shm_dir / "busy.pool"
     assert cxltrain("pool", "create", path, "--size", "1M").returncode == 0
     with Pool.open(str(path)):
-        assert_one_line_error(cxltrain("pool", "info", path), match="in use by another process")
         assert_one_line_error(cxltrain("train", "--pool", path, *SMALL), match="in use by another process")
 
 
@@ -271,3 +271,86 @@ def test_recover_and_export_errors_are_one_line_and_touch_nothing(shm_dir):
     assert_one_line_error(cxltrain("recover", empty), match="holds no committed checkpoint")
     assert_one_line_error(cxltrain("export", empty, shm_dir / "y.pt"), match="holds no committed checkpoint")
     assert not (shm_dir / "y.pt").exists() and not (shm_dir / "y.pt.partial").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16, item 8: the small things a careless user walks into
+# ---------------------------------------------------------------------------------------------
+def test_json_output_is_json_alone(shm_dir):
+    path = shm_dir / "j.pool"
+    assert cxltrain("pool", "create", path, "--size", "2M").returncode == 0
+    for command in ("info", "check"):
+        result = cxltrain("pool", command, path, "--json")
+        assert result.returncode == 0, result.stderr
+        json.loads(result.stdout)  # the whole of stdout, not its last line
+
+
+def test_a_closed_stdout_ends_quietly(shm_dir):
+    path = shm_dir / "p.pool"
+    assert cxltrain("pool", "create", path, "--size", "2M").returncode == 0
+    script = Path(sys.executable).with_name("cxltrain")
+    reader_gone = subprocess.Popen([str(script), "pool", "info", str(path)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
+    reader_gone.stdout.close()  # `| head` that has read enough
+    _, err = reader_gone.communicate(timeout=60)
+    assert reader_gone.returncode == 141 and b"Traceback" not in err and not err, err
+
+
+def test_sigterm_stops_at_a_batch_boundary_and_says_where(shm_dir):
+    import signal
+    import time
+
+    path = shm_dir / "term.pool"
+    script = Path(sys.executable).with_name("cxltrain")
+    args = [str(script), "train", "--pool", str(path), *[a if a != "30" else "100000" for a in SMALL]]
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "pool" in run.stdout.readline()
+    assert "training from batch 0" in run.stdout.readline()
+    time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err
+    assert_one_line_error(subprocess.CompletedProcess(args, 1, "", err), code=1, match="stopped by SIGTERM")
+    batch = int(err.split("committed at batch ")[1].split()[0])
+    check = cxltrain("pool", "check", path)
+    assert check.returncode == 0 and f"checkpoint at batch {batch}, 0 undo record(s) to roll back" in check.stdout
+
+
+def test_a_live_pool_can_be_inspected(shm_dir):
+    path = shm_dir / "live.pool"
+    assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
+    with Pool.open(str(path)):  # a writer holds it
+        for command in ("info", "check"):
+            result = cxltrain("pool", command, path, "--json")
+            assert result.returncode == 0, result.stderr
+            report = json.loads(result.stdout)
+            assert report["in_use"] and report["batch"] == 30
+            assert "in use by a writer; showing its last committed root" in result.stderr
+
+
+@pytest.mark.parametrize("args,match", [
+    (["train", "--persist-bandwidth", "-1G"], "--persist-bandwidth: -1G must be at least 1 byte per second"),
+    (["train", "--zipf", "-inf"], "--zipf: -inf must be a positive finite number"),
+    (["pool", "create", "/tmp/x.pool", "--size", "-1M"], "is not a size"),
+])
+def test_negative_looking_values_reach_our_validation(args, match):
+    assert_one_line_error(cxltrain(*args), code=2, match=match)
+
+
+def test_version():
+    result = cxltrain("--version")
+    assert result.returncode == 0 and result.stdout.startswith("cxltrain ")
+
+
+def test_num_tables_of_a_criteo_file_names_the_inclusive_range(shm_dir):
+    from cxltrain.data import CriteoFile
+    from cxltrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="num_tables must be between 1 and 26, got 27"):
+        CriteoFile(str(shm_dir / "any"), batch_size=4, rows=10, num_tables=27)
+
+
+def test_a_pool_on_an_ordinary_file_is_not_called_pmem(tmp_path):
+    result = cxltrain("pool", "create", tmp_path / "disk.pool", "--size", "2M")
+    assert result.returncode == 0, result.stderr
+    assert "on pmem" not in result.stdout and "on msync" not in result.stdout
