@@ -354,3 +354,12 @@ def test_a_pool_on_an_ordinary_file_is_not_called_pmem(tmp_path):
     result = cxltrain("pool", "create", tmp_path / "disk.pool", "--size", "2M")
     assert result.returncode == 0, result.stderr
     assert "on pmem" not in result.stdout and "on msync" not in result.stdout
+
+
+def test_the_default_pool_belongs_to_the_working_directory(tmp_path):
+    """Issue 16, item 2: two checkouts on one machine never share (resume, or refuse) one pool."""
+    here, there = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    here.mkdir(), there.mkdir()
+    paths = [last_json(cxltrain("devices", "--json", cwd=folder).stdout)["train"]["pool_path"]
+             for folder in (here, there, here)]
+    assert paths[0] != paths[1] and paths[0] == paths[2]
