@@ -34,7 +34,7 @@ from torch import nn
 
 from .checkpoint import MODES, BatchGuard, Checkpointer, CheckpointStats, has_checkpoint, recover, verify
 from .checkpoint import dense, layout
-from .errors import ConfigError, PoolError, RecoveryError
+from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import RegionKind, pool_size_for
@@ -129,14 +129,21 @@ class Runtime:
             raise RuntimeError("this Runtime is already open")
         self._reset()
         created = not os.path.exists(self.path)
+        # Built under a side name and renamed into place once its first commit is durable, so a
+        # crash while creating never leaves a half-made pool under the name the next run opens.
+        building = self.path + ".creating"
         if created:
-            # Built under a side name and renamed into place once its first commit is durable, so a
-            # crash while creating never leaves a half-made pool under the name the next run opens.
-            building = self.path + ".creating"
-            remove_stale(building)
-            pool = Pool.create(building, self.pool_bytes(), backend=self.backend)
-        else:
-            pool = Pool.open(self.path, backend=self.backend)
+            remove_stale(building)  # its errors are about that file: they name it
+        try:
+            pool = (Pool.create(building, self.pool_bytes(), backend=self.backend) if created
+                    else Pool.open(self.path, backend=self.backend))
+            self._set_up_or_clean_up(pool, created)
+        except CxlTrainError as e:  # the user asked for self.path: never show the side name
+            raise type(e)(str(e).replace(building, self.path)) from None
+        self.pool = pool
+        return self
+
+    def _set_up_or_clean_up(self, pool: Pool, created: bool) -> None:
         try:
             self._setup(pool)
             if created:
@@ -148,8 +155,6 @@ class Runtime:
             if created:
                 os.unlink(pool.path)  # never leave a half-built pool behind
             raise
-        self.pool = pool
-        return self
 
     def _specs(self) -> list[RegionSpec]:
         _, ring_bytes, slot_bytes = self._sizes

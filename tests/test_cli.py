@@ -363,3 +363,40 @@ def test_the_default_pool_belongs_to_the_working_directory(tmp_path):
     paths = [last_json(cxltrain("devices", "--json", cwd=folder).stdout)["train"]["pool_path"]
              for folder in (here, there, here)]
     assert paths[0] != paths[1] and paths[0] == paths[2]
+
+
+# issue 16, item 6: the side name a new pool is built under
+def _interrupt_pool_creation(monkeypatch, how):
+    """posix_fallocate (seconds for a big pool) is where Ctrl-C or SIGTERM lands while creating."""
+    import signal
+
+    real = os.posix_fallocate
+
+    def interrupted(fd, offset, size):
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs once this returns
+            return real(fd, offset, size)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "posix_fallocate", interrupted)
+
+
+@pytest.mark.parametrize("how,code,line", [("ctrl-c", 130, "cxltrain: interrupted"),
+                                           ("sigterm", 143, "cxltrain: terminated (SIGTERM)")])
+def test_an_interrupted_pool_creation_leaves_nothing(shm_dir, monkeypatch, capsys, how, code, line):
+    from cxltrain.cli import main
+
+    _interrupt_pool_creation(monkeypatch, how)
+    assert main(["train", "--pool", str(shm_dir / "i.pool"), *SMALL]) == code
+    assert capsys.readouterr().err.strip() == line
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_pool_creation_errors_name_the_users_path(shm_dir, capsys):
+    from cxltrain.cli import main
+
+    path = shm_dir / "big.pool"
+    assert main(["train", "--pool", str(path), "--rows", "1000000000", "--num-tables", "64", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cxltrain: error: {path}: ") and ".creating" not in err, err
+    assert list(shm_dir.iterdir()) == []

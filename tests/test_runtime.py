@@ -17,7 +17,7 @@ from torch import nn
 
 import cxltrain
 from cxltrain.checkpoint import layout, ring
-from cxltrain.errors import CheckpointError, ConfigError, PoolCorruptError, RecoveryError
+from cxltrain.errors import CheckpointError, ConfigError, PoolCorruptError, PoolError, RecoveryError
 from cxltrain.optim import SGD
 from cxltrain.pool import Pool
 from cxltrain.pool_format import ROOT_RELAXED
@@ -225,10 +225,22 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
 
 
 def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
+    from cxltrain.pool_format import BUILDING_MAGIC
+
     path = shm_dir / "p.pool"
-    (shm_dir / "p.pool.creating").write_bytes(b"left by a crashed run")
+    # what a run killed before its superblock leaves: the mark of an unfinished pool of ours
+    (shm_dir / "p.pool.creating").write_bytes(BUILDING_MAGIC.to_bytes(8, "little") + bytes(4088))
     train_steps(path, 1)
     assert path.exists() and not (shm_dir / "p.pool.creating").exists()
+
+
+def test_a_file_of_the_users_named_like_the_side_name_is_kept(shm_dir):
+    """Issue 16, item 6: only a provably half-built pool of ours is deleted."""
+    path, theirs = shm_dir / "p.pool", shm_dir / "p.pool.creating"
+    theirs.write_bytes(b"the user's own notes")
+    with pytest.raises(PoolError, match="is in the way and is not a pool left unfinished by cxltrain"):
+        train_steps(path, 1)
+    assert theirs.read_bytes() == b"the user's own notes" and not path.exists()
 
 
 # ---------------------------------------------------------------------------------------------
