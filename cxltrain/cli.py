@@ -110,6 +110,9 @@ def _add_train(sub) -> None:
     p.add_argument("--checkpoint", choices=("undo", "off"), default=d.checkpoint,
                    help="undo: every batch durable, a crash costs at most the batch in flight (default); "
                         "off: the pool is consistent only when the run ends")
+    p.add_argument("--discard-checkpoint", action="store_true",
+                   help="with --checkpoint off, accept a pool that holds committed batches: a crash during "
+                        "the run then restarts at batch 0 (refused without it)")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
                    help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it")
     p.add_argument("--mode", choices=("strict", "relaxed"), default=d.mode,
@@ -193,7 +196,8 @@ def _run_train(args) -> int:
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
-                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture)
+                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
+                         discard_checkpoint=args.discard_checkpoint)
     config.validate()
     path = args.pool
     if path is None:

@@ -29,6 +29,7 @@ class TrainConfig:
                                        # dense state every dense_every batches (DESIGN §4)
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
+    discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

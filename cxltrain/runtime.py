@@ -72,6 +72,9 @@ class Runtime:
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
             from the model; a 64 MiB undo ring; 4x the dense state + 1 MiB per snapshot slot).
         backend: device backend (see cxltrain.devices); default the `device` knob.
+        discard_checkpoint: with checkpoint "off", accept opening a pool that holds committed
+            batches: the run stops vouching for them, so a crash during it restarts at batch 0.
+            Without it, that is refused (ConfigError) before anything is written.
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -82,7 +85,8 @@ class Runtime:
                  schedulers: Sequence = (), checkpoint: str = "undo", dense_every: int = 1,
                  mode: str = "strict", pipeline: bool = True, background_capture: bool = False,
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
-                 dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
+                 dense_slot_bytes: int | None = None, backend: str | None = None,
+                 discard_checkpoint: bool = False) -> None:
         if checkpoint not in CHECKPOINT_MODES:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint!r}")
         if mode not in MODES:
@@ -105,7 +109,7 @@ class Runtime:
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
-        self.backend = backend
+        self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
         self.tables = _persistent_tables(model)
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
                        dense_slot_bytes or _default_slot_bytes(model))
@@ -183,6 +187,7 @@ class Runtime:
         except (ConfigError, PoolError) as e:
             raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
         if present and has_checkpoint(pool):
+            self._refuse_to_risk_committed_batches(pool)
             self._resume(pool)
         else:
             self.restarted = present
@@ -190,6 +195,15 @@ class Runtime:
         self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
                                     pipeline=self.pipeline, background_capture=self.background_capture)
                        if self.checkpoint == "undo" else BatchGuard(pool, tables))
+
+    def _refuse_to_risk_committed_batches(self, pool: Pool) -> None:
+        """checkpoint "off" makes the root stop vouching for the tables once they change: a crash
+        in the run then loses every batch committed before it. Only when asked for."""
+        done = pool.root.batches_done
+        if self.checkpoint == "off" and done > 0 and not self.discard_checkpoint:
+            raise ConfigError(f"{pool.path}: holds {done} committed batches that --checkpoint off would put at "
+                              "risk (a crash in this run restarts at batch 0); pass --discard-checkpoint "
+                              "(Runtime: discard_checkpoint=True) to accept that, or keep --checkpoint undo")
 
     def _resume(self, pool: Pool) -> None:
         started = time.perf_counter()

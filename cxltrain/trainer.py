@@ -130,7 +130,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str) ->
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=config.run_metadata(),
-                   undo_ring_bytes=undo_ring_bytes(config, model))
+                   undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint)
 
 
 def pool_bytes(config: TrainConfig) -> int:

@@ -400,3 +400,16 @@ def test_pool_creation_errors_name_the_users_path(shm_dir, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"cxltrain: error: {path}: ") and ".creating" not in err, err
     assert list(shm_dir.iterdir()) == []
+
+
+def test_checkpoint_off_on_a_committed_pool_is_one_line_and_changes_nothing(shm_dir):
+    """Issue 16, item 1, through the command line."""
+    path = shm_dir / "off.pool"
+    assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
+    before = path.read_bytes()
+    more = [a if a != "30" else "40" for a in SMALL]
+    refused = cxltrain("train", "--pool", path, *more, "--checkpoint", "off")
+    assert_one_line_error(refused, match="holds 30 committed batches that --checkpoint off would put at risk")
+    assert path.read_bytes() == before
+    accepted = cxltrain("train", "--pool", path, *more, "--checkpoint", "off", "--discard-checkpoint")
+    assert accepted.returncode == 0 and "resuming at batch 30" in accepted.stdout, accepted.stderr

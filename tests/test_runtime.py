@@ -224,6 +224,18 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
     assert_same(state_of(path), state_of(shm_dir / "ref.pool"))
 
 
+def test_checkpoint_off_on_committed_batches_is_refused_unless_discarded(shm_dir):
+    """Issue 16, item 1: an off run on a pool with committed batches would lose them to a crash."""
+    path = shm_dir / "p.pool"
+    train_steps(path, 3)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="holds 3 committed batches that --checkpoint off would put at risk"):
+        train_steps(path, 6, checkpoint="off")
+    assert path.read_bytes() == before
+    rt, start = train_steps(path, 6, checkpoint="off", discard_checkpoint=True)
+    assert start == 3 and rt.batch == 6
+
+
 def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
     from cxltrain.pool_format import BUILDING_MAGIC
 
