@@ -306,8 +306,6 @@ def _run_recover(args) -> int:
 
 
 def _run_export(args) -> int:
-    import torch
-
     from .runtime import export_state
 
     if os.path.exists(args.out):
@@ -316,20 +314,42 @@ def _run_export(args) -> int:
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
     state = export_state(args.path)
-    partial = f"{args.out}.partial"
-    try:
-        with open(partial, "xb") as f:
-            torch.save(state, f)
-        os.replace(partial, args.out)  # never a half-written export under the asked-for name
-    except OSError as e:
-        if os.path.exists(partial):
-            os.unlink(partial)
-        raise CxlTrainError(f"{args.out}: cannot write: {e.strerror}") from None
+    _save_export(state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:
         print(json.dumps({"path": args.path, "out": args.out, "batch": state["batch"]}))
     return 0
+
+
+def _save_export(state: dict, out: str) -> None:
+    """torch.save into a file of this run's own beside OUT, linked to OUT once whole: OUT is never
+    half-written, never overwritten, and the temporary file goes on every exit (a full disk, Ctrl-C)."""
+    import tempfile
+
+    import torch
+
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".partial", dir=folder)
+    except OSError as e:
+        raise CxlTrainError(f"{out}: cannot write: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(partial, out)  # unlike a rename, never replaces an OUT that appeared meanwhile
+    except FileExistsError:
+        raise CxlTrainError(f"{out}: already exists; not overwriting it") from None
+    except OSError as e:
+        raise CxlTrainError(f"{out}: cannot write: {e.strerror}") from None
+    except RuntimeError:  # torch's zip writer reports a short write as an "enforce fail", errno lost
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        raise CxlTrainError(f"{out}: cannot write: the write failed part-way (is the disk full? "
+                            f"{free:,} bytes free in {folder})") from None
+    finally:
+        os.unlink(partial)
 
 
 # ---------------------------------------------------------------------------------------------

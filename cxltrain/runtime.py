@@ -355,9 +355,14 @@ def check_checkpoint(path: str) -> str | None:
     with Pool.open(path, writable=False) as pool:
         if not has_checkpoint(pool):
             return None
-        live, _ = verify(pool)
-        rollback = sum(record.header.batch >= pool.root.batches_done for record in live)
+        rollback, _ = _records_to_roll_back(pool)
         return f"checkpoint at batch {pool.root.batches_done}, {rollback} undo record(s) to roll back"
+
+
+def _records_to_roll_back(pool: Pool) -> tuple[int, dict]:
+    """(live undo records recovery would restore, the checked dense snapshot); writes nothing."""
+    live, snapshot = verify(pool)
+    return sum(record.header.batch >= pool.root.batches_done for record in live), snapshot
 
 
 def export_state(path: str) -> dict:
@@ -368,16 +373,31 @@ def export_state(path: str) -> dict:
                    "<table module path>.weight": [R, D], "<table module path>.optimizer_state": [R, K]},
          "optimizers": [optimizer.state_dict(), ...], "schedulers": [...]}
 
-    The pool is recovered first (that writes to it, as any open for training would).
+    A pool with nothing to roll back is read, never written (read-only access is enough); one with
+    undo records to roll back is recovered in place first, which needs write access.
     """
+    with Pool.open(path, writable=False) as pool:
+        rollback, snapshot = _records_to_roll_back(pool)
+        if not rollback:
+            return _exported(pool, pool.root.batches_done, snapshot)
+    if not os.access(path, os.W_OK):
+        raise RecoveryError(f"{path}: {rollback} undo record(s) must be rolled back in place before it can be "
+                            "exported, which needs write access to the pool (run `cxltrain recover` on it as "
+                            "a user who may write it)")
     with Pool.open(path) as pool:
         report, snapshot = recover(pool)
-        model = dict(snapshot["model"])
-        for module_path, name in snapshot["tables"].items():
-            prefix = f"{module_path}." if module_path else ""
-            weight_region, state_region = region_names(name)
-            model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(pool.array(weight_region)))
-            if state_region in pool.regions:
-                model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
-        return {"batch": report.batch, "model": model, "optimizers": snapshot["optimizers"],
-                "schedulers": snapshot["schedulers"]}
+        return _exported(pool, report.batch, snapshot)
+
+
+def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
+    model = dict(snapshot["model"])
+    for module_path, name in snapshot["tables"].items():
+        prefix = f"{module_path}." if module_path else ""
+        weight_region, state_region = region_names(name)
+        weights = pool.array(weight_region)
+        # a read-only mapping must not reach the caller as a tensor it may write: copied
+        model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(weights) if pool.device.writable
+                                                    else np.array(weights))
+        if state_region in pool.regions:
+            model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
+    return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"]}

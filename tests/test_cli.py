@@ -413,3 +413,48 @@ def test_checkpoint_off_on_a_committed_pool_is_one_line_and_changes_nothing(shm_
     assert path.read_bytes() == before
     accepted = cxltrain("train", "--pool", path, *more, "--checkpoint", "off", "--discard-checkpoint")
     assert accepted.returncode == 0 and "resuming at batch 30" in accepted.stdout, accepted.stderr
+
+
+# issue 16, item 3: export's failure paths
+def _small_trained_pool(folder: Path) -> Path:
+    path = folder / "e.pool"
+    assert cxltrain("train", "--pool", path, *[a if a != "30" else "3" for a in SMALL]).returncode == 0
+    return path
+
+
+def test_an_export_that_runs_out_of_disk_is_one_line_and_leaves_nothing(shm_dir):
+    import resource
+
+    pool = _small_trained_pool(shm_dir)
+    out = shm_dir / "out.pt"
+    # the child may write no file over 64 KiB: the export's write fails part-way, as on a full disk
+    full = cxltrain("export", pool, out,
+                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)))
+    assert_one_line_error(full, match=f"{out}: cannot write: the write failed part-way (is the disk full?")
+    assert sorted(p.name for p in shm_dir.iterdir()) == ["e.pool"]
+    again = cxltrain("export", pool, out)
+    assert again.returncode == 0 and sorted(p.name for p in shm_dir.iterdir()) == ["e.pool", "out.pt"], again.stderr
+
+
+def test_an_interrupted_export_leaves_nothing(shm_dir, monkeypatch, capsys):
+    import torch
+
+    from cxltrain.cli import main
+
+    pool = _small_trained_pool(shm_dir)
+
+    def interrupted(obj, f, *args, **kwargs):
+        f.write(b"half an export")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    assert main(["export", str(pool), str(shm_dir / "out.pt")]) == 130
+    assert capsys.readouterr().err == "cxltrain: interrupted\n"
+    assert sorted(p.name for p in shm_dir.iterdir()) == ["e.pool"]
+
+
+def test_exporting_a_committed_pool_writes_nothing_to_it(shm_dir):
+    pool = _small_trained_pool(shm_dir)
+    before = pool.read_bytes()
+    assert cxltrain("export", pool, shm_dir / "out.pt").returncode == 0
+    assert pool.read_bytes() == before

@@ -236,6 +236,26 @@ def test_checkpoint_off_on_committed_batches_is_refused_unless_discarded(shm_dir
     assert start == 3 and rt.batch == 6
 
 
+def test_export_needs_write_access_only_to_roll_back(shm_dir, monkeypatch):
+    """Issue 16, item 3: a committed pool exports read-only; one with records to roll back in place
+    says why it needs write access."""
+    from cxltrain import runtime
+
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 6, fail_at=3)  # batch 3 uncommitted: its undo records are live
+    before = path.read_bytes()
+    monkeypatch.setattr(runtime.os, "access", lambda *args: False)  # as a user who may only read it
+    with pytest.raises(RecoveryError, match="must be rolled back in place before it can be exported, which needs "
+                                            "write access"):
+        export_state(str(path))
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    assert export_state(str(path))["batch"] == 3
+    after_recovery = path.read_bytes()
+    assert export_state(str(path))["batch"] == 3 and path.read_bytes() == after_recovery
+
+
 def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
     from cxltrain.pool_format import BUILDING_MAGIC
 
