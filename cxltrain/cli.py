@@ -186,12 +186,51 @@ def _check_emulated(path: str, given: dict) -> None:
                           f"on tmpfs/hugetlbfs (it maps with the {resolve_backend(path)} backend)")
 
 
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(config) -> None:
+    """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
+    OOM-killed minutes later."""
+    needed, available = config.memory_bytes(), _mem_available()
+    if available is not None and needed > available:
+        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch "
+                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}), "
+                          f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
+
+
+def _check_pool_space(path: str, pool_size: int) -> None:
+    """A new pool file that cannot fit in its folder is refused, with the figures, before any work."""
+    from .devices import is_char_device
+
+    if os.path.exists(path) or is_char_device(path):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return  # no such folder: creating the pool says so
+    free = st.f_bavail * st.f_frsize
+    if pool_size > free:
+        raise ConfigError(f"{path}: not enough space for the pool: it needs {pool_size:,} bytes, "
+                          f"{free:,} are free in {folder}")
+
+
 def _run_train(args) -> int:
     from .devices import resolve_backend
     from .emulation import default_pool_path
     from .config import TrainConfig
     from .checkpoint.checkpointer import summary_line
-    from .trainer import train
+    from .trainer import pool_bytes, train
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
@@ -199,16 +238,16 @@ def _run_train(args) -> int:
                          mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
                          discard_checkpoint=args.discard_checkpoint)
     config.validate()
-    path = args.pool
-    if path is None:
-        from .trainer import pool_bytes
-
-        path = default_pool_path(pool_bytes(config))
-        if not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
-            print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
-                  "and not an emulated CXL device)", file=sys.stderr)
+    _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)
+    pool_size = pool_bytes(config)
+    path = args.pool or default_pool_path(pool_size)
     _check_emulated(path, emulation)
+    _check_pool_space(path, pool_size)
+    # validated: from here on, what the run does
+    if args.pool is None and not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
+        print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
+              "and not an emulated CXL device)", file=sys.stderr)
     table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
     print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
           f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)

@@ -39,6 +39,19 @@ class TrainConfig:
         """The settings that decide the training trajectory, stored with every dense snapshot."""
         return {name: getattr(self, name) for name in self.TRAJECTORY}
 
+    def memory_bytes(self) -> int:
+        """A generous estimate of the memory a step takes outside the pool: the dense parameters with
+        their gradients and Adam's two moments, and one batch's inputs, activations and gradients.
+        Arithmetic only, so an absurd model is refused before it is built."""
+        vectors = self.num_tables + 1  # the embeddings and the bottom MLP's output
+        interactions = vectors * (vectors - 1) // 2
+        bottom = [13, *self.bottom_mlp, self.dim]
+        top = [self.dim + interactions, *self.top_mlp, 1]
+        parameters = sum(a * b + b for widths in (bottom, top) for a, b in zip(widths, widths[1:]))
+        activations = sum(bottom) + sum(top) + vectors * self.dim + interactions  # floats per sample
+        ids = self.num_tables * self.pooling  # int64 ids and offsets per sample
+        return 4 * 4 * parameters + self.batch_size * (3 * 4 * activations + 2 * 8 * ids) + 2 * 8 * interactions
+
     def validate(self) -> None:
         positive = {"steps": self.steps, "batch_size": self.batch_size, "num_tables": self.num_tables,
                     "rows": self.rows, "dim": self.dim, "pooling": self.pooling, "dense_every": self.dense_every}

@@ -458,3 +458,19 @@ def test_exporting_a_committed_pool_writes_nothing_to_it(shm_dir):
     before = pool.read_bytes()
     assert cxltrain("export", pool, shm_dir / "out.pt").returncode == 0
     assert pool.read_bytes() == before
+
+
+# issue 16, item 4: resources checked, with the figures, before any work
+@pytest.mark.parametrize("args,match", [
+    (["--batch-size", "100000000"], "of memory for its model and one batch (--batch-size 100000000"),
+    (["--num-tables", "100000"], "of memory for its model and one batch (--batch-size 2048, --num-tables 100000"),
+    (["--rows", "1000000000", "--num-tables", "64"], "not enough space for the pool: it needs 16,640,116,854,784 bytes"),
+])
+def test_a_run_that_cannot_fit_is_refused_before_any_work(shm_dir, capsys, args, match):
+    from cxltrain.cli import main
+
+    assert main(["train", "--pool", str(shm_dir / "r.pool"), "--no-progress", *args]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and match in err, err  # no summary line for a refused run
+    assert list(shm_dir.iterdir()) == []
+
