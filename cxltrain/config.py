@@ -35,9 +35,13 @@ class TrainConfig:
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
                   "sparse_lr", "dense_lr", "bottom_mlp", "top_mlp")
 
-    def run_metadata(self) -> dict:
-        """The settings that decide the training trajectory, stored with every dense snapshot."""
-        return {name: getattr(self, name) for name in self.TRAJECTORY}
+    def run_metadata(self, data_fingerprint: str | None = None) -> dict:
+        """The settings that decide the training trajectory, stored with every dense snapshot. The
+        data file counts by its content (`data_fingerprint`: CriteoFile.fingerprint), not its path."""
+        metadata = {name: getattr(self, name) for name in self.TRAJECTORY}
+        if self.data is not None:
+            metadata["data"] = data_fingerprint
+        return metadata
 
     def memory_bytes(self) -> int:
         """A generous estimate of the memory a step takes outside the pool: the dense parameters with

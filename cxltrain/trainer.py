@@ -126,10 +126,12 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
     return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
 
 
-def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str) -> Runtime:
+def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
+                 source: BatchSource | None = None) -> Runtime:
+    metadata = config.run_metadata(getattr(source, "fingerprint", None))
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
-                   background_capture=config.background_capture, metadata=config.run_metadata(),
+                   background_capture=config.background_capture, metadata=metadata,
                    undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint)
 
 
@@ -151,7 +153,7 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     source = build_source(config)  # first: a bad data file is refused before any pool is touched
     model = build_model(config)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
-    with make_runtime(config, model, dense_opt, pool_path) as rt:
+    with make_runtime(config, model, dense_opt, pool_path, source) as rt:
         if on_ready is not None:
             on_ready(rt)
         result = _run(config, model, source, rt, progress, stop)

@@ -474,3 +474,20 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work(shm_dir, capsys, args,
     assert out == "" and len(err.splitlines()) == 1 and match in err, err  # no summary line for a refused run
     assert list(shm_dir.iterdir()) == []
 
+
+def test_the_data_file_is_known_by_its_content_not_its_path(shm_dir):
+    """Issue 16, item 5: a moved data file resumes; other bytes under the same path are refused."""
+    import shutil
+
+    data = raw_criteo_file(shm_dir / "day_0", 160)
+    common = ["--pool", shm_dir / "c.pool", "--batch-size", "32", "--num-tables", "4", "--rows", "1000", "--dim", "8",
+              "--no-progress"]
+    assert cxltrain("train", "--data", data, "--steps", "2", *common).returncode == 0
+    moved = shutil.copy(data, shm_dir / "moved")
+    resumed = cxltrain("train", "--data", moved, "--steps", "3", *common)
+    assert resumed.returncode == 0 and "resuming at batch 2" in resumed.stdout, resumed.stderr
+    lines = data.read_text().splitlines()
+    lines[0] = ("1" if lines[0][0] == "0" else "0") + lines[0][1:]  # one label flipped, same size
+    data.write_text("\n".join(lines) + "\n")
+    changed = cxltrain("train", "--data", data, "--steps", "4", *common)
+    assert_one_line_error(changed, match="was written by a run with other settings (data '")
