@@ -491,3 +491,22 @@ def test_the_data_file_is_known_by_its_content_not_its_path(shm_dir):
     data.write_text("\n".join(lines) + "\n")
     changed = cxltrain("train", "--data", data, "--steps", "4", *common)
     assert_one_line_error(changed, match="was written by a run with other settings (data '")
+
+
+@pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch, capsys, given, expected):
+    """Issue 16, item 7: OpenMP spin-waiting made runs 5-12x slower on shared cores."""
+    from cxltrain.cli import main
+
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    main(["pool", "info", "/nonexistent/p.pool"])
+    assert os.environ["OMP_WAIT_POLICY"] == expected
+
+
+def test_the_command_line_imports_no_torch_before_it_runs():
+    """So the OMP_WAIT_POLICY default reaches libgomp: torch starts OpenMP when it is imported."""
+    probe = "import sys, cxltrain.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
