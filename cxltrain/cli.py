@@ -159,7 +159,7 @@ def _bandwidth(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rate (e.g. 2.3G, 500M)") from None
     if not 1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1 byte per second")
+        raise argparse.ArgumentTypeError(f"{text} must be a finite rate of at least 1 byte per second")
     return int(value)
 
 
@@ -204,7 +204,8 @@ def _check_memory(config) -> None:
     needed, available = config.memory_bytes(), _mem_available()
     if available is not None and needed > available:
         raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch "
-                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}), "
+                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
+                          f"--pooling {config.pooling}), "
                           f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
 
 

@@ -6,6 +6,11 @@ import dataclasses
 
 from .errors import ConfigError
 
+# Held-out evaluation batches are drawn from batch 2**40 on (trainer.EVAL_FIRST_BATCH): training stays below.
+MAX_STEPS = (1 << 40) - 1
+MAX_ROWS = 1 << 32   # the synthetic ids' hash keeps rows x multiplier below 2**64 (data/common.py)
+MAX_SEED = (1 << 64) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -62,6 +67,10 @@ class TrainConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, value, most in (("steps", self.steps, MAX_STEPS), ("rows", self.rows, MAX_ROWS),
+                                  ("dense_every", self.dense_every, MAX_STEPS), ("seed", self.seed, MAX_SEED)):
+            if value > most:
+                raise ConfigError(f"{name} must be at most {most:,}, got {value:,}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not self.zipf_exponent > 0:

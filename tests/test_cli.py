@@ -329,7 +329,7 @@ def test_a_live_pool_can_be_inspected(shm_dir):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["train", "--persist-bandwidth", "-1G"], "--persist-bandwidth: -1G must be at least 1 byte per second"),
+    (["train", "--persist-bandwidth", "-1G"], "--persist-bandwidth: -1G must be a finite rate of at least 1 byte per second"),
     (["train", "--zipf", "-inf"], "--zipf: -inf must be a positive finite number"),
     (["pool", "create", "/tmp/x.pool", "--size", "-1M"], "is not a size"),
 ])
