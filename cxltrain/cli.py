@@ -11,20 +11,31 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from typing import Callable, Sequence
 
 from . import knobs
-from .errors import ConfigError, CxlTrainError, PoolError
+from .errors import ConfigError, CxlTrainError, PoolError, TrainingStopped
 from .knobs import KNOBS
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+EXIT_TERMINATED = 128 + signal.SIGTERM
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the command, not a usage dump."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # "-1G", "-inf", "-.5" are values to validate with our own message, not unknown options
+        # (argparse itself only takes "-1" and "-1.5" as values)
+        self._negative_number_matcher = re.compile(r"^-(\.?\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
@@ -99,6 +110,9 @@ def _add_train(sub) -> None:
     p.add_argument("--checkpoint", choices=("undo", "off"), default=d.checkpoint,
                    help="undo: every batch durable, a crash costs at most the batch in flight (default); "
                         "off: the pool is consistent only when the run ends")
+    p.add_argument("--discard-checkpoint", action="store_true",
+                   help="with --checkpoint off, accept a pool that holds committed batches: a crash during "
+                        "the run then restarts at batch 0 (refused without it)")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
                    help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it")
     p.add_argument("--mode", choices=("strict", "relaxed"), default=d.mode,
@@ -145,7 +159,7 @@ def _bandwidth(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a rate (e.g. 2.3G, 500M)") from None
     if not 1 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be at least 1 byte per second")
+        raise argparse.ArgumentTypeError(f"{text} must be a finite rate of at least 1 byte per second")
     return int(value)
 
 
@@ -172,28 +186,69 @@ def _check_emulated(path: str, given: dict) -> None:
                           f"on tmpfs/hugetlbfs (it maps with the {resolve_backend(path)} backend)")
 
 
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(config) -> None:
+    """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
+    OOM-killed minutes later."""
+    needed, available = config.memory_bytes(), _mem_available()
+    if available is not None and needed > available:
+        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch "
+                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
+                          f"--pooling {config.pooling}), "
+                          f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
+
+
+def _check_pool_space(path: str, pool_size: int) -> None:
+    """A new pool file that cannot fit in its folder is refused, with the figures, before any work."""
+    from .devices import is_char_device
+
+    if os.path.exists(path) or is_char_device(path):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return  # no such folder: creating the pool says so
+    free = st.f_bavail * st.f_frsize
+    if pool_size > free:
+        raise ConfigError(f"{path}: not enough space for the pool: it needs {pool_size:,} bytes, "
+                          f"{free:,} are free in {folder}")
+
+
 def _run_train(args) -> int:
     from .devices import resolve_backend
     from .emulation import default_pool_path
     from .config import TrainConfig
     from .checkpoint.stats import summary_line
-    from .trainer import train
+    from .trainer import pool_bytes, train
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
-                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture)
+                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
+                         discard_checkpoint=args.discard_checkpoint)
     config.validate()
-    path = args.pool
-    if path is None:
-        from .trainer import pool_bytes
-
-        path = default_pool_path(pool_bytes(config))
-        if not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
-            print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
-                  "and not an emulated CXL device)", file=sys.stderr)
+    _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)
+    pool_size = pool_bytes(config)
+    path = args.pool or default_pool_path(pool_size)
     _check_emulated(path, emulation)
+    _check_pool_space(path, pool_size)
+    # validated: from here on, what the run does
+    if args.pool is None and not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
+        print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
+              "and not an emulated CXL device)", file=sys.stderr)
     table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
     print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
           f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)
@@ -202,7 +257,8 @@ def _run_train(args) -> int:
             from .emulation.cxl import describe_model
 
             print(f"emulated device models {describe_model()}", flush=True)
-        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts)
+        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts,
+                       stop=_sigterm.requested)
     progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
     if progress.steps == 0:
         print(f"nothing to train: the pool is at batch {progress.batch}, --steps is {args.steps}")
@@ -240,6 +296,7 @@ def _run_train(args) -> int:
 
 
 def _say_where_training_starts(rt) -> None:
+    _sigterm.arm()  # from here a SIGTERM stops the loop at a batch boundary
     if rt.restarted:
         print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
               "interrupted); training restarts at batch 0", file=sys.stderr)
@@ -290,8 +347,6 @@ def _run_recover(args) -> int:
 
 
 def _run_export(args) -> int:
-    import torch
-
     from .runtime import export_state
 
     if os.path.exists(args.out):
@@ -300,20 +355,42 @@ def _run_export(args) -> int:
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
     state = export_state(args.path)
-    partial = f"{args.out}.partial"
-    try:
-        with open(partial, "xb") as f:
-            torch.save(state, f)
-        os.replace(partial, args.out)  # never a half-written export under the asked-for name
-    except OSError as e:
-        if os.path.exists(partial):
-            os.unlink(partial)
-        raise CxlTrainError(f"{args.out}: cannot write: {e.strerror}") from None
+    _save_export(state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:
         print(json.dumps({"path": args.path, "out": args.out, "batch": state["batch"]}))
     return 0
+
+
+def _save_export(state: dict, out: str) -> None:
+    """torch.save into a file of this run's own beside OUT, linked to OUT once whole: OUT is never
+    half-written, never overwritten, and the temporary file goes on every exit (a full disk, Ctrl-C)."""
+    import tempfile
+
+    import torch
+
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(out)}.", suffix=".partial", dir=folder)
+    except OSError as e:
+        raise CxlTrainError(f"{out}: cannot write: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(partial, out)  # unlike a rename, never replaces an OUT that appeared meanwhile
+    except FileExistsError:
+        raise CxlTrainError(f"{out}: already exists; not overwriting it") from None
+    except OSError as e:
+        raise CxlTrainError(f"{out}: cannot write: {e.strerror}") from None
+    except RuntimeError:  # torch's zip writer reports a short write as an "enforce fail", errno lost
+        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        raise CxlTrainError(f"{out}: cannot write: the write failed part-way (is the disk full? "
+                            f"{free:,} bytes free in {folder})") from None
+    finally:
+        os.unlink(partial)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,11 +424,19 @@ def _run_pool_create(args) -> int:
         size = parse_size("64M")
     with Pool.create(args.path, size) as pool:
         summary = {"path": pool.path, "size": pool.superblock.pool_size, "device": pool.device.kind,
-                   "uuid": pool.superblock.uuid.hex()}
-    print(f"created {args.path}: {summary['size']:,} bytes on {summary['device']}")
+                   "uuid": pool.superblock.uuid.hex(), "persistent_memory": pool.device.is_pmem}
+    print(f"created {args.path}: {summary['size']:,} bytes on {_device_words(pool.device)}")
     if args.json:
         print(json.dumps(summary))
     return 0
+
+
+def _device_words(device) -> str:
+    """The backend, and whether the media is persistent memory: the pmem backend also maps ordinary files
+    (persisted with msync then), which must not read as "on pmem"."""
+    if device.kind in ("pmem", "msync") and not device.is_pmem:
+        return f"an ordinary file, not persistent memory ({device.kind} backend, persisted with msync)"
+    return device.kind
 
 
 def _report_json(report) -> dict:
@@ -361,6 +446,7 @@ def _report_json(report) -> dict:
     return {
         "path": report.path,
         "ok": report.ok,
+        "in_use": report.in_use,
         "problems": report.problems,
         "file_size": report.file_size,
         "superblock": None if sb is None else {
@@ -391,9 +477,15 @@ def _inspect_or_fail(path: str):
 
 
 def _run_pool_info(args) -> int:
+    report = _inspect_or_fail(args.path)
+    if not args.json:  # with --json, stdout is the JSON alone
+        _print_pool_info(report)
+    return _finish_report(report, args.json)
+
+
+def _print_pool_info(report) -> None:
     from .pool_format import ROOT_RELAXED, SLOT_NAMES
 
-    report = _inspect_or_fail(args.path)
     sb = report.superblock
     print(f"pool {report.path}: format v{sb.version}, {sb.pool_size:,} bytes, uuid {sb.uuid.hex()}")
     for s in report.slots:
@@ -409,11 +501,17 @@ def _run_pool_info(args) -> int:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
-    return _finish_report(report, args.json)
+
+
+def _say_in_use(report) -> None:
+    if report.in_use and report.root is not None:
+        print(f"note: {report.path} is in use by a writer; showing its last committed root (seq {report.root.seq}, "
+              f"batch {report.root.batches_done})", file=sys.stderr)
 
 
 def _finish_report(report, as_json: bool) -> int:
     """Problems to stderr, one line each; the JSON summary last; exit 1 if anything is wrong."""
+    _say_in_use(report)
     for problem in report.problems:
         print(f"{report.path}: {problem}", file=sys.stderr)
     if as_json:
@@ -427,12 +525,14 @@ def _run_pool_check(args) -> int:
 
     report = inspect(args.path)
     checkpoint = None
-    if report.ok:  # then the checksums above the pool layer: live undo records, the dense snapshot
+    if report.in_use:  # the writer changes the undo ring and the dense slots under us: not checked
+        checkpoint = "undo records and dense snapshot not checked while a writer holds the pool"
+    elif report.ok:  # then the checksums above the pool layer: live undo records, the dense snapshot
         try:
             checkpoint = check_checkpoint(args.path)
         except PoolError as e:
             report.problems.append(str(e).removeprefix(f"{args.path}: "))
-    if report.ok:
+    if report.ok and not args.json:
         print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
               f"batch {report.root.batches_done}"
               + (f"; {checkpoint}" if checkpoint else ""))
@@ -526,8 +626,11 @@ def _run_bench(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="cxltrain", description="Train recommendation models whose embedding tables live in "
                                                   "persistent memory (PMEM, CXL, or an emulated CXL pool).")
+    parser.add_argument("--version", action="version", version=f"cxltrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_train(sub)
@@ -622,20 +725,72 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
     print(f"cxltrain: warning: {message}", file=sys.stderr)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, where it stops the process at once: cleaned up after as Ctrl-C is."""
+
+
+class _StopOnSigterm:
+    """SIGTERM handler. Once training runs (`arm`), it asks the loop to stop at the next batch
+    boundary, where the pool is committed; before that, or on a second SIGTERM, it stops at once."""
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.armed = False
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, signum, frame) -> None:
+        if self.armed and not self.requested.is_set():
+            self.requested.set()
+            return
+        raise _Terminated()
+
+
+_sigterm = _StopOnSigterm()
+
+
+def _silence_stdout() -> None:
+    """The reader of stdout went away (`cxltrain ... | head`): later writes, and the flush at exit,
+    go nowhere instead of raising BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before torch (imported lazily by the commands) starts OpenMP: libgomp's default spin-waiting
+    # made runs 5-12x slower where other processes share the cores. A user's own value stays.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     warnings.showwarning = _one_line_warning
+    global _sigterm
+    _sigterm = _StopOnSigterm()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm) if in_main_thread else None
     try:
         KNOBS.validate()
         return run(args)
+    except TrainingStopped as e:  # asked for, not an error
+        print(f"cxltrain: {e}", file=sys.stderr)
+        return EXIT_TERMINATED
     except CxlTrainError as e:
         print(f"cxltrain: error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except _Terminated:
+        print("cxltrain: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("cxltrain: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

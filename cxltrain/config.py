@@ -7,6 +7,11 @@ import dataclasses
 from .errors import ConfigError
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO
 
+# Held-out evaluation batches are drawn from batch 2**40 on (trainer.EVAL_FIRST_BATCH): training stays below.
+MAX_STEPS = (1 << 40) - 1
+MAX_ROWS = 1 << 32   # the synthetic ids' hash keeps rows x multiplier below 2**64 (data/common.py)
+MAX_SEED = (1 << 64) - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -30,14 +35,32 @@ class TrainConfig:
                                        # dense state every dense_every batches (DESIGN §4)
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
+    discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
                   "sparse_lr", "dense_lr", "bottom_mlp", "top_mlp")
 
-    def run_metadata(self) -> dict:
-        """The settings that decide the training trajectory, stored with every dense snapshot."""
-        return {name: getattr(self, name) for name in self.TRAJECTORY}
+    def run_metadata(self, data_fingerprint: str | None = None) -> dict:
+        """The settings that decide the training trajectory, stored with every dense snapshot. The
+        data file counts by its content (`data_fingerprint`: CriteoFile.fingerprint), not its path."""
+        metadata = {name: getattr(self, name) for name in self.TRAJECTORY}
+        if self.data is not None:
+            metadata["data"] = data_fingerprint
+        return metadata
+
+    def memory_bytes(self) -> int:
+        """A generous estimate of the memory a step takes outside the pool: the dense parameters with
+        their gradients and Adam's two moments, and one batch's inputs, activations and gradients.
+        Arithmetic only, so an absurd model is refused before it is built."""
+        vectors = self.num_tables + 1  # the embeddings and the bottom MLP's output
+        interactions = vectors * (vectors - 1) // 2
+        bottom = [13, *self.bottom_mlp, self.dim]
+        top = [self.dim + interactions, *self.top_mlp, 1]
+        parameters = sum(a * b + b for widths in (bottom, top) for a, b in zip(widths, widths[1:]))
+        activations = sum(bottom) + sum(top) + vectors * self.dim + interactions  # floats per sample
+        ids = self.num_tables * self.pooling  # int64 ids and offsets per sample
+        return 4 * 4 * parameters + self.batch_size * (3 * 4 * activations + 2 * 8 * ids) + 2 * 8 * interactions
 
     def validate(self) -> None:
         positive = {"steps": self.steps, "batch_size": self.batch_size, "num_tables": self.num_tables,
@@ -45,6 +68,10 @@ class TrainConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name, value, most in (("steps", self.steps, MAX_STEPS), ("rows", self.rows, MAX_ROWS),
+                                  ("dense_every", self.dense_every, MAX_STEPS), ("seed", self.seed, MAX_SEED)):
+            if value > most:
+                raise ConfigError(f"{name} must be at most {most:,}, got {value:,}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not self.zipf_exponent > 0:

@@ -51,3 +51,7 @@ class CheckpointError(CxlTrainError):
 
 class RecoveryError(PoolError):
     """A pool cannot be recovered into this model (it holds another model, or no committed state)."""
+
+
+class TrainingStopped(CxlTrainError):
+    """Training was asked to stop (SIGTERM) and stopped at a batch boundary, that batch committed."""

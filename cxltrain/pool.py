@@ -100,6 +100,8 @@ class Pool:
         target = open_target(path, size)
         lock_fd = -1
         try:
+            if not target.existing:  # marks the file as ours and unfinished until the superblock lands
+                os.pwrite(target.fd, fmt.BUILDING_MAGIC.to_bytes(8, "little"), fmt.SUPERBLOCK_OFFSET)
             lock_fd = lock_pool(path, writable=True)
             if target.existing and int.from_bytes(os.pread(target.fd, 8, 0), "little") == fmt.MAGIC:
                 raise PoolError(f"{path}: already holds a cxltrain pool")
@@ -301,11 +303,18 @@ class Pool:
 
 def remove_stale(path: str) -> None:
     """Delete `path` (a pool a crashed process was building under a side name), unless another
-    process holds it open, which raises PoolLockedError."""
-    if not os.path.exists(path):
+    process holds it open, which raises PoolLockedError, or it is not provably a pool of ours (our
+    magic, or the mark of an unfinished one, at offset 0), which raises PoolError."""
+    if not os.path.lexists(path):
         return
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise PoolError(f"{path}: is in the way and is not a pool left unfinished by cxltrain; move it away")
     lock_fd = lock_pool(path, writable=True)  # refuses while its builder is alive
     try:
+        with open(path, "rb") as f:
+            magic = int.from_bytes(f.read(8), "little")
+        if magic not in (fmt.MAGIC, fmt.BUILDING_MAGIC):
+            raise PoolError(f"{path}: is in the way and is not a pool left unfinished by cxltrain; move it away")
         os.unlink(path)  # under the lock: a builder that starts now creates a new file
     finally:
         os.close(lock_fd)

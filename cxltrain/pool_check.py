@@ -32,6 +32,8 @@ def validate_superblock(read: Reader, file_size: int) -> Superblock:
     if magic == 0:
         raise NotAPoolError("not a cxltrain pool (no superblock: an empty file, or a `pool create` "
                             "that was interrupted; delete it to start over)")
+    if magic == fmt.BUILDING_MAGIC:
+        raise NotAPoolError("not a cxltrain pool (its creation was interrupted; delete it to start over)")
     if magic != fmt.MAGIC:
         raise NotAPoolError("not a cxltrain pool (bad magic)")
     if len(raw) < fmt.SUPERBLOCK.size or file_size < fmt.DIR_OFFSET:

@@ -33,6 +33,9 @@ from .kernels import native
 FORMAT_VERSION = 1
 MAGIC = 0x4C4F4F5054584343
 MAGIC_SWAPPED = int.from_bytes(MAGIC.to_bytes(8, "little"), "big")
+# The first 8 bytes of a new pool file until its superblock replaces them: a file that starts with
+# it is a pool whose creation never finished, which its creator's next run may delete.
+BUILDING_MAGIC = int.from_bytes(b"CCXTBILD", "little")
 PAGE = 4096
 
 SUPERBLOCK_OFFSET = 0

@@ -1,5 +1,10 @@
 """Inspection (`pool info`, `pool check`): every check of pool_check, every problem reported, never a
 write. The pool is read with pread under a shared lock, never mapped.
+
+A pool a writer holds is still inspected, without the lock, as LMDB's readers run beside its
+writer: a commit writes the root slot the current root does not use, so the valid root with the
+higher sequence number is always a whole commit (a slot torn mid-write fails its checksum), and the
+directory entries a root counts were durable before it.
 """
 
 from __future__ import annotations
@@ -7,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .errors import PoolError
+from .errors import PoolError, PoolLockedError
 from .pool_check import (Reader, SlotStatus, check_regions_disjoint, pick_root, read_region, read_root_slot,
                          validate_superblock)
 from .pool_files import lock_pool, open_pool_file, pread_reader
@@ -23,6 +28,7 @@ class PoolReport:
     root: Root | None = None
     regions: list[Region] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
+    in_use: bool = False  # a writer held the pool: this is its last committed root, read beside it
 
     @property
     def ok(self) -> bool:
@@ -31,13 +37,20 @@ class PoolReport:
 
 def inspect(path: str) -> PoolReport:
     """Check a pool without mapping or changing it. Raises PoolError only when the file cannot be
-    read at all or a writer holds it (PoolLockedError); every other problem goes in the report."""
+    read at all; every other problem goes in the report. A pool a writer holds is read without the
+    lock (`in_use` says so)."""
     with open_pool_file(path, writable=False) as (fd, file_size):
-        lock_fd = lock_pool(path, writable=False)
         try:
-            return _inspect(path, pread_reader(fd), file_size)
+            lock_fd = lock_pool(path, writable=False)
+        except PoolLockedError:
+            lock_fd = None
+        try:
+            report = _inspect(path, pread_reader(fd), file_size)
         finally:
-            os.close(lock_fd)
+            if lock_fd is not None:
+                os.close(lock_fd)
+        report.in_use = lock_fd is None
+        return report
 
 
 def _inspect(path: str, read: Reader, file_size: int) -> PoolReport:

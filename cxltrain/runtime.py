@@ -35,7 +35,7 @@ from torch import nn
 from .checkpoint import (BatchGuard, Checkpointer, CheckpointStats, NoCheckpoint, has_checkpoint, recover,
                          verify)
 from .checkpoint import dense, layout
-from .errors import ConfigError, PoolError, RecoveryError
+from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO
 from .pool import Pool, RegionSpec, publish, remove_stale
@@ -73,6 +73,9 @@ class Runtime:
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
             from the model; a 64 MiB undo ring; 4x the dense state + 1 MiB per snapshot slot).
         backend: device backend (see cxltrain.devices); default the `device` knob.
+        discard_checkpoint: with checkpoint "off", accept opening a pool that holds committed
+            batches: the run stops vouching for them, so a crash during it restarts at batch 0.
+            Without it, that is refused (ConfigError) before anything is written.
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -83,7 +86,8 @@ class Runtime:
                  schedulers: Sequence = (), checkpoint: str = UNDO, dense_every: int = 1,
                  mode: str = STRICT, pipeline: bool = True, background_capture: bool = False,
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
-                 dense_slot_bytes: int | None = None, backend: str | None = None) -> None:
+                 dense_slot_bytes: int | None = None, backend: str | None = None,
+                 discard_checkpoint: bool = False) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -106,7 +110,7 @@ class Runtime:
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
-        self.backend = backend
+        self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
         self.tables = _persistent_tables(model)
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
                        dense_slot_bytes or _default_slot_bytes(model))
@@ -130,14 +134,21 @@ class Runtime:
             raise RuntimeError("this Runtime is already open")
         self._reset()
         created = not os.path.exists(self.path)
+        # Built under a side name and renamed into place once its first commit is durable, so a
+        # crash while creating never leaves a half-made pool under the name the next run opens.
+        building = self.path + ".creating"
         if created:
-            # Built under a side name and renamed into place once its first commit is durable, so a
-            # crash while creating never leaves a half-made pool under the name the next run opens.
-            building = self.path + ".creating"
-            remove_stale(building)
-            pool = Pool.create(building, self.pool_bytes(), backend=self.backend)
-        else:
-            pool = Pool.open(self.path, backend=self.backend)
+            remove_stale(building)  # its errors are about that file: they name it
+        try:
+            pool = (Pool.create(building, self.pool_bytes(), backend=self.backend) if created
+                    else Pool.open(self.path, backend=self.backend))
+            self._set_up_or_clean_up(pool, created)
+        except CxlTrainError as e:  # the user asked for self.path: never show the side name
+            raise type(e)(str(e).replace(building, self.path)) from None
+        self.pool = pool
+        return self
+
+    def _set_up_or_clean_up(self, pool: Pool, created: bool) -> None:
         try:
             self._setup(pool)
             if created:
@@ -149,8 +160,6 @@ class Runtime:
             if created:
                 os.unlink(pool.path)  # never leave a half-built pool behind
             raise
-        self.pool = pool
-        return self
 
     def _specs(self) -> list[RegionSpec]:
         _, ring_bytes, slot_bytes = self._sizes
@@ -179,6 +188,7 @@ class Runtime:
         except (ConfigError, PoolError) as e:
             raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
         if present and has_checkpoint(pool):
+            self._refuse_to_risk_committed_batches(pool)
             self._resume(pool)
         else:
             self.restarted = present
@@ -186,6 +196,15 @@ class Runtime:
         self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
                                     pipeline=self.pipeline, background_capture=self.background_capture)
                        if self.checkpoint == UNDO else NoCheckpoint(pool, tables, self._state))
+
+    def _refuse_to_risk_committed_batches(self, pool: Pool) -> None:
+        """checkpoint "off" makes the root stop vouching for the tables once they change: a crash
+        in the run then loses every batch committed before it. Only when asked for."""
+        done = pool.root.batches_done
+        if self.checkpoint == "off" and done > 0 and not self.discard_checkpoint:
+            raise ConfigError(f"{pool.path}: holds {done} committed batches that --checkpoint off would put at "
+                              "risk (a crash in this run restarts at batch 0); pass --discard-checkpoint "
+                              "(Runtime: discard_checkpoint=True) to accept that, or keep --checkpoint undo")
 
     def _resume(self, pool: Pool) -> None:
         started = time.perf_counter()
@@ -322,9 +341,14 @@ def check_checkpoint(path: str) -> str | None:
     with Pool.open(path, writable=False) as pool:
         if not has_checkpoint(pool):
             return None
-        live, _ = verify(pool)
-        rollback = sum(record.header.batch >= pool.root.batches_done for record in live)
+        rollback, _ = _records_to_roll_back(pool)
         return f"checkpoint at batch {pool.root.batches_done}, {rollback} undo record(s) to roll back"
+
+
+def _records_to_roll_back(pool: Pool) -> tuple[int, dict]:
+    """(live undo records recovery would restore, the checked dense snapshot); writes nothing."""
+    live, snapshot = verify(pool)
+    return sum(record.header.batch >= pool.root.batches_done for record in live), snapshot
 
 
 def export_state(path: str) -> dict:
@@ -335,16 +359,31 @@ def export_state(path: str) -> dict:
                    "<table module path>.weight": [R, D], "<table module path>.optimizer_state": [R, K]},
          "optimizers": [optimizer.state_dict(), ...], "schedulers": [...]}
 
-    The pool is recovered first (that writes to it, as any open for training would).
+    A pool with nothing to roll back is read, never written (read-only access is enough); one with
+    undo records to roll back is recovered in place first, which needs write access.
     """
+    with Pool.open(path, writable=False) as pool:
+        rollback, snapshot = _records_to_roll_back(pool)
+        if not rollback:
+            return _exported(pool, pool.root.batches_done, snapshot)
+    if not os.access(path, os.W_OK):
+        raise RecoveryError(f"{path}: {rollback} undo record(s) must be rolled back in place before it can be "
+                            "exported, which needs write access to the pool (run `cxltrain recover` on it as "
+                            "a user who may write it)")
     with Pool.open(path) as pool:
         report, snapshot = recover(pool)
-        model = dict(snapshot["model"])
-        for module_path, name in snapshot["tables"].items():
-            prefix = f"{module_path}." if module_path else ""
-            weight_region, state_region = region_names(name)
-            model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(pool.array(weight_region)))
-            if state_region in pool.regions:
-                model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
-        return {"batch": report.batch, "model": model, "optimizers": snapshot["optimizers"],
-                "schedulers": snapshot["schedulers"]}
+        return _exported(pool, report.batch, snapshot)
+
+
+def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
+    model = dict(snapshot["model"])
+    for module_path, name in snapshot["tables"].items():
+        prefix = f"{module_path}." if module_path else ""
+        weight_region, state_region = region_names(name)
+        weights = pool.array(weight_region)
+        # a read-only mapping must not reach the caller as a tensor it may write: copied
+        model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(weights) if pool.device.writable
+                                                    else np.array(weights))
+        if state_region in pool.regions:
+            model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
+    return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"]}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -24,7 +25,7 @@ from .data.batch import BatchSource
 from .devices import DeviceCounters
 from .config import TrainConfig
 from .checkpoint.layout import record_bytes
-from .errors import ConfigError, NonFiniteError
+from .errors import ConfigError, NonFiniteError, TrainingStopped
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
@@ -168,11 +169,13 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
     return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
 
 
-def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str) -> Runtime:
+def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
+                 source: BatchSource | None = None) -> Runtime:
+    metadata = config.run_metadata(getattr(source, "fingerprint", None))
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
-                   background_capture=config.background_capture, metadata=config.run_metadata(),
-                   undo_ring_bytes=undo_ring_bytes(config, model))
+                   background_capture=config.background_capture, metadata=metadata,
+                   undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint)
 
 
 def pool_bytes(config: TrainConfig) -> int:
@@ -181,21 +184,26 @@ def pool_bytes(config: TrainConfig) -> int:
 
 
 def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
-          on_ready: Callable[[Runtime], None] | None = None) -> TrainResult:
+          on_ready: Callable[[Runtime], None] | None = None, stop: threading.Event | None = None) -> TrainResult:
     """Run batches up to `config.steps` (resuming a pool after its last committed batch); returns
     what the run did and measured. `on_ready(rt)` is called once the pool is open (and recovered),
     before the first batch. A NaN or inf loss or table gradient stops the run with NonFiniteError
-    before that batch is committed; the pool keeps the previous commit."""
+    before that batch is committed; the pool keeps the previous commit. Setting `stop` ends the run
+    at the next batch boundary, with the batches done committed: TrainingStopped says which."""
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
     source = build_source(config)  # first: a bad data file is refused before any pool is touched
     model = build_model(config)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
-    with make_runtime(config, model, dense_opt, pool_path) as rt:
+    with make_runtime(config, model, dense_opt, pool_path, source) as rt:
         if on_ready is not None:
             on_ready(rt)
-        return _run(config, model, source, rt, progress)
+        result = _run(config, model, source, rt, progress, stop)
+    if result is None:  # after the block: its normal exit has committed the batches done
+        raise TrainingStopped(f"stopped by SIGTERM at a batch boundary; {rt.path} is committed at batch "
+                              f"{rt.batch} (run the same command to resume)")
+    return result
 
 
 def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,7 +221,8 @@ def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, to
     return logits, loss
 
 
-def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool) -> TrainResult:
+def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool,
+         stop: threading.Event | None = None) -> TrainResult | None:
     first = rt.start_batch
     steps = max(0, config.steps - first)
     tail = max(1, steps // 10)
@@ -236,6 +245,9 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     device_before = device.counters.copy()
     loop_start = time.perf_counter()
     for batch in rt.batches(fetch, stop=config.steps):
+        if stop is not None and stop.is_set():
+            bar.close()
+            return None  # before the batch touches anything: the Runtime drops it, commits the rest
         b = rt.batch
         if b == timed_from:
             clock.start()

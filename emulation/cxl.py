@@ -30,6 +30,7 @@ speed), and a remote NUMA node is not real CXL either.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 
@@ -46,7 +47,6 @@ from .evictor import Evictor
 from .mappings import CachedFile, SharedFile
 
 
-POOL_NAME = f"cxltrain-{os.getuid()}-train.pool"
 # Crash tests can die at the n-th flush of an emulated device: a random moment of the persistence traffic.
 FLUSH_POINT = "device:flush"
 
@@ -63,19 +63,26 @@ def memory_dir() -> str:
     return tempfile.gettempdir()
 
 
+def pool_name() -> str:
+    """The default pool's file name: one per user and working directory (a short hash of its real
+    path), so two checkouts on one machine never resume, or refuse, each other's pool."""
+    where = hashlib.sha256(os.path.realpath(os.getcwd()).encode()).hexdigest()[:8]
+    return f"cxltrain-{os.getuid()}-{where}-train.pool"
+
+
 def default_pool_dir(required_bytes: int = 0) -> str:
     """Where the emulated pool lives by default: the knob, else memory_dir() when that is /dev/shm
     and has room for `required_bytes` (or already holds the pool), else the temp folder."""
     if KNOBS.pool_dir:
         return KNOBS.pool_dir
-    if memory_dir() == SHM and (os.path.exists(os.path.join(SHM, POOL_NAME)) or _free_bytes(SHM) >= required_bytes):
+    if memory_dir() == SHM and (os.path.exists(os.path.join(SHM, pool_name())) or _free_bytes(SHM) >= required_bytes):
         return SHM
     return tempfile.gettempdir()
 
 
 def default_pool_path(required_bytes: int = 0) -> str:
-    """The pool `cxltrain train` uses when no --pool is given: one per user."""
-    return os.path.join(default_pool_dir(required_bytes), POOL_NAME)
+    """The pool `cxltrain train` uses when no --pool is given: one per user and working directory."""
+    return os.path.join(default_pool_dir(required_bytes), pool_name())
 
 
 def _free_bytes(folder: str) -> int:

@@ -60,6 +60,7 @@ def test_quick_bench_end_to_end(shm_dir):
     assert len(paired["block_ratios"]) == paired["blocks"] == 2 and out["targets"][0]["value"] == paired["ratio"]
     assert "side by side in one process" in result.stdout
     assert "machine:" in result.stdout and "targets" in result.stdout
+    assert "MISSED" not in result.stdout and "n/a (quick)" in result.stdout  # a tiny model misses nothing
     assert sorted(p.name for p in shm_dir.iterdir()) == (["plot.png"] if _has_matplotlib() else [])
     if _has_matplotlib():
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

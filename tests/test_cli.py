@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,7 +71,8 @@ def test_pool_info_says_when_a_root_is_relaxed(shm_dir):
     assert cxltrain("train", "--pool", path, *SMALL, "--mode", "relaxed", "--dense-every", "4").returncode == 0
     info = cxltrain("pool", "info", path, "--json").stdout
     current = max((r for r in last_json(info)["roots"] if r["state"] == "valid"), key=lambda r: r["seq"])
-    assert current["relaxed"] is True and "relaxed (the dense state may trail the embeddings)" in info
+    assert current["relaxed"] is True
+    assert "relaxed (the dense state may trail the embeddings)" in cxltrain("pool", "info", path).stdout
 
 
 def test_train_is_deterministic_and_resumes_an_existing_pool(shm_dir):
@@ -174,7 +179,6 @@ def test_second_opener_gets_a_clear_error(shm_dir):
     path = shm_dir / "busy.pool"
     assert cxltrain("pool", "create", path, "--size", "1M").returncode == 0
     with Pool.open(str(path)):
-        assert_one_line_error(cxltrain("pool", "info", path), match="in use by another process")
         assert_one_line_error(cxltrain("train", "--pool", path, *SMALL), match="in use by another process")
 
 
@@ -245,3 +249,242 @@ def test_recover_and_export_errors_are_one_line_and_touch_nothing(shm_dir):
     assert_one_line_error(cxltrain("recover", empty), match="holds no committed checkpoint")
     assert_one_line_error(cxltrain("export", empty, shm_dir / "y.pt"), match="holds no committed checkpoint")
     assert not (shm_dir / "y.pt").exists() and not (shm_dir / "y.pt.partial").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 16, item 8: the small things a careless user walks into
+# ---------------------------------------------------------------------------------------------
+def test_json_output_is_json_alone(shm_dir):
+    path = shm_dir / "j.pool"
+    assert cxltrain("pool", "create", path, "--size", "2M").returncode == 0
+    for command in ("info", "check"):
+        result = cxltrain("pool", command, path, "--json")
+        assert result.returncode == 0, result.stderr
+        json.loads(result.stdout)  # the whole of stdout, not its last line
+
+
+def test_a_closed_stdout_ends_quietly(shm_dir):
+    path = shm_dir / "p.pool"
+    assert cxltrain("pool", "create", path, "--size", "2M").returncode == 0
+    script = Path(sys.executable).with_name("cxltrain")
+    reader_gone = subprocess.Popen([str(script), "pool", "info", str(path)], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
+    reader_gone.stdout.close()  # `| head` that has read enough
+    _, err = reader_gone.communicate(timeout=60)
+    assert reader_gone.returncode == 141 and b"Traceback" not in err and not err, err
+
+
+def test_sigterm_stops_at_a_batch_boundary_and_says_where(shm_dir):
+    import signal
+    import time
+
+    path = shm_dir / "term.pool"
+    script = Path(sys.executable).with_name("cxltrain")
+    args = [str(script), "train", "--pool", str(path), *[a if a != "30" else "100000" for a in SMALL]]
+    run = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "pool" in run.stdout.readline()
+    assert "training from batch 0" in run.stdout.readline()
+    time.sleep(0.5)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err
+    assert_one_line_error(subprocess.CompletedProcess(args, 1, "", err), code=1, match="stopped by SIGTERM")
+    batch = int(err.split("committed at batch ")[1].split()[0])
+    check = cxltrain("pool", "check", path)
+    assert check.returncode == 0 and f"checkpoint at batch {batch}, 0 undo record(s) to roll back" in check.stdout
+
+
+def test_a_live_pool_can_be_inspected(shm_dir):
+    path = shm_dir / "live.pool"
+    assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
+    with Pool.open(str(path)):  # a writer holds it
+        for command in ("info", "check"):
+            result = cxltrain("pool", command, path, "--json")
+            assert result.returncode == 0, result.stderr
+            report = json.loads(result.stdout)
+            assert report["in_use"] and report["batch"] == 30
+            assert "in use by a writer; showing its last committed root" in result.stderr
+
+
+@pytest.mark.parametrize("args,match", [
+    (["train", "--persist-bandwidth", "-1G"], "--persist-bandwidth: -1G must be a finite rate of at least 1 byte per second"),
+    (["train", "--zipf", "-inf"], "--zipf: -inf must be a positive finite number"),
+    (["pool", "create", "/tmp/x.pool", "--size", "-1M"], "is not a size"),
+])
+def test_negative_looking_values_reach_our_validation(args, match):
+    assert_one_line_error(cxltrain(*args), code=2, match=match)
+
+
+def test_version():
+    result = cxltrain("--version")
+    assert result.returncode == 0 and result.stdout.startswith("cxltrain ")
+
+
+def test_num_tables_of_a_criteo_file_names_the_inclusive_range(shm_dir):
+    from cxltrain.data import CriteoFile
+    from cxltrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="num_tables must be between 1 and 26, got 27"):
+        CriteoFile(str(shm_dir / "any"), batch_size=4, rows=10, num_tables=27)
+
+
+def test_a_pool_on_an_ordinary_file_is_not_called_pmem(tmp_path):
+    result = cxltrain("pool", "create", tmp_path / "disk.pool", "--size", "2M")
+    assert result.returncode == 0, result.stderr
+    assert "on pmem" not in result.stdout and "on msync" not in result.stdout
+
+
+def test_the_default_pool_belongs_to_the_working_directory(tmp_path):
+    """Issue 16, item 2: two checkouts on one machine never share (resume, or refuse) one pool."""
+    here, there = tmp_path / "checkout-a", tmp_path / "checkout-b"
+    here.mkdir(), there.mkdir()
+    paths = [last_json(cxltrain("devices", "--json", cwd=folder).stdout)["train"]["pool_path"]
+             for folder in (here, there, here)]
+    assert paths[0] != paths[1] and paths[0] == paths[2]
+
+
+# issue 16, item 6: the side name a new pool is built under
+def _interrupt_pool_creation(monkeypatch, how):
+    """posix_fallocate (seconds for a big pool) is where Ctrl-C or SIGTERM lands while creating."""
+    import signal
+
+    real = os.posix_fallocate
+
+    def interrupted(fd, offset, size):
+        if how == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs once this returns
+            return real(fd, offset, size)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "posix_fallocate", interrupted)
+
+
+@pytest.mark.parametrize("how,code,line", [("ctrl-c", 130, "cxltrain: interrupted"),
+                                           ("sigterm", 143, "cxltrain: terminated (SIGTERM)")])
+def test_an_interrupted_pool_creation_leaves_nothing(shm_dir, monkeypatch, capsys, how, code, line):
+    from cxltrain.cli import main
+
+    _interrupt_pool_creation(monkeypatch, how)
+    assert main(["train", "--pool", str(shm_dir / "i.pool"), *SMALL]) == code
+    assert capsys.readouterr().err.strip() == line
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_pool_creation_errors_name_the_users_path(shm_dir, capsys):
+    from cxltrain.cli import main
+
+    path = shm_dir / "big.pool"
+    assert main(["train", "--pool", str(path), "--rows", "1000000000", "--num-tables", "64", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cxltrain: error: {path}: ") and ".creating" not in err, err
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_checkpoint_off_on_a_committed_pool_is_one_line_and_changes_nothing(shm_dir):
+    """Issue 16, item 1, through the command line."""
+    path = shm_dir / "off.pool"
+    assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
+    before = path.read_bytes()
+    more = [a if a != "30" else "40" for a in SMALL]
+    refused = cxltrain("train", "--pool", path, *more, "--checkpoint", "off")
+    assert_one_line_error(refused, match="holds 30 committed batches that --checkpoint off would put at risk")
+    assert path.read_bytes() == before
+    accepted = cxltrain("train", "--pool", path, *more, "--checkpoint", "off", "--discard-checkpoint")
+    assert accepted.returncode == 0 and "resuming at batch 30" in accepted.stdout, accepted.stderr
+
+
+# issue 16, item 3: export's failure paths
+def _small_trained_pool(folder: Path) -> Path:
+    path = folder / "e.pool"
+    assert cxltrain("train", "--pool", path, *[a if a != "30" else "3" for a in SMALL]).returncode == 0
+    return path
+
+
+def test_an_export_that_runs_out_of_disk_is_one_line_and_leaves_nothing(shm_dir):
+    import resource
+
+    pool = _small_trained_pool(shm_dir)
+    out = shm_dir / "out.pt"
+    # the child may write no file over 64 KiB: the export's write fails part-way, as on a full disk
+    full = cxltrain("export", pool, out,
+                    preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16)))
+    assert_one_line_error(full, match=f"{out}: cannot write: the write failed part-way (is the disk full?")
+    assert sorted(p.name for p in shm_dir.iterdir()) == ["e.pool"]
+    again = cxltrain("export", pool, out)
+    assert again.returncode == 0 and sorted(p.name for p in shm_dir.iterdir()) == ["e.pool", "out.pt"], again.stderr
+
+
+def test_an_interrupted_export_leaves_nothing(shm_dir, monkeypatch, capsys):
+    import torch
+
+    from cxltrain.cli import main
+
+    pool = _small_trained_pool(shm_dir)
+
+    def interrupted(obj, f, *args, **kwargs):
+        f.write(b"half an export")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", interrupted)
+    assert main(["export", str(pool), str(shm_dir / "out.pt")]) == 130
+    assert capsys.readouterr().err == "cxltrain: interrupted\n"
+    assert sorted(p.name for p in shm_dir.iterdir()) == ["e.pool"]
+
+
+def test_exporting_a_committed_pool_writes_nothing_to_it(shm_dir):
+    pool = _small_trained_pool(shm_dir)
+    before = pool.read_bytes()
+    assert cxltrain("export", pool, shm_dir / "out.pt").returncode == 0
+    assert pool.read_bytes() == before
+
+
+# issue 16, item 4: resources checked, with the figures, before any work
+@pytest.mark.parametrize("args,match", [
+    (["--batch-size", "100000000"], "of memory for its model and one batch (--batch-size 100000000"),
+    (["--num-tables", "100000"], "of memory for its model and one batch (--batch-size 2048, --num-tables 100000"),
+    (["--rows", "1000000000", "--num-tables", "64"], "not enough space for the pool: it needs 16,640,116,854,784 bytes"),
+])
+def test_a_run_that_cannot_fit_is_refused_before_any_work(shm_dir, capsys, args, match):
+    from cxltrain.cli import main
+
+    assert main(["train", "--pool", str(shm_dir / "r.pool"), "--no-progress", *args]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and match in err, err  # no summary line for a refused run
+    assert list(shm_dir.iterdir()) == []
+
+
+def test_the_data_file_is_known_by_its_content_not_its_path(shm_dir):
+    """Issue 16, item 5: a moved data file resumes; other bytes under the same path are refused."""
+    import shutil
+
+    data = write_criteo(shm_dir / "day_0", 160)
+    common = ["--pool", shm_dir / "c.pool", "--batch-size", "32", "--num-tables", "4", "--rows", "1000", "--dim", "8",
+              "--no-progress"]
+    assert cxltrain("train", "--data", data, "--steps", "2", *common).returncode == 0
+    moved = shutil.copy(data, shm_dir / "moved")
+    resumed = cxltrain("train", "--data", moved, "--steps", "3", *common)
+    assert resumed.returncode == 0 and "resuming at batch 2" in resumed.stdout, resumed.stderr
+    lines = data.read_text().splitlines()
+    lines[0] = ("1" if lines[0][0] == "0" else "0") + lines[0][1:]  # one label flipped, same size
+    data.write_text("\n".join(lines) + "\n")
+    changed = cxltrain("train", "--data", data, "--steps", "4", *common)
+    assert_one_line_error(changed, match="was written by a run with other settings (data '")
+
+
+@pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch, capsys, given, expected):
+    """Issue 16, item 7: OpenMP spin-waiting made runs 5-12x slower on shared cores."""
+    from cxltrain.cli import main
+
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    main(["pool", "info", "/nonexistent/p.pool"])
+    assert os.environ["OMP_WAIT_POLICY"] == expected
+
+
+def test_the_command_line_imports_no_torch_before_it_runs():
+    """So the OMP_WAIT_POLICY default reaches libgomp: torch starts OpenMP when it is imported."""
+    probe = "import sys, cxltrain.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0

@@ -283,11 +283,11 @@ def test_a_file_changed_after_opening_is_refused(raw_file):
     "kwargs, message",
     [
         (dict(batch_size=0, rows=10), "batch_size must be >= 1"),
-        (dict(batch_size=4, rows=0), "rows must be in"),
+        (dict(batch_size=4, rows=0), "rows must be between"),
         (dict(batch_size=4, rows=[10] * 25), "rows has 25 entries but there are 26 tables"),
-        (dict(batch_size=4, rows=10, num_tables=0), "num_tables must be in"),
-        (dict(batch_size=4, rows=10, num_tables=27), "num_tables must be in"),
-        (dict(batch_size=4, rows=10, seed=-1), "seed must be in"),
+        (dict(batch_size=4, rows=10, num_tables=0), "num_tables must be between"),
+        (dict(batch_size=4, rows=10, num_tables=27), "num_tables must be between"),
+        (dict(batch_size=4, rows=10, seed=-1), "seed must be between"),
     ],
 )
 def test_bad_settings_are_refused(tmp_path, kwargs, message):

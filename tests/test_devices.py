@@ -87,13 +87,13 @@ def test_default_pool_falls_back_to_the_temp_folder_when_shm_is_too_small(monkey
     from cxltrain import emulation
     from cxltrain.emulation import cxl
 
-    monkeypatch.setattr(cxl, "POOL_NAME", f"cxltrain-test-{os.getpid()}.pool")
+    monkeypatch.setattr(cxl, "pool_name", lambda: f"cxltrain-test-{os.getpid()}.pool")
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm here")
     assert emulation.default_pool_dir(1 << 20) == "/dev/shm"
     assert emulation.default_pool_dir(1 << 60) == tempfile.gettempdir()
     with override(pool_dir="/somewhere"):
-        assert emulation.default_pool_path() == f"/somewhere/{cxl.POOL_NAME}"
+        assert emulation.default_pool_path() == f"/somewhere/{cxl.pool_name()}"
 
 
 # Every device model the backends and the emulation's knobs make: (backend, knobs).

@@ -232,7 +232,7 @@ def test_cxltrain_devices_on_this_machine():
     result = cxltrain("devices", "--json")
     assert result.returncode == 0, result.stderr
     summary = last_json(result.stdout)
-    assert summary["train"]["pool_path"].endswith(cxl.POOL_NAME)
+    assert summary["train"]["pool_path"].endswith(cxl.pool_name())
     assert summary["train"]["backend"] in ("emulated", "pmem", "msync")
     assert len(summary["checked"]) == 5
     first = result.stdout.splitlines()[0]

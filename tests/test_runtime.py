@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cxltrain
-from cxltrain.errors import CheckpointError, ConfigError, RecoveryError
+from cxltrain.errors import CheckpointError, ConfigError, PoolError, RecoveryError
 from cxltrain.optim import SGD
 from cxltrain.pool import Pool
 from cxltrain.runtime import export_state, recover_pool
@@ -183,13 +183,55 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
     assert_same_export(state_of(path), state_of(shm_dir / "ref.pool"))
 
 
-def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
+def test_checkpoint_off_on_committed_batches_is_refused_unless_discarded(shm_dir):
+    """Issue 16, item 1: an off run on a pool with committed batches would lose them to a crash."""
     path = shm_dir / "p.pool"
-    (shm_dir / "p.pool.creating").write_bytes(b"left by a crashed run")
+    train_steps(path, 3)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError, match="holds 3 committed batches that --checkpoint off would put at risk"):
+        train_steps(path, 6, checkpoint="off")
+    assert path.read_bytes() == before
+    rt, start = train_steps(path, 6, checkpoint="off", discard_checkpoint=True)
+    assert start == 3 and rt.batch == 6
+
+
+def test_export_needs_write_access_only_to_roll_back(shm_dir, monkeypatch):
+    """Issue 16, item 3: a committed pool exports read-only; one with records to roll back in place
+    says why it needs write access."""
+    from cxltrain import runtime
+
+    path = shm_dir / "p.pool"
+    with pytest.raises(KeyboardInterrupt):
+        train_steps(path, 6, fail_at=3)  # batch 3 uncommitted: its undo records are live
+    before = path.read_bytes()
+    monkeypatch.setattr(runtime.os, "access", lambda *args: False)  # as a user who may only read it
+    with pytest.raises(RecoveryError, match="must be rolled back in place before it can be exported, which needs "
+                                            "write access"):
+        export_state(str(path))
+    assert path.read_bytes() == before
+    monkeypatch.undo()
+    assert export_state(str(path))["batch"] == 3
+    after_recovery = path.read_bytes()
+    assert export_state(str(path))["batch"] == 3 and path.read_bytes() == after_recovery
+
+
+def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
+    from cxltrain.pool_format import BUILDING_MAGIC
+
+    path = shm_dir / "p.pool"
+    # what a run killed before its superblock leaves: the mark of an unfinished pool of ours
+    (shm_dir / "p.pool.creating").write_bytes(BUILDING_MAGIC.to_bytes(8, "little") + bytes(4088))
     train_steps(path, 1)
     assert path.exists() and not (shm_dir / "p.pool.creating").exists()
 
 
+def test_a_file_of_the_users_named_like_the_side_name_is_kept(shm_dir):
+    """Issue 16, item 6: only a provably half-built pool of ours is deleted."""
+    path, theirs = shm_dir / "p.pool", shm_dir / "p.pool.creating"
+    theirs.write_bytes(b"the user's own notes")
+    with pytest.raises(PoolError, match="is in the way and is not a pool left unfinished by cxltrain"):
+        train_steps(path, 1)
+    assert theirs.read_bytes() == b"the user's own notes" and not path.exists()
 def test_resuming_with_another_thread_count_says_exactness_is_not_promised(shm_dir):
     train_steps(shm_dir / "p.pool", 2)
     torch.set_num_threads(1)

@@ -42,7 +42,7 @@ def check_int(name: str, value: object, low: int, high: int | None = None) -> in
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     value = int(value)
     if value < low or (high is not None and value >= high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high})"
+        bound = f">= {low}" if high is None else f"between {low} and {high - 1}"
         raise ConfigError(f"{name} must be {bound}, got {value}")
     return value
 

@@ -31,6 +31,7 @@ Example (B = 4, F = 2; the sample file has 200 lines, so 50 batches):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -179,15 +180,19 @@ class CriteoFile:
 
     def _index(self, data_start: int) -> tuple[np.ndarray, int]:
         """Byte offsets where batches 0..N-1 start, plus where batch N-1 ends; and the line count.
+        Sets `fingerprint`: the file's size and checksum, which identify the data by its content (a
+        resumed run must read the same bytes, wherever the file now is).
 
         A final line without a newline still counts; lines are counted from data_start.
         """
         b = self.batch_size
         bounds = [data_start]
         count, pos, last = 0, data_start, b"\n"
+        digest = hashlib.blake2b(digest_size=16)
         with open(self.path, "rb") as f:
-            f.seek(data_start)
+            digest.update(f.read(data_start))
             while chunk := f.read(_INDEX_CHUNK):
+                digest.update(chunk)
                 newlines = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == ord("\n"))
                 # Newline i of this chunk ends data line count + i + 1; keep those ending a batch.
                 first = (-count - 1) % b
@@ -199,6 +204,7 @@ class CriteoFile:
             count += 1
             if count % b == 0:
                 bounds.append(pos)
+        self.fingerprint = f"{pos:,} bytes, blake2b {digest.hexdigest()}"
         return np.array(bounds, dtype=np.int64), count
 
     # -- parsing ---------------------------------------------------------------------------------

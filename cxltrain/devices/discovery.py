@@ -18,7 +18,7 @@ Example, on a machine with one fsdax namespace mounted at /mnt/pmem0 and no ndct
     report = discover(required_bytes=2 << 30)
     [(d.kind, d.path) for d in report.devices]  # [("fsdax-mount", "/mnt/pmem0"), ("pmem-block", "/dev/pmem0")]
     report.checked[0]                           # "ndctl: not installed"
-    report.train.pool_path                      # "/dev/shm/cxltrain-<uid>-train.pool": train's default
+    report.train.pool_path                      # "/dev/shm/cxltrain-<uid>-<hash>-train.pool": train's default
 """
 
 from __future__ import annotations

@@ -94,10 +94,12 @@ def open_target(path: str, size: int | None) -> Target:
     except OSError as e:
         raise DeviceError(f"{path}: cannot create: {e.strerror}") from None
     try:
-        os.posix_fallocate(fd, 0, size)
-    except (OSError, OverflowError) as e:
+        os.posix_fallocate(fd, 0, size)  # long for a big pool: Ctrl-C or SIGTERM may land in it
+    except BaseException as e:
         os.close(fd)
-        os.unlink(path)
+        os.unlink(path)  # ours: created above with O_EXCL
+        if not isinstance(e, (OSError, OverflowError)):
+            raise
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
             raise DeviceError(f"{path}: not enough space for a {size:,}-byte pool") from None
         raise DeviceError(f"{path}: cannot allocate {size:,} bytes: {getattr(e, 'strerror', e)}") from None

@@ -1,0 +1,91 @@
+"""Issue 16: every bad invocation a careless user types keeps the promise — a non-zero exit, one
+line on stderr naming the problem, no traceback, no file left behind, an existing pool unchanged.
+
+The command line runs in this process (cli.main), so the whole table takes seconds: every case is
+refused by validation before any real work starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cxltrain.cli import main
+
+SMALL = ["--steps", "3", "--rows", "500", "--num-tables", "2", "--dim", "8", "--batch-size", "32", "--no-progress"]
+HUGE = str(10**30)
+
+# (option, the word its error line must contain)
+NUMERIC_TRAIN_OPTIONS = [("--steps", "steps"), ("--batch-size", "batch"), ("--num-tables", "tables"),
+                         ("--rows", "rows"), ("--dim", "dim"), ("--seed", "seed"), ("--pooling", "pooling"),
+                         ("--zipf", "zipf"), ("--dense-every", "dense"), ("--evict-rate", "evict"),
+                         ("--persist-bandwidth", "persist-bandwidth")]
+BAD_NUMBERS = ["0", "-1", HUGE, "1e400", "abc"]  # 1e400: not an integer, an infinite float
+# in range, so not bad invocations: seed 0, no early write-back, a bandwidth cap too high to bind
+ACCEPTED = {("--seed", "0"), ("--evict-rate", "0"), ("--persist-bandwidth", HUGE)}
+
+CASES = [pytest.param(["train", "--pool", "{pool}", *SMALL, option, value], word, id=f"train {option} {value[:8]}")
+         for option, word in NUMERIC_TRAIN_OPTIONS for value in BAD_NUMBERS if (option, value) not in ACCEPTED]
+CASES += [
+    pytest.param(["train", "--pool", "{pool}", *SMALL, "--persist-bandwidth", "-1G"], "persist-bandwidth", id="-1G"),
+    pytest.param(["train", "--pool", "{pool}", *SMALL, "--checkpoint", "off"], "--discard-checkpoint", id="off"),
+    pytest.param(["train", "--pool", "{pool}", *SMALL, "--seed", "9"], "other settings", id="other seed"),
+    pytest.param(["train", "--pool", "{pool}", *SMALL, "--dim", "16"], "expects table_weights", id="other model"),
+    pytest.param(["train", "--pool", "{folder}/new.pool", "--batch-size", "100000000", "--no-progress"], "memory",
+                 id="huge batch"),
+    pytest.param(["train", "--pool", "{folder}/new.pool", "--num-tables", "100000", "--no-progress"], "memory",
+                 id="huge model"),
+    pytest.param(["train", "--pool", "{folder}/new.pool", "--rows", "1000000000", "--num-tables", "64",
+                  "--no-progress"], "not enough space", id="huge pool"),
+    pytest.param(["train", "--pool", "{folder}/new.pool", *SMALL, "--data", "{folder}/nope"], "nope", id="no data"),
+    pytest.param(["train", "--pool", "{folder}", *SMALL], "directory", id="pool is a folder"),
+    pytest.param(["train", "--bogus"], "unrecognized", id="bogus option"),
+    pytest.param(["recover", "{folder}/missing.pool"], "no such pool", id="recover missing"),
+    pytest.param(["export", "{pool}", "{pool}"], "already exists", id="export onto the pool"),
+    pytest.param(["export", "{pool}", "{folder}/no/such/dir/x.pt"], "cannot write into", id="export nowhere"),
+    pytest.param(["pool", "info", "{folder}/missing.pool"], "no such pool", id="info missing"),
+    pytest.param(["pool", "check", "{folder}"], "directory", id="check a folder"),
+    pytest.param(["pool", "create", "{pool}", "--size", "2M"], "already", id="create over the pool"),
+    pytest.param(["pool", "create", "{folder}/c.pool", "--size", "-1M"], "size", id="create negative size"),
+    pytest.param(["pool", "create", "{folder}/c.pool", "--size", "4K"], "too small", id="create tiny"),
+    pytest.param(["crashtest", "--trials", "0"], "trials", id="crashtest no trials"),
+    pytest.param([], "required", id="no command"),
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A folder on the memory-backed file system with one small trained pool in it."""
+    import os
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="cxltrain-careless-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    pool = folder / "e.pool"
+    assert main(["train", "--pool", str(pool), *SMALL]) == 0
+    yield folder, pool
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("args,word", CASES)
+def test_a_bad_invocation_is_one_line_and_changes_nothing(trained, capsys, args, word):
+    folder, pool = trained
+    args = [a.format(folder=folder, pool=pool) for a in args]
+    listing, before = sorted(folder.iterdir()), pool.read_bytes()
+    code, out, err = run(args, capsys)
+    lines = err.strip().splitlines()
+    assert code not in (0, None) and len(lines) == 1 and "Traceback" not in err, (code, err)
+    assert lines[0].startswith("cxltrain") and word in lines[0], lines[0]
+    assert sorted(folder.iterdir()) == listing
+    assert pool.read_bytes() == before
