@@ -11,6 +11,7 @@ train: setup
 	$(BIN)/cxltrain train $(ARGS)
 
 test: setup
+	$(BIN)/python -m ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-slow: setup

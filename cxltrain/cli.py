@@ -227,10 +227,10 @@ def _check_pool_space(path: str, pool_size: int) -> None:
 
 
 def _run_train(args) -> int:
+    from .checkpoint.stats import summary_line
+    from .config import TrainConfig
     from .devices import resolve_backend
     from .emulation import default_pool_path
-    from .config import TrainConfig
-    from .checkpoint.stats import summary_line
     from .trainer import pool_bytes, train
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,

@@ -38,11 +38,11 @@ import time
 from typing import Callable
 
 from . import faults, knobs
-from .faults import CrashPoint
 from .config import TrainConfig
-from .errors import ConfigError, CxlTrainError
-from .knobs import KNOBS
 from .emulation.cxl import memory_dir
+from .errors import ConfigError, CxlTrainError
+from .faults import CrashPoint
+from .knobs import KNOBS
 
 # The run every trial kills: small enough for ~1 s trials, large enough to have several batches
 # in flight during any kill, two tables (records interleave), row-wise Adagrad, Adam, dropout-free.

@@ -29,11 +29,17 @@ import numpy as np
 from . import pool_format as fmt
 from .devices import Device, open_target
 from .devices.registry import map_device
-from .faults import crash_armed, crash_point, planted
 from .errors import ConfigError, NotAPoolError, PoolError, PoolFullError
+from .faults import crash_armed, crash_point, planted
 from .knobs import KNOBS
-from .pool_check import (check_regions_disjoint, new_superblock, pick_root, read_region, read_root_slot,
-                         validate_superblock)
+from .pool_check import (
+    check_regions_disjoint,
+    new_superblock,
+    pick_root,
+    read_region,
+    read_root_slot,
+    validate_superblock,
+)
 from .pool_files import lock_pool, open_pool_file, pread_reader
 from .pool_format import DType, Region, RegionKind, Root, Superblock
 

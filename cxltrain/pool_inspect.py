@@ -13,8 +13,15 @@ import dataclasses
 import os
 
 from .errors import PoolError, PoolLockedError
-from .pool_check import (Reader, SlotStatus, check_regions_disjoint, pick_root, read_region, read_root_slot,
-                         validate_superblock)
+from .pool_check import (
+    Reader,
+    SlotStatus,
+    check_regions_disjoint,
+    pick_root,
+    read_region,
+    read_root_slot,
+    validate_superblock,
+)
 from .pool_files import lock_pool, open_pool_file, pread_reader
 from .pool_format import Region, Root, Superblock
 

@@ -32,9 +32,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import (BatchGuard, Checkpointer, CheckpointStats, NoCheckpoint, has_checkpoint, recover,
-                         verify)
-from .checkpoint import dense, layout
+from .checkpoint import (
+    BatchGuard,
+    Checkpointer,
+    CheckpointStats,
+    NoCheckpoint,
+    dense,
+    has_checkpoint,
+    layout,
+    recover,
+    verify,
+)
 from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO

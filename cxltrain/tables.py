@@ -38,11 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import ConfigError, NonFiniteError, PoolError
+from .kernels import ops as row_ops
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 from .pool import Pool, RegionSpec
 from .pool_format import RegionKind
-from .errors import ConfigError, NonFiniteError, PoolError
-from .kernels import ops as row_ops
 
 if TYPE_CHECKING:
     from .checkpoint.seam import TableGuard

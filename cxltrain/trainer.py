@@ -20,11 +20,11 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from .checkpoint.layout import record_bytes
+from .config import TrainConfig
 from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
 from .devices import DeviceCounters
-from .config import TrainConfig
-from .checkpoint.layout import record_bytes
 from .errors import ConfigError, NonFiniteError, TrainingStopped
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc

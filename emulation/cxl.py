@@ -46,7 +46,6 @@ from .bandwidth import BandwidthCap
 from .evictor import Evictor
 from .mappings import CachedFile, SharedFile
 
-
 # Crash tests can die at the n-th flush of an emulated device: a random moment of the persistence traffic.
 FLUSH_POINT = "device:flush"
 

@@ -11,8 +11,7 @@ import torch
 from cxltrain.bench import methods, plain
 from cxltrain.bench.records import EmbeddingTiming, OursSteps, PlainSteps, Unmeasured
 from cxltrain.bench.report import targets
-from cxltrain.bench.results import (BenchResults, EmbeddingRow, Machine, Recovery, RecoverySize, StepRow,
-                                    StepTiming)
+from cxltrain.bench.results import BenchResults, EmbeddingRow, Machine, Recovery, RecoverySize, StepRow, StepTiming
 from cxltrain.bench.suite import _step_row
 from cxltrain.config import TrainConfig
 from cxltrain.trainer import build_model, build_source

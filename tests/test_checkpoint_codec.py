@@ -14,8 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cxltrain.checkpoint.codec import (HEADER, MAGIC, MAX_DEPTH, LayoutCache, capture_rng, decode, encode,
-                                       restore_rng)
+from cxltrain.checkpoint.codec import HEADER, MAGIC, MAX_DEPTH, LayoutCache, capture_rng, decode, encode, restore_rng
 from cxltrain.errors import PoolCorruptError
 
 TORCH_DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.int8, torch.int16,

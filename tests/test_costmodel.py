@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from cxltrain.emulation.costmodel import (PRESETS, AccessCounts, MemoryPreset, estimate, format_estimate,
-                                          media_write_bytes, preset)
+from cxltrain.emulation.costmodel import (
+    PRESETS,
+    AccessCounts,
+    MemoryPreset,
+    estimate,
+    format_estimate,
+    media_write_bytes,
+    preset,
+)
 from cxltrain.errors import ConfigError
 
 TOY = MemoryPreset("toy", load_latency_ns=100.0, persist_latency_ns=50.0, read_gb_s=10.0, write_gb_s=5.0,

@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 
 from cxltrain.devices import discovery
-from cxltrain.devices.discovery import (cpuless_nodes, dax_mounts, device_nodes, discover, from_tool, parse_daxctl,
-                                        parse_ndctl, run_tool)
+from cxltrain.devices.discovery import (
+    cpuless_nodes,
+    dax_mounts,
+    device_nodes,
+    discover,
+    from_tool,
+    parse_daxctl,
+    parse_ndctl,
+    run_tool,
+)
 from cxltrain.devices.mounts import read_mounts
 from cxltrain.emulation import cxl
 from helpers import cxltrain

@@ -119,8 +119,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 @pytest.mark.parametrize("rate", [-1])
 def test_evictor_refuses_a_rate_that_is_not_positive(rate):
-    from cxltrain.emulation.evictor import Evictor
     import threading
+
+    from cxltrain.emulation.evictor import Evictor
 
     with pytest.raises(ValueError, match="must be > 0"):
         Evictor(np.zeros(64, np.uint8), np.zeros(64, np.uint8), threading.Lock(), rate=rate, seed=0)

@@ -64,8 +64,8 @@ from cxltrain.errors import CxlTrainError, NonFiniteError, PoolError
 from cxltrain.faults import CRASH_ENV
 from cxltrain.knobs import override
 from cxltrain.pool import Pool
-from cxltrain.pool_inspect import inspect
 from cxltrain.pool_format import RegionKind
+from cxltrain.pool_inspect import inspect
 from cxltrain.runtime import Runtime, check_checkpoint, export_state, recover_pool
 from cxltrain.tables import PersistentEmbeddingBag
 from cxltrain.trainer import build_model, train

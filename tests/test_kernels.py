@@ -17,12 +17,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cxltrain import knobs
 from cxltrain.checkpoint.layout import split_payload
-from cxltrain.devices.registry import map_device
 from cxltrain.devices.libpmem import load as load_libpmem
+from cxltrain.devices.registry import map_device
 from cxltrain.kernels import native, ops
 
 needs_native = pytest.mark.skipif(not native.built(), reason="native row kernels not built")

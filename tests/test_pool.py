@@ -15,12 +15,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cxltrain import pool_format as fmt
-from cxltrain.errors import (ConfigError, CxlTrainError, NotAPoolError, PoolCorruptError, PoolError, PoolFullError,
-                             PoolLockedError, PoolVersionError)
+from cxltrain.errors import (
+    ConfigError,
+    CxlTrainError,
+    NotAPoolError,
+    PoolCorruptError,
+    PoolError,
+    PoolFullError,
+    PoolLockedError,
+    PoolVersionError,
+)
 from cxltrain.knobs import override
 from cxltrain.pool import Pool, RegionSpec
-from cxltrain.pool_inspect import inspect
 from cxltrain.pool_format import RegionKind
+from cxltrain.pool_inspect import inspect
 
 
 def small_pool(path, regions=2):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from cxltrain.errors import PoolError
 from cxltrain.kernels import native
 from cxltrain.optim import SGD, RowWiseAdagrad
-from cxltrain.errors import PoolError
 from cxltrain.pool import Pool
 from cxltrain.pool_format import RegionKind
 from cxltrain.tables import PersistentEmbeddingBag

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from ..optim import SGD, RowWiseAdagrad
 from ..knobs import KNOBS
+from ..optim import SGD, RowWiseAdagrad
 from ..pool import Pool
 from ..pool_format import pool_size_for
 from ..tables import PersistentEmbeddingBag

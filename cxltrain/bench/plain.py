@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..models import DLRM
 from ..optim import SGD
 from ..trainer import build_source
-from ..models import DLRM
 from .records import PlainSteps
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}

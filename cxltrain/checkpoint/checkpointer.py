@@ -85,7 +85,6 @@ from .stats import CheckpointStats
 from .worker import BackgroundWorker, InlineWorker, Ticket
 
 
-
 class Checkpointer(BatchGuard):
     """Drives the protocol for the tables and dense state of one run over one pool.
 

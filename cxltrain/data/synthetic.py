@@ -71,8 +71,7 @@ import torch
 
 from ..errors import ConfigError
 from .batch import Batch
-from .common import (MAX_SEED, batch_indices, check_index, check_int, hash_key, splitmix64,
-                     table_rows)
+from .common import MAX_SEED, batch_indices, check_index, check_int, hash_key, splitmix64, table_rows
 
 HEAD_RANKS = 4096        # ranks drawn from the exact discrete Zipf table; the tail is continuous
 LOGIT_BIAS = -1.5        # puts the CTR around 25% for the scales below

@@ -18,6 +18,7 @@ import ctypes.util
 import functools
 import os
 
+
 class LibPmem:
     """The libpmem functions cxltrain uses, with argument types declared."""
 
