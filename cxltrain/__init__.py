@@ -1,8 +1,9 @@
 """cxltrain: train recommendation models whose embedding tables live in persistent memory.
 
-Layers (DESIGN §2), each calling only layers below it: cli → trainer → runtime → models/tables/optim
-→ data → checkpoint → pool → devices (cxltrain.devices, cxltrain.emulation) → kernels; tests/test_layers.py
-keeps the order and keeps import circles out.
+Layers (docs/architecture.md §1), each calling only layers below it: cli → jobs (trainer, crashtest,
+bench) → runtime → models/tables/optim → data → checkpoint → pool → devices (cxltrain.devices,
+cxltrain.emulation) → kernels and the on-media format; tests/test_layers.py keeps the order and keeps
+import circles out.
 
 The public names are imported lazily, so `cxltrain pool info` does not pay for importing torch.
 """

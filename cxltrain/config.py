@@ -32,7 +32,7 @@ class TrainConfig:
     checkpoint: str = UNDO             # "undo": every batch durable; "off": consistent only at the end
     dense_every: int = 1               # dense snapshot every k batches (strict: and commit)
     mode: str = STRICT                 # "strict": exact recovery; "relaxed": embeddings every batch,
-                                       # dense state every dense_every batches (DESIGN §4)
+                                       # dense state every dense_every batches (docs/architecture.md §4)
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
     discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk

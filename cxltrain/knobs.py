@@ -27,11 +27,11 @@ class Knobs:
     # Region alignment in bytes: at least a page, so a region can be mapped and msync'ed alone.
     region_align: int = 4096
     # Table rows start on this byte boundary, so flushing a row never splits a cache line with its
-    # neighbour (DESIGN §3).
+    # neighbour (docs/architecture.md §2).
     row_align: int = 64
     # Directory entries reserved when a pool is created (one per region).
     dir_capacity: int = 256
-    # Threads torch uses for training; fixed so reductions are reproducible (DESIGN §4).
+    # Threads torch uses for training; fixed so reductions are reproducible (docs/architecture.md §4).
     threads: int = 2
     # 1 = the emulated CXL device models power loss: the process stores into a private view and only
     # what it persists reaches the file, so a killed process loses every unpersisted store. 0 = a

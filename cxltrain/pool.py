@@ -1,4 +1,4 @@
-"""The pool: one file or DAX device, mapped whole, holding named regions (DESIGN §3).
+"""The pool: one file or DAX device, mapped whole, holding named regions (docs/architecture.md §2).
 
     pool = Pool.create("/dev/shm/ctr.pool", size=1 << 30)
     w = pool.add_region("t0.weight", RegionKind.TABLE_WEIGHTS, "float32", (1000, 64), aligned_rows=True)
@@ -241,7 +241,7 @@ class Pool:
         """Write the next root (seq + 1) into the other slot and persist it.
 
         batches_done: batches whose updates the pool now holds (-1: no consistent state). The others
-        are the checkpointer's commit fields of Root (DESIGN §4); None keeps the current value.
+        are the checkpointer's commit fields of Root (docs/architecture.md §4); None keeps the current value.
         """
         self._check_open(writable=True)
         if batches_done < -1:

@@ -1,4 +1,4 @@
-"""Validation of a pool's metadata (DESIGN §3): pure functions over a reader, one distinct, one-line
+"""Validation of a pool's metadata (docs/architecture.md §2): pure functions over a reader, one distinct, one-line
 error per failure. `Pool.open` runs them before it maps anything; `pool_inspect.inspect` runs the
 same ones and collects every problem instead of raising on the first.
 

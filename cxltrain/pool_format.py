@@ -1,4 +1,4 @@
-"""The pool's on-media format, v1 — defined here and nowhere else (DESIGN §3).
+"""The pool's on-media format, v1 — defined here and nowhere else (docs/architecture.md §2).
 
 All structures are fixed-size, little-endian, packed (`struct` '<', no implicit padding), with
 reserved bytes that must be zero. tests/test_pool_format.py pins every size and offset.
@@ -116,7 +116,7 @@ ROOT = struct.Struct(
     "I"    # flags: ROOT_RELAXED or 0; any other bit makes the root invalid
     "q"    # batches_done: batches whose updates the pool holds (0 = freshly initialised); -1 = no
            # consistent state (being created, or tables changing with nothing to roll them back)
-    # -- the checkpointer's commit fields (DESIGN §4); all zero in a pool that has none --
+    # -- the checkpointer's commit fields (docs/architecture.md §4); all zero in a pool that has none --
     "Q"    # ring_generation: undo records of any other generation are never live
     "Q"    # ring_start: byte offset, in the undo ring, of the oldest live record
     "Q"    # ring_start_seq: the sequence number the record at ring_start must carry

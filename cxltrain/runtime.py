@@ -12,7 +12,7 @@
 Entering the block creates the pool (or opens it), attaches every PersistentEmbeddingBag of the
 model, and — if the pool holds a committed checkpoint — recovers it: tables rolled back to the last
 committed batch, dense parameters, optimizer and scheduler state and RNG states restored. Each
-batch from `rt.batches` is committed when the loop moves past it (DESIGN §4: undo log, dense
+batch from `rt.batches` is committed when the loop moves past it (docs/architecture.md §4: undo log, dense
 snapshot, commit record); leaving the block normally commits the last batch and closes the pool;
 an exception leaves the batch in flight uncommitted (the next Runtime rolls it back) and
 propagates. A crash costs at most the batch in flight. A NaN or inf table gradient is such an
@@ -68,13 +68,12 @@ class Runtime:
             most k batches.
         mode: "strict" (recovery exact) or "relaxed" (embeddings committed every batch, the dense
             state every dense_every batches: after a crash it may be up to k batches older than the
-            embeddings; `recovery.dense_lag` says by how many). See DESIGN §4.
+            embeddings; `recovery.dense_lag` says by how many). See docs/architecture.md §4.
         pipeline: run commits on a background worker (True), or on the training thread (False: the
             synchronous baseline). Same durability either way.
         background_capture: with the pipeline, the worker also takes the undo captures (during
             forward, instead of the training thread right before each table's update) and the row
-            flushes (during the next batch, instead of right after each update): DESIGN §4 as
-            written, which pays off where the worker has a core of its own (see
+            flushes (during the next batch, instead of right after each update), which pays off where the worker has a core of its own (see
             checkpoint/checkpointer.py).
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
             snapshot; resuming a pool whose metadata differs is refused.

@@ -1,4 +1,4 @@
-"""Emulated CXL/PMEM memory for any Linux box (DESIGN §5), installed as `cxltrain.emulation`."""
+"""Emulated CXL/PMEM memory for any Linux box (docs/emulation.md), installed as `cxltrain.emulation`."""
 
 from .cxl import EmulatedCXLDevice, default_pool_dir, default_pool_path
 

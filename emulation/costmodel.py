@@ -1,4 +1,4 @@
-"""What a run's pool traffic would cost on real PMEM or CXL memory (DESIGN §5, bandwidth/latency).
+"""What a run's pool traffic would cost on real PMEM or CXL memory (docs/emulation.md, bandwidth/latency).
 
 The emulated device is ordinary DRAM, so a run on it says nothing about Optane or a CXL expander.
 This model takes counters of what the run did to the pool (`AccessCounts`) and the published

@@ -1,4 +1,4 @@
-"""Row kernels, installed as `cxltrain.kernels` (DESIGN §2).
+"""Row kernels, installed as `cxltrain.kernels` (docs/architecture.md §1).
 
     ops.py         what the rest of cxltrain calls: gather rows, the fused sparse update,
                    undo capture; the C kernels when built (knob native_kernels), else torch

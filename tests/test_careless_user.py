@@ -1,4 +1,4 @@
-"""Issue 16: every bad invocation a careless user types keeps the promise — a non-zero exit, one
+"""Every bad invocation a careless user types keeps the promise — a non-zero exit, one
 line on stderr naming the problem, no traceback, no file left behind, an existing pool unchanged.
 
 The command line runs in this process (cli.main), so the whole table takes seconds: every case is

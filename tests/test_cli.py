@@ -252,7 +252,7 @@ def test_recover_and_export_errors_are_one_line_and_touch_nothing(shm_dir):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 16, item 8: the small things a careless user walks into
+# the small things a careless user walks into
 # ---------------------------------------------------------------------------------------------
 def test_json_output_is_json_alone(shm_dir):
     path = shm_dir / "j.pool"
@@ -335,7 +335,7 @@ def test_a_pool_on_an_ordinary_file_is_not_called_pmem(tmp_path):
 
 
 def test_the_default_pool_belongs_to_the_working_directory(tmp_path):
-    """Issue 16, item 2: two checkouts on one machine never share (resume, or refuse) one pool."""
+    """Two checkouts on one machine never share (resume, or refuse) one pool."""
     here, there = tmp_path / "checkout-a", tmp_path / "checkout-b"
     here.mkdir(), there.mkdir()
     paths = [last_json(cxltrain("devices", "--json", cwd=folder).stdout)["train"]["pool_path"]
@@ -343,7 +343,7 @@ def test_the_default_pool_belongs_to_the_working_directory(tmp_path):
     assert paths[0] != paths[1] and paths[0] == paths[2]
 
 
-# issue 16, item 6: the side name a new pool is built under
+# the side name a new pool is built under
 def _interrupt_pool_creation(monkeypatch, how):
     """posix_fallocate (seconds for a big pool) is where Ctrl-C or SIGTERM lands while creating."""
     import signal
@@ -381,7 +381,7 @@ def test_pool_creation_errors_name_the_users_path(shm_dir, capsys):
 
 
 def test_checkpoint_off_on_a_committed_pool_is_one_line_and_changes_nothing(shm_dir):
-    """Issue 16, item 1, through the command line."""
+    """Checkpoint off on committed batches, through the command line."""
     path = shm_dir / "off.pool"
     assert cxltrain("train", "--pool", path, *SMALL).returncode == 0
     before = path.read_bytes()
@@ -393,7 +393,7 @@ def test_checkpoint_off_on_a_committed_pool_is_one_line_and_changes_nothing(shm_
     assert accepted.returncode == 0 and "resuming at batch 30" in accepted.stdout, accepted.stderr
 
 
-# issue 16, item 3: export's failure paths
+# export's failure paths
 def _small_trained_pool(folder: Path) -> Path:
     path = folder / "e.pool"
     assert cxltrain("train", "--pool", path, *[a if a != "30" else "3" for a in SMALL]).returncode == 0
@@ -438,7 +438,7 @@ def test_exporting_a_committed_pool_writes_nothing_to_it(shm_dir):
     assert pool.read_bytes() == before
 
 
-# issue 16, item 4: resources checked, with the figures, before any work
+# resources checked, with the figures, before any work
 @pytest.mark.parametrize("args,match", [
     (["--batch-size", "100000000"], "of memory for its model and one batch (--batch-size 100000000"),
     (["--num-tables", "100000"], "of memory for its model and one batch (--batch-size 2048, --num-tables 100000"),
@@ -454,7 +454,7 @@ def test_a_run_that_cannot_fit_is_refused_before_any_work(shm_dir, capsys, args,
 
 
 def test_the_data_file_is_known_by_its_content_not_its_path(shm_dir):
-    """Issue 16, item 5: a moved data file resumes; other bytes under the same path are refused."""
+    """A moved data file resumes; other bytes under the same path are refused."""
     import shutil
 
     data = write_criteo(shm_dir / "day_0", 160)
@@ -473,7 +473,7 @@ def test_the_data_file_is_known_by_its_content_not_its_path(shm_dir):
 
 @pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
 def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch, capsys, given, expected):
-    """Issue 16, item 7: OpenMP spin-waiting made runs 5-12x slower on shared cores."""
+    """OpenMP spin-waiting made runs 5-12x slower on shared cores."""
     from cxltrain.cli import main
 
     if given is None:

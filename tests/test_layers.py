@@ -1,4 +1,4 @@
-"""DESIGN §2 kept by a test: a layer may import any layer below it, never one above, and no module
+"""docs/architecture.md §1 kept by a test: a layer may import any layer below it, never one above, and no module
 takes part in an import circle, within a layer or across layers.
 
 Every module's imports are read with `ast`, those inside functions included: a lazy import is an
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Folders of the repository and the module names they are installed as (pyproject.toml's package-dir).
 SOURCES = {"cxltrain": "cxltrain", "emulation": "cxltrain.emulation", "kernels": "cxltrain.kernels"}
 
-# DESIGN §2, bottom to top. A module belongs to the layer of its longest matching prefix.
+# docs/architecture.md §1, bottom to top. A module belongs to the layer of its longest matching prefix.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaves everything reads and that read nothing of ours (only each other): errors; knobs (the
     # tunables: kernels read native_kernels, devices read device/power_loss, so knobs must sit
@@ -205,13 +205,13 @@ def test_every_module_has_a_layer():
 
 def test_no_layer_imports_one_above_it():
     problems = upward_imports(GRAPH, MODULES)
-    assert not problems, "upward imports (DESIGN §2):\n" + "\n".join(problems)
+    assert not problems, "upward imports (docs/architecture.md §1):\n" + "\n".join(problems)
 
 
 def test_no_import_circles():
     found = [f"{' -> '.join(_circle_through(GRAPH, set(group)))} (tangled: {', '.join(group)})"
              for group in tangles(GRAPH)]
-    assert not found, "import circles (DESIGN §2):\n" + "\n".join(found)
+    assert not found, "import circles (docs/architecture.md §1):\n" + "\n".join(found)
 
 
 def test_leaves_import_nothing_below_them():

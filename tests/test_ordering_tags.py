@@ -1,4 +1,4 @@
-"""Each persistence rule of DESIGN §4 (U1-U4) is enforced at a line tagged `# ORDERING U<n>: why`
+"""Each persistence rule of docs/architecture.md §4 (U1-U4) is enforced at a line tagged `# ORDERING U<n>: why`
 (a rule enforced in parts: U<n>a, U<n>b, ...). The tags are counted here: every rule has one,
 each is well-formed, and no rule or part is tagged twice, so a reader (or a reviewer of a change
 that moves a line) finds every ordering the protocol rests on by grepping `ORDERING U`."""

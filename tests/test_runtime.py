@@ -1,4 +1,4 @@
-"""cxltrain.Runtime with a user's own model (not DLRM): the contract of DESIGN §6, in one process.
+"""cxltrain.Runtime with a user's own model (not DLRM): the contract of docs/architecture.md §7, in one process.
 
 Crash exactness with real kills is in test_checkpoint_crash.py; here the "crash" is an exception
 (or a pool closed without its final commit), which leaves the pool exactly as a kill at that
@@ -184,7 +184,7 @@ def test_checkpoint_off_commits_only_at_the_end(shm_dir):
 
 
 def test_checkpoint_off_on_committed_batches_is_refused_unless_discarded(shm_dir):
-    """Issue 16, item 1: an off run on a pool with committed batches would lose them to a crash."""
+    """An off run on a pool with committed batches would lose them to a crash."""
     path = shm_dir / "p.pool"
     train_steps(path, 3)
     before = path.read_bytes()
@@ -196,7 +196,7 @@ def test_checkpoint_off_on_committed_batches_is_refused_unless_discarded(shm_dir
 
 
 def test_export_needs_write_access_only_to_roll_back(shm_dir, monkeypatch):
-    """Issue 16, item 3: a committed pool exports read-only; one with records to roll back in place
+    """A committed pool exports read-only; one with records to roll back in place
     says why it needs write access."""
     from cxltrain import runtime
 
@@ -226,7 +226,7 @@ def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
 
 
 def test_a_file_of_the_users_named_like_the_side_name_is_kept(shm_dir):
-    """Issue 16, item 6: only a provably half-built pool of ours is deleted."""
+    """Only a provably half-built pool of ours is deleted."""
     path, theirs = shm_dir / "p.pool", shm_dir / "p.pool.creating"
     theirs.write_bytes(b"the user's own notes")
     with pytest.raises(PoolError, match="is in the way and is not a pool left unfinished by cxltrain"):

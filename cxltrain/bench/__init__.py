@@ -1,5 +1,5 @@
 """`cxltrain bench`: ours against the usual ways of checkpointing and of training embedding tables,
-on the same model, data and machine (issue 5).
+on the same model, data and machine.
 
 Layer: above the trainer, beside the command line. Modules:
     methods.py    the checkpointing methods and what a crash loses under each (torch-free)

@@ -37,7 +37,7 @@ class Method:
 
 
 def step_methods(periods: tuple[int, int] = (1, 100)) -> list[Method]:
-    """Every method, the plain-PyTorch checkpoints at both periods k (issue 5: k = 1 and 100)."""
+    """Every method, the plain-PyTorch checkpoints at both periods k (k = 1 and 100)."""
     ours = [Method("ours-off", "ours", "ours, no checkpoint", "ours-off", {"checkpoint": "off"}),
             Method("ours-strict", "ours", "ours, strict per-batch", "ours-off", {"checkpoint": "undo"}),
             Method("ours-relaxed", "ours", "ours, relaxed (dense every 100)", "ours-off",

@@ -1,4 +1,4 @@
-"""What `cxltrain bench` prints: the machine, the targets of issue 5, and one table per section.
+"""What `cxltrain bench` prints: the machine, the targets (docs/benchmarks.md), and one table per section.
 
 The results (results.BenchResults; its to_json() is the --json output) hold:
     machine    cpu, cores, memory_gb, torch, threads, python
@@ -47,7 +47,7 @@ def machine_info(threads: int) -> Machine:
 
 
 def targets(results: BenchResults) -> list[Target]:
-    """The done-when targets of issue 5, each with the value measured and whether it held
+    """The bench's targets (docs/benchmarks.md), each with the value measured and whether it held
     (held None: not measured)."""
     out = []
     # judged side by side in one process where measured (separate runs differ by more than 5%)

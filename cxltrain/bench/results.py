@@ -104,7 +104,7 @@ class EmbeddingRow(Record):
 
 @dataclasses.dataclass
 class Target(Record):
-    """A done-when target of issue 5: the value measured and whether it held (None: not measured)."""
+    """A target of the bench (docs/benchmarks.md): the value measured and whether it held (None: not measured)."""
 
     name: str
     value: float | None

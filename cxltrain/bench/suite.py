@@ -67,7 +67,7 @@ class BenchPlan:
 
 
 def full_plan() -> BenchPlan:
-    """The configuration of issue 5: 8 x 1M x 64 tables, batch 2048, skewed ids, 2 threads."""
+    """The bench's configuration: 8 x 1M x 64 tables, batch 2048, skewed ids, 2 threads."""
     # k = 1: a checkpoint every step (few steps: each costs 1-3 s); k = 100: whole periods, two for
     # DCP so that one save overlaps the steps after it
     timed = {("none", 1): (5, 40), ("torch", 1): (3, 8), ("torch", 100): (5, 100),

@@ -1,4 +1,4 @@
-"""The checkpointer (DESIGN §4): undo ring, dense snapshot slots, commits, recovery.
+"""The checkpointer (docs/architecture.md §4): undo ring, dense snapshot slots, commits, recovery.
 
     layout.py        on-media structures (undo records, dense slot headers, region names)
     ring.py          the undo ring: append (U1), reclaim (U3), scan, restore

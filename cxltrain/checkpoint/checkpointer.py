@@ -1,4 +1,4 @@
-"""The checkpointer: every batch durable (DESIGN §4), off the training thread's critical path.
+"""The checkpointer: every batch durable (docs/architecture.md §4), off the training thread's critical path.
 
 Per batch b, for each table it looks up with gradients:
 
@@ -14,7 +14,7 @@ Per batch b, for each table it looks up with gradients:
                     naming b+1 as the recovery target, reclaim the records it covers (U3)) is handed
                     to the worker, which runs it while the training thread goes on with b+1
 
-Modes (DESIGN §4):
+Modes (docs/architecture.md §4):
     strict    a commit is a dense snapshot plus the rows, every k = dense_every batches; records are
               kept back to the last one, so recovery is exact.
     relaxed   TrainingCXL's ordering: the rows are committed every batch, the dense snapshot only
@@ -46,8 +46,8 @@ With the pipeline off (pipeline=False) the commits run inline on the training th
 logging and commits on the critical path, the baseline `cxltrain bench` compares against.
 
 Where the capture and the row flushes run: on the training thread, inside backward (above), by
-default. With background_capture=True the worker takes both, as DESIGN §4 has it: the capture is
-handed over in b's forward (before_update waits for it, only when it is late) and the rows are
+default. With background_capture=True the worker takes both (docs/architecture.md §4): the capture
+is handed over in b's forward (before_update waits for it, only when it is late) and the rows are
 flushed by the commit during b+1 — the overlap that pays off where the worker has a core of its
 own. On a 2-core machine it cost more than it hid (`cxltrain bench` measures both): the worker's
 Python takes the GIL from the training thread, its gathers miss the cache that the training

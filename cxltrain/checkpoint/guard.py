@@ -1,7 +1,7 @@
 """Batch guards: what keeps the tables' in-place updates inside batches, with or without a
 checkpointer. The Runtime holds one of two, with the same interface:
 
-    Checkpointer (checkpointer.py)  every batch durable (DESIGN §4)
+    Checkpointer (checkpointer.py)  every batch durable (docs/architecture.md §4)
     NoCheckpoint                    checkpoint="off": the null object — no undo log, no per-batch
                                     commit; the pool is made consistent only by finish()
 

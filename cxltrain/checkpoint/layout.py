@@ -1,4 +1,4 @@
-"""The checkpointer's on-media structures, defined here and nowhere else (DESIGN §4).
+"""The checkpointer's on-media structures, defined here and nowhere else (docs/architecture.md §4).
 
 The checkpointer owns three pool regions, named below, and the commit fields of the root
 (pool_format.Root: ring_generation, ring_start, ring_start_seq, dense_slot, dense_batch).

@@ -1,4 +1,4 @@
-"""The orderings of the persistence protocol (DESIGN §4) as one strategy object the checkpointer
+"""The orderings of the persistence protocol (docs/architecture.md §4) as one strategy object the checkpointer
 holds, so that a planted bug is a different strategy rather than a flag its hot paths test.
 
 Production runs `Ordering`. Each planted bug (faults.Planted, chosen with CXLTRAIN_FAULT) is a

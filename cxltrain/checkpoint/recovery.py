@@ -1,4 +1,4 @@
-"""Recovery (DESIGN §4): roll a pool back to its last committed batch, bit for bit.
+"""Recovery (docs/architecture.md §4): roll a pool back to its last committed batch, bit for bit.
 
     report, snapshot = recover(pool)    # needs only the pool, not the model
     report.batch                        # batches the recovered embeddings have seen

@@ -1,4 +1,4 @@
-"""Where the checkpointer's jobs run: on one background thread (the pipeline of DESIGN §4), or
+"""Where the checkpointer's jobs run: on one background thread (the pipeline of docs/architecture.md §4), or
 inline on the training thread (the synchronous baseline). Both take the same two kinds of job:
 
     capture   a function: one table's undo record of the batch in flight. Short, and the training

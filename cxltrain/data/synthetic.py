@@ -2,7 +2,7 @@
 
 Batch b is a pure function of (configuration, seed, b): every random draw comes from a generator
 seeded with exactly those numbers, and nothing is carried from one call to the next, so a run
-resumed at batch b sees the batches an uninterrupted run saw (DESIGN §4, "Exactness needs
+resumed at batch b sees the batches an uninterrupted run saw (docs/architecture.md §4, "Exactness needs
 determinism"). Results are bit-identical across calls, call orders and processes on one machine
 with one numpy build; numpy's SIMD exp/log may differ in the last bit between CPUs, which can
 very rarely move a dense value, an id at a rank boundary or a label.

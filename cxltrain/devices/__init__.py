@@ -1,4 +1,4 @@
-"""Devices: how a pool's bytes are mapped and made durable (DESIGN §5).
+"""Devices: how a pool's bytes are mapped and made durable (docs/architecture.md §3).
 
 One backend per file, behind the interface in base.py, chosen once when a pool is opened:
 

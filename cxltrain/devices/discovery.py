@@ -1,4 +1,4 @@
-"""Finding real PMEM and CXL memory on this machine, and what `train` uses otherwise (DESIGN §5).
+"""Finding real PMEM and CXL memory on this machine, and what `train` uses otherwise (docs/architecture.md §3).
 
 Five places say a machine has persistent or CXL-attached memory. One finder reads each, from a
 root that defaults to the real one, so a test can point it at a tree of files in the same format:

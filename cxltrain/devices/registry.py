@@ -1,4 +1,4 @@
-"""The device backends, by name: how `map_device` opens a pool with each (DESIGN §5).
+"""The device backends, by name: how `map_device` opens a pool with each (docs/architecture.md §3).
 
 The names are the `device` knob's values (knobs.DEVICE_BACKENDS: the knob is checked where knobs
 are, below every layer); this table says what each name opens. It sits on top of the devices
