@@ -212,15 +212,15 @@ def _check_memory(config) -> None:
 def _check_pool_space(path: str, pool_size: int) -> None:
     """A new pool file that cannot fit in its folder is refused, with the figures, before any work."""
     from .devices import is_char_device
+    from .emulation.cxl import free_bytes
 
     if os.path.exists(path) or is_char_device(path):
         return
     folder = os.path.dirname(os.path.abspath(path))
     try:
-        st = os.statvfs(folder)
+        free = free_bytes(folder)
     except OSError:
         return  # no such folder: creating the pool says so
-    free = st.f_bavail * st.f_frsize
     if pool_size > free:
         raise ConfigError(f"{path}: not enough space for the pool: it needs {pool_size:,} bytes, "
                           f"{free:,} are free in {folder}")
@@ -231,6 +231,7 @@ def _run_train(args) -> int:
     from .config import TrainConfig
     from .devices import resolve_backend
     from .emulation import default_pool_path
+    from .emulation.cxl import SHM, memory_dir
     from .trainer import pool_bytes, train
 
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
@@ -246,7 +247,7 @@ def _run_train(args) -> int:
     _check_emulated(path, emulation)
     _check_pool_space(path, pool_size)
     # validated: from here on, what the run does
-    if args.pool is None and not path.startswith("/dev/shm/") and os.path.isdir("/dev/shm"):
+    if args.pool is None and not path.startswith(SHM + "/") and memory_dir() == SHM:
         print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
               "and not an emulated CXL device)", file=sys.stderr)
     table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
@@ -386,9 +387,10 @@ def _save_export(state: dict, out: str) -> None:
     except OSError as e:
         raise CxlTrainError(f"{out}: cannot write: {e.strerror}") from None
     except RuntimeError:  # torch's zip writer reports a short write as an "enforce fail", errno lost
-        free = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+        from .emulation.cxl import free_bytes
+
         raise CxlTrainError(f"{out}: cannot write: the write failed part-way (is the disk full? "
-                            f"{free:,} bytes free in {folder})") from None
+                            f"{free_bytes(folder):,} bytes free in {folder})") from None
     finally:
         os.unlink(partial)
 

@@ -32,7 +32,7 @@ class CrashPoint:
     COMMIT_TORN_ROOT = "commit:torn-root"                  # pool.py: half a root slot written
     UNDO_BETWEEN_PAYLOAD_AND_HEADER = "undo:between-payload-and-header"  # checkpoint/ring.py
     UPDATE_MID = "update:mid"                              # kernels/ops.py: a table half-updated in place
-    UPDATE_ROWS_FLUSHED = "update:rows-flushed"            # checkpoint/coordinator.py: rows flushed at update
+    UPDATE_ROWS_FLUSHED = "update:rows-flushed"            # checkpoint/checkpointer.py: rows flushed at update
     COMMIT_MID_ROWS = "commit:mid-rows"                    # checkpoint/commit.py: one table's rows flushed
     COMMIT_BETWEEN_ROWS_AND_SNAPSHOT = "commit:between-rows-and-snapshot"  # checkpoint/commit.py
     COMMIT_BEFORE_ROOT = "commit:before-root"              # checkpoint/commit.py: snapshot sealed, no root

@@ -74,7 +74,7 @@ def default_pool_dir(required_bytes: int = 0) -> str:
     and has room for `required_bytes` (or already holds the pool), else the temp folder."""
     if KNOBS.pool_dir:
         return KNOBS.pool_dir
-    if memory_dir() == SHM and (os.path.exists(os.path.join(SHM, pool_name())) or _free_bytes(SHM) >= required_bytes):
+    if memory_dir() == SHM and (os.path.exists(os.path.join(SHM, pool_name())) or free_bytes(SHM) >= required_bytes):
         return SHM
     return tempfile.gettempdir()
 
@@ -84,7 +84,8 @@ def default_pool_path(required_bytes: int = 0) -> str:
     return os.path.join(default_pool_dir(required_bytes), pool_name())
 
 
-def _free_bytes(folder: str) -> int:
+def free_bytes(folder: str) -> int:
+    """Bytes an unprivileged writer may still use in `folder`'s file system (OSError if none)."""
     st = os.statvfs(folder)
     return st.f_bavail * st.f_frsize
 

@@ -71,14 +71,14 @@ def flush_rows(address: int, stride: int, table_rows: int, rows: np.ndarray, flu
                drain_address: int | None = None, drain: bool = False) -> int:
     check_rows(rows)
     return _require().flush_rows(address, stride, table_rows, rows.ctypes.data, rows.size, flush_address or 0,
-                          drain_address or 0, drain)
+                                 drain_address or 0, drain)
 
 
 def copy_lines(view_address: int, media_address: int, map_size: int, offset: int, stride: int, table_rows: int,
                rows: np.ndarray) -> int:
     check_rows(rows)
-    return _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows, rows.ctypes.data,
-                          rows.size)
+    return _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows,
+                                 rows.ctypes.data, rows.size)
 
 
 def crc32(data, seed: int = 0) -> int:

@@ -19,12 +19,12 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from typing import Callable
 
 from ..config import TrainConfig
+from ..emulation.cxl import memory_dir
 from ..knobs import KNOBS
 from .methods import Method, step_methods
 from .records import (
@@ -94,9 +94,7 @@ def quick_plan() -> BenchPlan:
 
 def scratch_dir() -> str:
     """Where pools and checkpoint files go: memory-backed, like the tables they stand for."""
-    if KNOBS.pool_dir:
-        return KNOBS.pool_dir
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return KNOBS.pool_dir or memory_dir()
 
 
 # ---------------------------------------------------------------------------------------------

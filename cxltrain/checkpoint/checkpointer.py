@@ -108,7 +108,7 @@ class Checkpointer(BatchGuard):
                              record_device=self._ordering.undo_device(pool.device))
         self.stats = CheckpointStats()
         self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == RELAXED)
-        self.committed = root.batches_done          # the batch of the last commit handed over (embeddings)
+        self.committed = root.batches_done      # the batch of the last commit handed over (embeddings)
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
         self.background_capture = pipeline and background_capture

@@ -42,7 +42,7 @@ class BatchGuard(abc.ABC):
         self.pool, self.tables = pool, tables
         self.state = GuardState.IDLE
         self._batch: int | None = None   # the batch in flight (set exactly while IN_BATCH)
-        self._next = pool.root.batches_done     # the batch expected next
+        self._next = pool.root.batches_done  # the batch expected next
         self.touched = False             # the batch in flight has looked up a table with gradients
         for table in tables:
             table.checkpointer = self
