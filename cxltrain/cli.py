@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 from . import knobs
 from .errors import ConfigError, CxlTrainError, PoolError, TrainingStopped
 from .knobs import KNOBS
+from .modes import CHECKPOINTS, MODES, STRICT, UNDO
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -107,7 +108,7 @@ def _add_train(sub) -> None:
                    help=f"ids per table per sample (default {d.pooling})")
     p.add_argument("--zipf", type=_positive_float, default=d.zipf_exponent, dest="zipf_exponent",
                    help=f"Zipf exponent of the id distribution (default {d.zipf_exponent})")
-    p.add_argument("--checkpoint", choices=("undo", "off"), default=d.checkpoint,
+    p.add_argument("--checkpoint", choices=CHECKPOINTS, default=d.checkpoint,
                    help="undo: every batch durable, a crash costs at most the batch in flight (default); "
                         "off: the pool is consistent only when the run ends")
     p.add_argument("--discard-checkpoint", action="store_true",
@@ -115,7 +116,7 @@ def _add_train(sub) -> None:
                         "the run then restarts at batch 0 (refused without it)")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
                    help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it")
-    p.add_argument("--mode", choices=("strict", "relaxed"), default=d.mode,
+    p.add_argument("--mode", choices=MODES, default=d.mode,
                    help="strict: recovery is exact, embeddings and dense state commit together (default); "
                         "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
                         "crash it may be up to K batches older (cheaper, not exact)")
@@ -276,8 +277,8 @@ def _run_train(args) -> int:
     if result.pool.cost_model is not None:
         modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.pool.cost_model["ms_per_batch"].items())
         print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
-    if checkpoint.method == "undo":
-        dense_part = "" if args.mode == "strict" else f", relaxed: dense state every {args.dense_every}"
+    if checkpoint.method == UNDO:
+        dense_part = "" if args.mode == STRICT else f", relaxed: dense state every {args.dense_every}"
         where = ("pipelined, capture and row flushes on the worker" if args.background_capture
                  else "pipelined" if args.pipeline else "synchronous")
         print(f"checkpoint: every batch durable ({where}{dense_part}); "

@@ -45,7 +45,7 @@ from .checkpoint import (
 )
 from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
-from .modes import CHECKPOINTS, MODES, STRICT, UNDO
+from .modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import RegionKind, pool_size_for
 from .tables import PersistentEmbeddingBag, pool_holds, region_names
@@ -73,8 +73,8 @@ class Runtime:
             synchronous baseline). Same durability either way.
         background_capture: with the pipeline, the worker also takes the undo captures (during
             forward, instead of the training thread right before each table's update) and the row
-            flushes (during the next batch, instead of right after each update), which pays off where the worker has a core of its own (see
-            checkpoint/checkpointer.py).
+            flushes (during the next batch, instead of right after each update), which pays off
+            where the worker has a core of its own (see checkpoint/checkpointer.py).
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
             snapshot; resuming a pool whose metadata differs is refused.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
@@ -208,7 +208,7 @@ class Runtime:
         """checkpoint "off" makes the root stop vouching for the tables once they change: a crash
         in the run then loses every batch committed before it. Only when asked for."""
         done = pool.root.batches_done
-        if self.checkpoint == "off" and done > 0 and not self.discard_checkpoint:
+        if self.checkpoint == OFF and done > 0 and not self.discard_checkpoint:
             raise ConfigError(f"{pool.path}: holds {done} committed batches that --checkpoint off would put at "
                               "risk (a crash in this run restarts at batch 0); pass --discard-checkpoint "
                               "(Runtime: discard_checkpoint=True) to accept that, or keep --checkpoint undo")

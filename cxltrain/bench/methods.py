@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..modes import OFF, RELAXED, UNDO
+
 
 @dataclasses.dataclass(frozen=True)
 class Method:
@@ -27,10 +29,10 @@ class Method:
         crash before it completes falls back to the previous checkpoint.
         """
         if self.family == "ours":
-            if self.overrides.get("checkpoint") == "off":
+            if self.overrides.get("checkpoint") == OFF:
                 return None
             # strict: the batch in flight; relaxed: the dense state may be dense_every batches old
-            return self.overrides.get("dense_every", 1) if self.overrides.get("mode") == "relaxed" else 1
+            return self.overrides.get("dense_every", 1) if self.overrides.get("mode") == RELAXED else 1
         if self.save == "none":
             return None
         return self.every + (overlap_steps if self.save == "dcp" else 0)
@@ -38,14 +40,14 @@ class Method:
 
 def step_methods(periods: tuple[int, int] = (1, 100)) -> list[Method]:
     """Every method, the plain-PyTorch checkpoints at both periods k (k = 1 and 100)."""
-    ours = [Method("ours-off", "ours", "ours, no checkpoint", "ours-off", {"checkpoint": "off"}),
-            Method("ours-strict", "ours", "ours, strict per-batch", "ours-off", {"checkpoint": "undo"}),
+    ours = [Method("ours-off", "ours", "ours, no checkpoint", "ours-off", {"checkpoint": OFF}),
+            Method("ours-strict", "ours", "ours, strict per-batch", "ours-off", {"checkpoint": UNDO}),
             Method("ours-relaxed", "ours", "ours, relaxed (dense every 100)", "ours-off",
-                   {"checkpoint": "undo", "mode": "relaxed", "dense_every": 100}),
+                   {"checkpoint": UNDO, "mode": RELAXED, "dense_every": 100}),
             Method("ours-sync-undo", "ours", "ours, undo logging on the critical path", "ours-off",
-                   {"checkpoint": "undo", "pipeline": False}),
+                   {"checkpoint": UNDO, "pipeline": False}),
             Method("ours-strict-bgcap", "ours", "ours, strict, capture+flush on the worker", "ours-off",
-                   {"checkpoint": "undo", "background_capture": True})]
+                   {"checkpoint": UNDO, "background_capture": True})]
     plain = [Method("plain", "plain", "PyTorch, no checkpoint", "plain")]
     for save, label in (("torch", "torch.save"), ("dcp", "dcp.async_save")):
         plain += [Method(f"plain-{save}-{k}", "plain", f"PyTorch, {label} every {k}", "plain", save=save, every=k)

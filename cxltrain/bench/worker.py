@@ -30,6 +30,7 @@ import torch
 
 from ..config import TrainConfig
 from ..knobs import KNOBS
+from ..modes import OFF
 from ..trainer import build_source
 from . import plain
 from .records import LoadTime, OursSteps, Record, SavedCheckpoint, Unmeasured
@@ -102,7 +103,7 @@ def run_job(job: dict) -> Record:
         from .paired import paired_steps
 
         try:
-            return paired_steps(dataclasses.replace(config, checkpoint="off"),
+            return paired_steps(dataclasses.replace(config, checkpoint=OFF),
                                 dataclasses.replace(config, **job["overrides"]), tuple(job["pools"]),
                                 warmup=job["warmup"], blocks=job["blocks"], block_steps=job["block_steps"])
         finally:
