@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -109,6 +110,7 @@ class CriteoFile:
         self._starts, self.num_lines = self._index(data_start)
         self.num_batches = len(self._starts) - 1
         self._cursor: tuple[int, Iterator[bytes], bytes] | None = None   # gzipped: (position, blocks, pending)
+        self._cursor_lock = threading.Lock()   # a prefetch thread and an evaluation may both read
         if self.num_lines == 0:
             raise ConfigError(f"{self.path}: no data lines")
         # A wrong file fails now rather than at its first batch.
@@ -159,6 +161,10 @@ class CriteoFile:
 
     def _read_gzipped(self, start: int, stop: int) -> bytes:
         """Inflated bytes [start, stop): read on from the last batch, or inflate again from the start."""
+        with self._cursor_lock:
+            return self._read_gzipped_locked(start, stop)
+
+    def _read_gzipped_locked(self, start: int, stop: int) -> bytes:
         if self._cursor is None or self._cursor[0] > start:
             with stream.open_binary(self.path) as f:
                 self._check_size(f)

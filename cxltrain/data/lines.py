@@ -71,16 +71,17 @@ class LineParser:
 
     # -- bytes ---------------------------------------------------------------------------------------
 
-    def parse_bytes(self, raw: bytes, first_line_no: int, count: int) -> tuple[Columns, int]:
-        """Up to `count` lines of `raw` (whole lines; a final one without newline counts) → their
-        columns and the byte offset after the last line read."""
+    def parse_bytes(self, raw: bytes, first_line_no: int, count: int, start: int = 0) -> tuple[Columns, int]:
+        """Up to `count` lines of `raw` from byte `start` (whole lines; a final one without newline
+        counts; the first is line `first_line_no`) → their columns and the byte offset after the
+        last line read."""
         if not self.native:
-            return self._parse_bytes_python(raw, first_line_no, count)
+            return self._parse_bytes_python(raw, first_line_no, count, start)
         t = self.num_tables
         dense = np.empty((count, NUM_DENSE), dtype=np.float64)
         ids = np.empty((count, t), dtype=np.int64)
         labels = np.empty(count, dtype=np.float32)
-        done, pos, size = 0, 0, len(raw)
+        done, pos, size = 0, start, len(raw)
         by_python: list[tuple[int, np.ndarray]] = []   # (line, its dense row) read by the Python parser
         while done < count and pos < size:
             n, pos, status = _native.parse_lines(
@@ -101,8 +102,8 @@ class LineParser:
             out[i] = row
         return Columns(out, ids[:done], labels[:done]), min(pos, size)
 
-    def _parse_bytes_python(self, raw: bytes, first_line_no: int, count: int) -> tuple[Columns, int]:
-        pos, lines = 0, []
+    def _parse_bytes_python(self, raw: bytes, first_line_no: int, count: int, start: int) -> tuple[Columns, int]:
+        pos, lines = start, []
         while len(lines) < count and pos < len(raw):
             stop = raw.find(b"\n", pos)
             stop = len(raw) if stop < 0 else stop
