@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from cxltrain.cli import main
 from cxltrain.config import TrainConfig
 from cxltrain.data.converted import convert
-from cxltrain.cli import main
 from cxltrain.errors import ConfigError, PoolCorruptError
 from cxltrain.evaluation import evaluate_pool
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
