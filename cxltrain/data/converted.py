@@ -22,15 +22,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
 from . import stream
 from .batch import Batch
-from .common import MAX_SEED, batch_indices, check_index, check_int, table_rows
-from .criteo import columns_to_batch, sniff
+from .common import MAX_SEED, check_index, check_int, table_rows
+from .criteo import CriteoSource, columns_to_batch, sniff
 from .lines import NUM_CATEGORICAL, NUM_DENSE, Columns, LineParser
 
 FORMAT = "cxltrain-criteo-columns"
@@ -162,7 +162,7 @@ def _append_lines(parser: LineParser, raw: bytes, line_no: int, writers: dict) -
 # Reading
 
 
-class ConvertedCriteo:
+class ConvertedCriteo(CriteoSource):
     """Batches of a converted folder; `batch(b)` is a slice of memory-mapped columns.
 
     Args:
@@ -176,13 +176,7 @@ class ConvertedCriteo:
 
     def __init__(self, path: str | os.PathLike, *, batch_size: int, rows: int | Sequence[int],
                  num_tables: int = NUM_CATEGORICAL, seed: int = 0) -> None:
-        self.path = Path(path)
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self.num_tables = check_int("num_tables", num_tables, 1, NUM_CATEGORICAL + 1)
-        self.rows = table_rows(rows, self.num_tables)
-        self.seed = check_int("seed", seed, 0, MAX_SEED)
-        self.num_dense = NUM_DENSE
-        self.pooling = 1
+        self._settings(path, batch_size, rows, num_tables, seed)
         manifest = self._manifest()
         self.num_lines = int(manifest["lines"])
         self.fingerprint = str(manifest["fingerprint"])
@@ -204,10 +198,6 @@ class ConvertedCriteo:
                           ids=self._columns["sparse"][lines, : self.num_tables].astype(np.int64),
                           labels=np.array(self._columns["labels"][lines]))
         return columns_to_batch(columns, b)
-
-    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
-        for b in batch_indices(start, stop, self.num_batches):
-            yield self.batch(b)
 
     # -- opening -------------------------------------------------------------------------------------
 

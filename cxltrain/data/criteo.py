@@ -76,7 +76,32 @@ def columns_to_batch(columns: Columns, index: int) -> Batch:
                  offsets=(offsets,) * tables, labels=torch.from_numpy(columns.labels))
 
 
-class CriteoFile:
+class CriteoSource:
+    """What every Criteo source checks and keeps: its path, B, T tables and their rows, the hash
+    seed; one id per table per sample. Subclasses set num_batches and define batch(b)."""
+
+    num_batches: int
+
+    def _settings(self, path: str | os.PathLike, batch_size: int, rows: int | Sequence[int], num_tables: int,
+                  seed: int) -> None:
+        self.path = Path(path)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.num_tables = check_int("num_tables", num_tables, 1, NUM_CATEGORICAL + 1)
+        self.rows = table_rows(rows, self.num_tables)
+        self.seed = check_int("seed", seed, 0, MAX_SEED)
+        self.num_dense = NUM_DENSE
+        self.pooling = 1
+
+    def batch(self, b: int) -> Batch:
+        raise NotImplementedError
+
+    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
+        """Batches start, start+1, ... before stop (None = to the last full batch)."""
+        for b in batch_indices(start, stop, self.num_batches):
+            yield self.batch(b)
+
+
+class CriteoFile(CriteoSource):
     """Batches of a raw Criteo file; `batch(b)` seeks to batch b through an index built on open.
 
     Args:
@@ -96,13 +121,7 @@ class CriteoFile:
         num_tables: int = NUM_CATEGORICAL,
         seed: int = 0,
     ) -> None:
-        self.path = Path(path)
-        self.batch_size = check_int("batch_size", batch_size, 1)
-        self.num_tables = check_int("num_tables", num_tables, 1, NUM_CATEGORICAL + 1)
-        self.rows = table_rows(rows, self.num_tables)
-        self.seed = check_int("seed", seed, 0, MAX_SEED)
-        self.num_dense = NUM_DENSE
-        self.pooling = 1
+        self._settings(path, batch_size, rows, num_tables, seed)
         self.gzipped = stream.is_gzip(self.path)
         self._layout, first_line, data_start = self._sniff()
         self._lines = LineParser(self.path, self._layout.sep, self.num_tables, self.rows, self.seed)
@@ -141,11 +160,6 @@ class CriteoFile:
         if len(columns) != self.batch_size or end != len(raw):
             raise ConfigError(f"{self.path}: the file changed since it was opened")
         return columns_to_batch(columns, b)
-
-    def batches(self, start: int = 0, stop: int | None = None) -> Iterator[Batch]:
-        """Batches start, start+1, ... before stop (None = to the last full batch)."""
-        for b in batch_indices(start, stop, self.num_batches):
-            yield self.batch(b)
 
     # -- reading ---------------------------------------------------------------------------------
 
