@@ -4,11 +4,15 @@ batch 2048, seed 0) and only the data path differs: the side-by-side in docs/cri
 
     python tools/synthetic_folder.py OUT BATCHES
 """
-import json, sys
+import json
+import sys
 from pathlib import Path
+
 import numpy as np
+
 from cxltrain.data import SyntheticCriteo
 from cxltrain.data import converted as conv
+
 out, batches = Path(sys.argv[1]), int(sys.argv[2])
 rows, B = 100_000, 2048
 src = SyntheticCriteo(num_tables=26, rows=rows, batch_size=B, seed=0)
