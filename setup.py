@@ -15,6 +15,13 @@ setup(
             # choices; the kernels use explicit fmaf where they want one rounding.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=gnu11"],
             optional=True,
-        )
+        ),
+        # The Criteo line parser (cxltrain/data/native_parse.py falls back to Python without it).
+        Extension(
+            "cxltrain.kernels._criteo",
+            sources=["kernels/criteo.c"],
+            extra_compile_args=["-O3", "-std=gnu11"],
+            optional=True,
+        ),
     ],
 )

@@ -18,6 +18,7 @@ import warnings
 from typing import Callable, Sequence
 
 from . import knobs
+from .cli_data import add_commands, add_train_data_options, parse_rows, resolve_train_data
 from .errors import ConfigError, CxlTrainError, PoolError, TrainingStopped
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO
@@ -95,19 +96,23 @@ def _add_train(sub) -> None:
                                    "persistent pool (by default an emulated CXL pool on /dev/shm).")
     p.add_argument("--pool", metavar="PATH", help="pool file or DAX device (default: an emulated CXL pool in "
                                                  "/dev/shm, or the temp folder)")
-    p.add_argument("--data", metavar="FILE", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
-                                                 "Kaggle train.txt, Terabyte day_N) instead of synthetic data; "
+    p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
+                                                 "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
+                                                 "made by `cxltrain data convert`, instead of synthetic data; "
+                                                 "all 26 tables unless --num-tables; "
                                                  "--rows is then the hash buckets per categorical feature")
-    p.add_argument("--steps", type=_positive_int, default=d.steps, help=f"total batches of the run (default {d.steps})")
+    p.add_argument("--steps", type=_positive_int, default=None, help=f"total batches of the run (default {d.steps})")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size, help=f"default {d.batch_size}")
-    p.add_argument("--num-tables", type=_positive_int, default=d.num_tables, help=f"default {d.num_tables}")
-    p.add_argument("--rows", type=_positive_int, default=d.rows, help=f"rows per table (default {d.rows:,})")
+    p.add_argument("--num-tables", type=_positive_int, default=None,
+                   help=f"default {d.num_tables}; with --data, 26 (all of Criteo's categorical features)")
+    p.add_argument("--rows", type=parse_rows, default=d.rows,
+                   help=f"rows per table: one count, or one per table comma-separated (default {d.rows:,})")
     p.add_argument("--dim", type=_positive_int, default=d.dim, help=f"embedding dim (default {d.dim})")
     p.add_argument("--seed", type=_non_negative_int, default=d.seed, help=f"default {d.seed}")
-    p.add_argument("--pooling", type=_positive_int, default=d.pooling,
-                   help=f"ids per table per sample (default {d.pooling})")
-    p.add_argument("--zipf", type=_positive_float, default=d.zipf_exponent, dest="zipf_exponent",
-                   help=f"Zipf exponent of the id distribution (default {d.zipf_exponent})")
+    p.add_argument("--pooling", type=_positive_int, default=None,
+                   help=f"synthetic data: ids per table per sample (default {d.pooling})")
+    p.add_argument("--zipf", type=_positive_float, default=None, dest="zipf_exponent",
+                   help=f"synthetic data: Zipf exponent of the id distribution (default {d.zipf_exponent})")
     p.add_argument("--checkpoint", choices=CHECKPOINTS, default=d.checkpoint,
                    help="undo: every batch durable, a crash costs at most the batch in flight (default); "
                         "off: the pool is consistent only when the run ends")
@@ -127,10 +132,11 @@ def _add_train(sub) -> None:
                    help="the background worker also captures undo records (during forward) and flushes "
                         "updated rows (during the next batch), instead of the training thread around each "
                         "update: pays off where the worker has a core of its own; on 2 cores it costs more")
+    add_train_data_options(p, _positive_int, _non_negative_int)
     _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(run=_run_train)
+    p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
 
 
 def _add_emulation_options(p) -> None:
@@ -235,11 +241,10 @@ def _run_train(args) -> int:
     from .emulation.cxl import SHM, memory_dir
     from .trainer import pool_bytes, train
 
-    config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
-                         rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
-                         zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
+    config = TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
+                         checkpoint=args.checkpoint, dense_every=args.dense_every,
                          mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
-                         discard_checkpoint=args.discard_checkpoint)
+                         discard_checkpoint=args.discard_checkpoint, **resolve_train_data(args))
     config.validate()
     _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)
@@ -251,9 +256,12 @@ def _run_train(args) -> int:
     if args.pool is None and not path.startswith(SHM + "/") and memory_dir() == SHM:
         print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
               "and not an emulated CXL device)", file=sys.stderr)
-    table_gb = args.num_tables * args.rows * args.dim * 4 / 1e9
-    print(f"pool {path}: {args.num_tables} tables x {args.rows:,} rows x {args.dim} dims "
-          f"({table_gb:.2f} GB), batch {args.batch_size}, {args.steps} steps", flush=True)
+    rows = config.rows_per_table()
+    table_gb = sum(rows) * args.dim * 4 / 1e9
+    shown = f"{rows[0]:,}" if len(set(rows)) == 1 else f"up to {max(rows):,}"
+    length = f"{config.epochs} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
+    print(f"pool {path}: {config.num_tables} tables x {shown} rows x {args.dim} dims "
+          f"({table_gb:.2f} GB), batch {args.batch_size}, {length}", flush=True)
     with knobs.override(**emulation):
         if (KNOBS.power_loss or KNOBS.persist_bandwidth) and resolve_backend(path) == "emulated":
             from .emulation.cxl import describe_model
@@ -263,7 +271,7 @@ def _run_train(args) -> int:
                        stop=_sigterm.requested)
     progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
     if progress.steps == 0:
-        print(f"nothing to train: the pool is at batch {progress.batch}, --steps is {args.steps}")
+        print(f"nothing to train: the pool is at batch {progress.batch}, --steps is {config.steps}")
     else:
         s = timings.split_ms
         print(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} steps/s) "
@@ -642,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_devices(sub)
     _add_crashtest(sub)
     _add_bench(sub)
+    add_commands(sub, _positive_int, _non_negative_int)
     return parser
 
 

@@ -7,7 +7,7 @@ import dataclasses
 from .errors import ConfigError
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO
 
-# Held-out evaluation batches are drawn from batch 2**40 on (trainer.EVAL_FIRST_BATCH): training stays below.
+# Held-out evaluation batches are drawn from batch 2**40 on (training_data.EVAL_FIRST_BATCH): training stays below.
 MAX_STEPS = (1 << 40) - 1
 MAX_ROWS = 1 << 32   # the synthetic ids' hash keeps rows x multiplier below 2**64 (data/common.py)
 MAX_SEED = (1 << 64) - 1
@@ -36,6 +36,13 @@ class TrainConfig:
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
     discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
+    # file data, evaluation, metrics (docs/criteo.md)
+    table_rows: tuple[int, ...] | None = None  # rows of each table; None: `rows` for every table
+    epochs: int | None = None          # file data: passes over its training batches (sets steps)
+    eval_every: int = 0                # evaluate on the held-out batches every N steps (0: at the end only)
+    eval_batches: int = 4              # held-out batches (file data: its last ones, with epochs or eval_every)
+    metrics: str | None = None         # JSONL file: a line of metrics every eval_every (else 10) steps
+    prefetch: int = 2                  # batches made ahead on a background thread (0: on the training thread)
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
@@ -47,6 +54,11 @@ class TrainConfig:
         metadata = {name: getattr(self, name) for name in self.TRAJECTORY}
         if self.data is not None:
             metadata["data"] = data_fingerprint
+        # only where set, so pools written before these settings existed still resume
+        if self.table_rows is not None:
+            metadata["table_rows"] = list(self.table_rows)
+        if self.data is not None and (self.epochs is not None or self.eval_every):
+            metadata["eval_batches"] = self.eval_batches   # which file batches training reads
         return metadata
 
     def memory_bytes(self) -> int:
@@ -80,6 +92,28 @@ class TrainConfig:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoint!r}")
+        self._validate_file_data()
         for name in ("sparse_lr", "dense_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
+
+    def _validate_file_data(self) -> None:
+        if self.table_rows is not None:
+            if len(self.table_rows) != self.num_tables:
+                raise ConfigError(f"rows has {len(self.table_rows)} entries but there are {self.num_tables} tables")
+            for t, rows in enumerate(self.table_rows):
+                if not isinstance(rows, int) or not 1 <= rows <= MAX_ROWS:
+                    raise ConfigError(f"rows of table {t} must be an integer from 1 to {MAX_ROWS:,}, got {rows!r}")
+        for name, low in (("eval_every", 0), ("eval_batches", 1), ("prefetch", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.epochs is not None:
+            if self.data is None:
+                raise ConfigError("epochs need file data (--data): synthetic data is endless; use --steps")
+            if not isinstance(self.epochs, int) or self.epochs < 1:
+                raise ConfigError(f"epochs must be a positive integer, got {self.epochs!r}")
+
+    def rows_per_table(self) -> tuple[int, ...]:
+        """Rows of each table: table_rows, or `rows` for every one."""
+        return self.table_rows if self.table_rows is not None else (self.rows,) * self.num_tables

@@ -22,19 +22,18 @@ from tqdm import tqdm
 
 from .checkpoint.layout import record_bytes
 from .config import TrainConfig
-from .data import CriteoFile, SyntheticCriteo
 from .data.batch import BatchSource
+from .data.prefetch import Prefetcher
 from .devices import DeviceCounters
-from .errors import ConfigError, NonFiniteError, TrainingStopped
+from .errors import NonFiniteError, TrainingStopped
 from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
 from .optim import RowWiseAdagrad
+from .run_metrics import MetricsLog
 from .runtime import Runtime
+from .training_data import TrainingData, training_data
 
-# Held-out evaluation batches are drawn far past any training batch index.
-EVAL_FIRST_BATCH = 1 << 40
-EVAL_BATCHES = 4
 # Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up).
 WARMUP_STEPS = 5
 # The smallest undo ring `train` gives a pool.
@@ -130,30 +129,14 @@ class TrainResult:
 
 
 def build_model(config: TrainConfig) -> DLRM:
-    return DLRM(embedding_rows=[config.rows] * config.num_tables, embedding_dim=config.dim,
+    return DLRM(embedding_rows=list(config.rows_per_table()), embedding_dim=config.dim,
                 bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
                 sparse_optimizer=RowWiseAdagrad(lr=config.sparse_lr), seed=config.seed)
 
 
 def build_source(config: TrainConfig) -> BatchSource:
-    """The synthetic source, or the raw Criteo file named by `config.data` (which must hold
-    at least `steps` batches)."""
-    if config.data is None:
-        return SyntheticCriteo(num_tables=config.num_tables, rows=config.rows, batch_size=config.batch_size,
-                               seed=config.seed, pooling=config.pooling, zipf_exponent=config.zipf_exponent)
-    source = CriteoFile(config.data, batch_size=config.batch_size, rows=config.rows,
-                        num_tables=config.num_tables, seed=config.seed)
-    if source.num_batches < config.steps:
-        raise ConfigError(f"{config.data}: holds {source.num_batches} batches of {config.batch_size}, "
-                          f"fewer than --steps {config.steps}")
-    return source
-
-
-def heldout_batches(source: BatchSource, steps: int) -> range:
-    """Batches no training step saw: far past the run for endless sources, after it for files."""
-    if source.num_batches is None:
-        return range(EVAL_FIRST_BATCH, EVAL_FIRST_BATCH + EVAL_BATCHES)
-    return range(steps, min(steps + EVAL_BATCHES, source.num_batches))
+    """The batches a run with `config` trains on (training_data.py: synthetic, or file data)."""
+    return training_data(config).train
 
 
 def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
@@ -162,7 +145,7 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
     The `undo_ring_bytes` knob, when set, decides instead."""
     if KNOBS.undo_ring_bytes:
         return KNOBS.undo_ring_bytes
-    rows = min(config.rows, config.batch_size * config.pooling)
+    rows = min(max(config.rows_per_table()), config.batch_size * config.pooling)
     largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
                                table.optimizer.state_columns * 4)
                   for table in model.tables for spec in table.region_specs()[:1])
@@ -193,13 +176,16 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
-    source = build_source(config)  # first: a bad data file is refused before any pool is touched
+    data = training_data(config)  # first: a bad data file is refused before any pool is touched
+    if data.steps != config.steps:  # --epochs: the steps are the epochs' batches
+        config = dataclasses.replace(config, steps=data.steps)
+    source = data.train
     model = build_model(config)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
     with make_runtime(config, model, dense_opt, pool_path, source) as rt:
         if on_ready is not None:
             on_ready(rt)
-        result = _run(config, model, source, rt, progress, stop)
+        result = _run(config, model, data, rt, progress, stop)
     if result is None:  # after the block: its normal exit has committed the batches done
         raise TrainingStopped(f"stopped by SIGTERM at a batch boundary; {rt.path} is committed at batch "
                               f"{rt.batch} (run the same command to resume)")
@@ -221,8 +207,9 @@ def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, to
     return logits, loss
 
 
-def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, progress: bool,
+def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, progress: bool,
          stop: threading.Event | None = None) -> TrainResult | None:
+    source = data.train
     first = rt.start_batch
     steps = max(0, config.steps - first)
     tail = max(1, steps // 10)
@@ -231,9 +218,12 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     timed_from = first + (WARMUP_STEPS if steps > WARMUP_STEPS else 0)
     clock = _StepClock(model, rt)
 
+    prefetcher = Prefetcher(source, first, config.steps, config.prefetch) if config.prefetch else None
+    metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data)
+
     def fetch(b: int):
         started = time.perf_counter()
-        batch = source.batch(b)
+        batch = prefetcher.get(b) if prefetcher is not None else source.batch(b)
         if b > timed_from:  # fetched inside the timed window (the window opens at batch timed_from)
             clock.data += time.perf_counter() - started
         return batch
@@ -244,26 +234,24 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
     device = rt.pool.device
     device_before = device.counters.copy()
     loop_start = time.perf_counter()
-    for batch in rt.batches(fetch, stop=config.steps):
-        if stop is not None and stop.is_set():
-            bar.close()
-            return None  # before the batch touches anything: the Runtime drops it, commits the rest
-        b = rt.batch
-        if b == timed_from:
-            clock.start()
-        logits, loss = train_step(model, batch, rt.optimizers, b)
-        losses.append(loss.item())
-        if b >= config.steps - tail:
-            tail_logits.append(logits.detach())
-            tail_labels.append(batch.labels)
-        bar.update(1)
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    try:
+        for batch in rt.batches(fetch, stop=config.steps):
+            if stop is not None and stop.is_set():
+                bar.close()
+                return None  # before the batch touches anything: the Runtime drops it, commits the rest
+            _step(config, model, data, rt, batch, clock, timed_from, tail, losses, tail_logits, tail_labels, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+        metrics.close()
     split = clock.stop(config.steps - timed_from)  # the generator has committed the last batch
     seconds = time.perf_counter() - loop_start
     device_work = device.counters - device_before
     bar.close()
 
-    eval_auc, eval_loss = evaluate(model, source, heldout_batches(source, config.steps))
+    eval_auc, eval_loss = evaluate(model, data.evaluation, data.heldout)
     rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
     stats = rt.stats
     return TrainResult(
@@ -280,6 +268,23 @@ def _run(config: TrainConfig, model: DLRM, source: BatchSource, rt: Runtime, pro
         checkpoint=CheckpointSummary(method=config.checkpoint, mode=config.mode, pipeline=config.pipeline,
                                      background_capture=config.background_capture and config.pipeline,
                                      stats=None if stats is None else stats.to_json()))
+
+def _step(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, batch, clock, timed_from: int,
+          tail: int, losses: list, tail_logits: list, tail_labels: list, metrics: MetricsLog) -> None:
+    """One training step of the loop, and what it records; every eval_every steps, an evaluation."""
+    b = rt.batch
+    if b == timed_from:
+        clock.start()
+    logits, loss = train_step(model, batch, rt.optimizers, b)
+    losses.append(loss.item())
+    if b >= config.steps - tail:
+        tail_logits.append(logits.detach())
+        tail_labels.append(batch.labels)
+    evaluated = None
+    if config.eval_every and (b + 1) % config.eval_every == 0:
+        evaluated = evaluate(model, data.evaluation, data.heldout)   # reads the tables, writes nothing
+    metrics.step(b, losses[-1], evaluated)
+
 
 class _StepClock:
     """Splits the wall time of the timed batches: data, embedding lookups, embedding updates,

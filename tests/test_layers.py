@@ -35,10 +35,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
     ("runtime", ("cxltrain.runtime",)),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
-    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config")),
+    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
+              "cxltrain.run_metrics", "cxltrain.evaluation")),
     # The package's own __init__ re-exports public names from several layers (lazily), and
     # __main__ runs the command line: both sit at the top with it.
-    ("cli", ("cxltrain.cli", "cxltrain.__main__", "cxltrain")),
+    ("cli", ("cxltrain.cli", "cxltrain.cli_data", "cxltrain.__main__", "cxltrain")),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 

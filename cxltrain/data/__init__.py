@@ -1,4 +1,5 @@
-"""Data sources: deterministic synthetic Criteo-like batches and raw Criteo readers.
+"""Data sources: deterministic synthetic Criteo-like batches, raw Criteo readers (plain or gzipped,
+native parser) and converted Criteo folders (docs/criteo.md).
 
 Every source can jump to batch b: `source.batch(b)` depends only on the source's configuration
 and b, so a run resumed at batch b sees exactly the batches an uninterrupted run saw. Each has
@@ -7,7 +8,8 @@ and b, so a run resumed at batch b sees exactly the batches an uninterrupted run
 """
 
 from .batch import Batch
+from .converted import ConvertedCriteo
 from .criteo import CriteoFile
 from .synthetic import SyntheticCriteo
 
-__all__ = ["Batch", "CriteoFile", "SyntheticCriteo"]
+__all__ = ["Batch", "ConvertedCriteo", "CriteoFile", "SyntheticCriteo"]
