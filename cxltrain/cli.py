@@ -271,7 +271,8 @@ def _run_train(args) -> int:
                        stop=_sigterm.requested)
     progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
     if progress.steps == 0:
-        print(f"nothing to train: the pool is at batch {progress.batch}, --steps is {config.steps}")
+        limit = f"--epochs {config.epochs}" if config.epochs is not None else f"--steps {config.steps}"
+        print(f"nothing to train: the pool is at batch {progress.batch}, the end of {limit}")
     else:
         s = timings.split_ms
         print(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} steps/s) "

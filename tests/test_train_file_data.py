@@ -92,23 +92,23 @@ def _digest(path: Path) -> str:
 
 
 def test_epochs_held_out_evaluation_metrics_and_a_read_only_eval(files, shm_dir):
-    """15 batches, 3 held out: 2 epochs of 12; an evaluation every 5 steps into the metrics file;
+    """15 batches, 10 held out: 2 epochs of 5; an evaluation every 3 steps into the metrics file;
     then `cxltrain eval` on the pool, whose bytes stay as they were."""
     pool, metrics = shm_dir / "e.pool", shm_dir / "m.jsonl"
-    result = cxltrain("train", "--pool", pool, "--data", files["converted"], "--epochs", "2", "--eval-every", "5",
-                      "--eval-batches", "3", "--metrics", metrics, *CLI, "--json", timeout=120)
+    result = cxltrain("train", "--pool", pool, "--data", files["converted"], "--epochs", "2", "--eval-every", "3",
+                      "--eval-batches", "10", "--metrics", metrics, *CLI, "--json", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "26 tables" in result.stdout and "2 epoch(s)" in result.stdout
     summary = json.loads(result.stdout.splitlines()[-1])
-    assert summary["batch"] == 24 and summary["eval_auc"] is not None
+    assert summary["batch"] == 10 and summary["eval_auc"] is not None
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [line["step"] for line in lines] == [5, 10, 15, 20]
-    assert lines[2]["position"] == "epoch 1, batch 2" and all("eval_auc" in line for line in lines)
+    assert [line["step"] for line in lines] == [3, 6, 9]
+    assert lines[1]["position"] == "epoch 1, batch 0" and all("eval_auc" in line for line in lines)
     before = _digest(pool)
-    evaluated = cxltrain("eval", pool, "--data", files["gzip"], "--batches", "3", "--json", timeout=120)
+    evaluated = cxltrain("eval", pool, "--data", files["gzip"], "--batches", "10", "--json", timeout=120)
     assert evaluated.returncode == 0, evaluated.stderr
     report = json.loads(evaluated.stdout.splitlines()[-1])
-    assert report["batch"] == 24 and report["batches"] == 3 and report["auc"] == pytest.approx(summary["eval_auc"])
+    assert report["batch"] == 10 and report["batches"] == 10 and report["auc"] == pytest.approx(summary["eval_auc"])
     assert _digest(pool) == before
 
 
