@@ -10,9 +10,15 @@ setup:
 train: setup
 	$(BIN)/cxltrain train $(ARGS)
 
+# Two pytest workers (pytest-xdist), a file each at a time, where xdist is installed; TEST_WORKERS=0 runs
+# the suite in one process.
+TEST_WORKERS ?= 2
+XDIST = $(shell $(BIN)/python -c 'import xdist' 2>/dev/null && [ "$(TEST_WORKERS)" != 0 ] \
+	&& echo "-n $(TEST_WORKERS) --dist loadfile")
+
 test: setup
 	$(BIN)/python -m ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
