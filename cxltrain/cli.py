@@ -339,12 +339,14 @@ def _recovered(path: str, report, seconds: float) -> str:
 
 
 def _run_recover(args) -> int:
-    from .runtime import recover_pool
+    from .checkpoint.offline import process_seconds, recover_pool  # no torch: recovery copies bytes
 
     report = recover_pool(args.path)
-    print(_recovered(args.path, report, report.seconds))
+    process = process_seconds()
+    print(_recovered(args.path, report, report.seconds)
+          + ("" if process is None else f"; {process:.2f} s since the process started"))
     if args.json:
-        print(json.dumps(report.to_json()))
+        print(json.dumps({**report.to_json(), "process_seconds": process}))
     return 0
 
 
@@ -523,8 +525,8 @@ def _finish_report(report, as_json: bool) -> int:
 
 
 def _run_pool_check(args) -> int:
+    from .checkpoint.offline import check_checkpoint
     from .pool_inspect import inspect
-    from .runtime import check_checkpoint
 
     report = inspect(args.path)
     checkpoint = None
