@@ -115,7 +115,10 @@ def _add_train(sub) -> None:
                    help="with --checkpoint off, accept a pool that holds committed batches: a crash during "
                         "the run then restarts at batch 0 (refused without it)")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
-                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it")
+                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it: "
+                        "a crash then loses at most K batches (recovery stays exact), and a row touched by "
+                        "several of a window's K batches gets one undo record, so fewer undo bytes per batch "
+                        "(docs/speed.md)")
     p.add_argument("--mode", choices=MODES, default=d.mode,
                    help="strict: recovery is exact, embeddings and dense state commit together (default); "
                         "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
