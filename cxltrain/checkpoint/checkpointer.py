@@ -60,7 +60,7 @@ This module is the coordinator: what happens at each batch boundary (which captu
 rows are flushed, when a commit is due or taken early, the dense hand-over). The steps a commit
 takes on the worker are commit.py's; the orderings both follow are ordering.py's (a planted bug is
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
-`ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b in Checkpointer._capture, U1c in
+`ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
 tables.py (before_update before the in-place update), U2a in Checkpointer._hand_over_commit, U2b
 in ordering.Ordering.commit, U2c and U3 in commit.py, U4 in Checkpointer._capture.
 """
@@ -290,8 +290,9 @@ class Checkpointer(BatchGuard):
         # b-1's backward stored in place, and b's backward waits for it (before_update).
         weights, state = self._ordering.capture_source(table, table.storage())
         rows = row_ops.unique_rows(indices.contiguous(), weights.shape[0])
-        # the rows this record must hold: all of them, or (strict, k > 1) those not yet recorded in
-        # this window, whose oldest value an earlier record of the window already holds
+        # ORDERING U1d: a row left out of this record has a durable record from earlier in its commit
+        # window (batch >= any target that window's records serve), whose value recovery restores
+        # last (newest first): all of them with k = 1 and in relaxed mode, else the window's first touches.
         recorded = rows if self._window is None else torch.from_numpy(
             self._window.first_touches(window, table.name, rows.numpy(), weights.shape[0]))
         weight_region = self.pool.region(table.weight_region)
