@@ -120,7 +120,10 @@ def _add_train(sub) -> None:
                    help="with --checkpoint off, accept a pool that holds committed batches: a crash during "
                         "the run then restarts at batch 0 (refused without it)")
     p.add_argument("--dense-every", type=_positive_int, default=d.dense_every, metavar="K",
-                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it")
+                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it: "
+                        "a crash then loses at most K batches (recovery stays exact), and a row touched by "
+                        "several of a window's K batches gets one undo record, so fewer undo bytes per batch "
+                        "(docs/speed.md)")
     p.add_argument("--mode", choices=MODES, default=d.mode,
                    help="strict: recovery is exact, embeddings and dense state commit together (default); "
                         "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
@@ -348,12 +351,14 @@ def _recovered(path: str, report, seconds: float) -> str:
 
 
 def _run_recover(args) -> int:
-    from .runtime import recover_pool
+    from .checkpoint.offline import process_seconds, recover_pool  # no torch: recovery copies bytes
 
     report = recover_pool(args.path)
-    print(_recovered(args.path, report, report.seconds))
+    process = process_seconds()
+    print(_recovered(args.path, report, report.seconds)
+          + ("" if process is None else f"; {process:.2f} s since the process started"))
     if args.json:
-        print(json.dumps(report.to_json()))
+        print(json.dumps({**report.to_json(), "process_seconds": process}))
     return 0
 
 
@@ -532,8 +537,8 @@ def _finish_report(report, as_json: bool) -> int:
 
 
 def _run_pool_check(args) -> int:
+    from .checkpoint.offline import check_checkpoint
     from .pool_inspect import inspect
-    from .runtime import check_checkpoint
 
     report = inspect(args.path)
     checkpoint = None

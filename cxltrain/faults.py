@@ -61,6 +61,7 @@ class Planted:
     COMMIT_BEFORE_ROWS = "commit-before-rows"        # U2: the root is written before the batch's rows are durable
     CAPTURE_BEFORE_UPDATE = "capture-before-update"  # U4: the record holds rows from before the previous update
     ROOT_BEFORE_ENTRIES = "root-before-entries"      # pool: a root naming directory entries not yet durable
+    WINDOW_NEVER_CLEARED = "window-never-cleared"    # U1: a row recorded in one commit window gets no record in later ones
 
 
 def _names(namespace: type) -> tuple[str, ...]:

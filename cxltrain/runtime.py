@@ -43,6 +43,7 @@ from .checkpoint import (
     recover,
     verify,
 )
+from .checkpoint.offline import check_checkpoint, recover_pool  # noqa: F401 (re-exported: no model needed)
 from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
@@ -334,22 +335,7 @@ def _default_slot_bytes(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------
 # Without a model: `cxltrain recover` and `cxltrain export`.
 # ---------------------------------------------------------------------------------------------
-def recover_pool(path: str):
-    """Recover the pool at `path` in place; returns the RecoveryReport."""
-    with Pool.open(path) as pool:
-        report, _ = recover(pool)
-    return report
-
-
-def check_checkpoint(path: str) -> str | None:
-    """Recovery's checks on the pool at `path`, opened read-only (nothing written): the commit
-    fields, every live undo record and the dense snapshot. Returns a one-line summary, or None
-    when the pool holds no committed checkpoint; raises a PoolError subclass on a problem."""
-    with Pool.open(path, writable=False) as pool:
-        if not has_checkpoint(pool):
-            return None
-        rollback, _ = _records_to_roll_back(pool)
-        return f"checkpoint at batch {pool.root.batches_done}, {rollback} undo record(s) to roll back"
+# recover_pool and check_checkpoint (re-exported above) are checkpoint/offline.py's: they need no torch.
 
 
 def _records_to_roll_back(pool: Pool) -> tuple[int, dict]:

@@ -299,3 +299,54 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     assert (progress.recovered_batch, progress.start_batch, progress.batch) == (report.batch, report.batch, STEPS)
     with Pool.open(pool, writable=False) as p:
         assert (p.root.batches_done, p.root.dense_batch) == (STEPS, STEPS)  # a clean end snapshots the dense state
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture once per commit window (strict, dense_every = k > 1): a row gets one record per window.
+# ---------------------------------------------------------------------------------------------
+WINDOW_STEPS = 20
+WINDOW_ARGS = ("--dense-every", "10", "--no-pipeline")  # synchronous: commit(10) is durable when batch 11 starts
+WINDOW_KILLS = [  # (crash point, occurrence, batches the pool must hold): k = 10, commits at 10 and 20
+    (f"{CrashPoint.UPDATE_MID}:{16 * TABLES + 2}", 10),  # batch 16, second table: rows recorded at 10..16 again
+    (f"{CrashPoint.UPDATE_MID}:{7 * TABLES + 1}", 0),    # batch 7: the first window's records, 7 batches deep
+]
+
+
+@pytest.mark.parametrize("power_loss,kills", [("1", WINDOW_KILLS[:1]), ("0", WINDOW_KILLS[:1]),
+                                              pytest.param("1", WINDOW_KILLS[1:], marks=pytest.mark.slow),
+                                              pytest.param("0", WINDOW_KILLS[1:], marks=pytest.mark.slow)],
+                         ids=["power-loss", "sigkill", "power-loss-first-window", "sigkill-first-window"])
+def test_capture_once_per_window_recovers_exactly(shm_dir, ref_dir, power_loss, kills):
+    for crash, expected in kills:
+        pool = str(shm_dir / "t.pool")
+        killed = run_child(pool, env={CRASH_ENV: crash, "CXLTRAIN_POWER_LOSS": power_loss}, steps=WINDOW_STEPS,
+                           extra=WINDOW_ARGS)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        batch, problems = exactness_problems(pool, ref_dir, WINDOW_STEPS)
+        assert (batch, problems) == (expected, []), crash
+        os.unlink(pool)
+
+
+@pytest.mark.parametrize("power_loss", ["1", pytest.param("0", marks=pytest.mark.slow)], ids=["power-loss", "sigkill"])
+def test_a_window_never_cleared_is_caught(shm_dir, ref_dir, power_loss):
+    """The planted window bug: rows recorded in batches 0..9 get no record in 10..16, so batch 16's
+    kill leaves rows the recovery cannot put back to batch 10."""
+    pool = str(shm_dir / "t.pool")
+    crash, _ = WINDOW_KILLS[0]
+    killed = run_child(pool, env={CRASH_ENV: crash, FAULT_ENV: Planted.WINDOW_NEVER_CLEARED,
+                                  "CXLTRAIN_POWER_LOSS": power_loss}, steps=WINDOW_STEPS, extra=WINDOW_ARGS)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    batch, problems = exactness_problems(pool, ref_dir, WINDOW_STEPS)
+    assert problems, f"planted {Planted.WINDOW_NEVER_CLEARED} went unnoticed (recovered batch {batch})"
+
+
+def test_capture_once_per_window_records_fewer_rows(shm_dir):
+    """A clean k = 10 run skips the rows its windows recorded already; k = 1 skips none."""
+    skipped = {}
+    for k in (1, 10):
+        done = run_child(str(shm_dir / f"k{k}.pool"), steps=12, extra=("--dense-every", str(k), "--json"))
+        assert done.returncode == 0, done.stderr
+        stats = json.loads(done.stdout.strip().splitlines()[-1])["checkpoint_stats"]
+        skipped[k] = (stats["undo_rows"], stats["undo_rows_skipped"])
+    assert skipped[1][1] == 0 and skipped[10][1] > 0 and skipped[10][0] < skipped[1][0]
+    assert sum(skipped[10]) == skipped[1][0]  # every looked-up row: recorded, or recorded before in its window

@@ -17,6 +17,7 @@ WHERE = {
     "U1a": "cxltrain/checkpoint/ring.py",          # payload durable before the header that makes it valid
     "U1b": "cxltrain/checkpoint/checkpointer.py",  # tail mark durable before the table's first store
     "U1c": "cxltrain/tables.py",                   # before_update (record durable) precedes the update
+    "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root

@@ -15,6 +15,7 @@ other run. Each run keeps its own pool, model and optimizer; they share the data
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -24,18 +25,50 @@ from ..config import TrainConfig
 from .records import PairedTiming
 
 
+@dataclasses.dataclass
+class SideBySide:
+    """One run of paired_runs: its block times (seconds, in block order) and checkpoint totals."""
+
+    block_seconds: list[float]
+    stats: dict | None     # CheckpointStats.to_json() at the end (None: checkpoints off)
+    block_steps: int
+
+    @property
+    def mean_ms(self) -> float:
+        return 1000.0 * sum(self.block_seconds) / (len(self.block_seconds) * self.block_steps)
+
+    def durable_bytes_per_batch(self) -> float:
+        """Undo records, dense snapshots and table rows made durable, per batch."""
+        stats = self.stats
+        if not stats or not stats["batches"]:
+            return 0.0
+        return (stats["undo_bytes"] + stats["dense_bytes"] + stats["row_bytes"]) / stats["batches"]
+
+
 def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str], *, warmup: int, blocks: int,
                  block_steps: int) -> PairedTiming:
     """Mean ms per step of `base` and `method` over `blocks` alternating blocks of `block_steps`
     steps each (after `warmup` steps each), their ratio, and each block pair's ratio."""
+    first, second = paired_runs([base, method], list(pools), warmup=warmup, blocks=blocks, block_steps=block_steps)
+    block_ratios = [b / a for a, b in zip(first.block_seconds, second.block_seconds)]
+    return PairedTiming(base_ms=first.mean_ms, method_ms=second.mean_ms, ratio=second.mean_ms / first.mean_ms,
+                        median_block_ratio=statistics.median(block_ratios), block_ratios=block_ratios,
+                        blocks=blocks, block_steps=block_steps)
+
+
+def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, blocks: int,
+                block_steps: int) -> list[SideBySide]:
+    """Several runs in one process, taking turns in blocks of `block_steps` steps (after `warmup`
+    steps each); who goes first rotates from block to block. They share the data source of the
+    first config, so every config must have the same data settings (pooling included)."""
     from ..trainer import build_model, build_source, make_runtime, train_step
 
-    source = build_source(base)
+    source = build_source(configs[0])
     stop = warmup + blocks * block_steps
-    seconds: tuple[list[float], list[float]] = ([], [])
+    seconds: list[list[float]] = [[] for _ in configs]
     with contextlib.ExitStack() as stack:
         runs = []
-        for config, pool in zip((base, method), pools):
+        for config, pool in zip(configs, pools):
             model = build_model(config)
             dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
             rt = stack.enter_context(make_runtime(config, model, dense_opt, pool))
@@ -52,13 +85,11 @@ def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str],
 
         for run in runs:
             block(run, warmup)
+        order = list(range(len(runs)))
         for i in range(blocks):
-            for j in ((0, 1) if i % 2 == 0 else (1, 0)):  # who goes first alternates too
+            for j in order[i % len(order):] + order[: i % len(order)]:  # who goes first rotates too
                 seconds[j].append(block(runs[j], block_steps))
         for _, _, batches in runs:
             next(batches, None)  # ends (commits) the last batch
-    base_ms, method_ms = (1000.0 * sum(s) / (blocks * block_steps) for s in seconds)
-    block_ratios = [b / a for a, b in zip(*seconds)]
-    return PairedTiming(base_ms=base_ms, method_ms=method_ms, ratio=method_ms / base_ms,
-                        median_block_ratio=statistics.median(block_ratios), block_ratios=block_ratios,
-                        blocks=blocks, block_steps=block_steps)
+    return [SideBySide(s, None if rt.stats is None else rt.stats.to_json(), block_steps)
+            for s, (_, rt, _) in zip(seconds, runs)]

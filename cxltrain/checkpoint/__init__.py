@@ -3,6 +3,7 @@
     layout.py        on-media structures (undo records, dense slot headers, region names)
     ring.py          the undo ring: append (U1), reclaim (U3), scan, restore
     dense.py         dense snapshots: what they hold, the two slots
+    slots.py         a dense slot's header and checksum, checked without decoding (no torch)
     codec.py         the snapshot encoding (no pickle: restorable from untrusted bytes)
     seam.py          the typed seam with the tables: what a table tells its guard, what a guard needs
     guard.py         batch guards: the state machine both share, and NoCheckpoint (checkpoint "off")
@@ -12,13 +13,27 @@
     stats.py         the checkpointer's running totals
     worker.py        where its jobs run: one background thread (the pipeline), or inline
     recovery.py      rolling a pool back to its last committed batch
+    offline.py       `recover` and `pool check` on a pool path, without importing torch
+
+The public names are imported lazily: recovery's modules (recovery, ring, slots, layout, offline)
+import no torch at module level, so `cxltrain recover` and `pool check` start without it.
 """
 
-from .checkpointer import Checkpointer
-from .guard import BatchGuard, GuardState, NoCheckpoint
-from .recovery import RecoveryReport, has_checkpoint, recover, verify
-from .seam import LoggedTable, TableGuard
-from .stats import CheckpointStats
+from __future__ import annotations
 
-__all__ = ["BatchGuard", "Checkpointer", "CheckpointStats", "GuardState", "LoggedTable", "NoCheckpoint",
-           "RecoveryReport", "TableGuard", "has_checkpoint", "recover", "verify"]
+import importlib
+
+_EXPORTS = {
+    "Checkpointer": "checkpointer",
+    "BatchGuard": "guard", "GuardState": "guard", "NoCheckpoint": "guard",
+    "RecoveryReport": "recovery", "has_checkpoint": "recovery", "recover": "recovery", "verify": "recovery",
+    "LoggedTable": "seam", "TableGuard": "seam",
+    "CheckpointStats": "stats",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,7 +60,7 @@ This module is the coordinator: what happens at each batch boundary (which captu
 rows are flushed, when a commit is due or taken early, the dense hand-over). The steps a commit
 takes on the worker are commit.py's; the orderings both follow are ordering.py's (a planted bug is
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
-`ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b in Checkpointer._capture, U1c in
+`ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
 tables.py (before_update before the in-place update), U2a in Checkpointer._hand_over_commit, U2b
 in ordering.Ordering.commit, U2c and U3 in commit.py, U4 in Checkpointer._capture.
 """
@@ -125,6 +125,9 @@ class Checkpointer(BatchGuard):
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
         self._largest_record = 0
+        # strict with k > 1: a row gets one undo record per commit window (window.py); with k = 1,
+        # and in relaxed mode (a commit every batch), a window is one batch and its rows are unique
+        self._window = self._ordering.window_captures() if mode == STRICT and dense_every > 1 else None
         # the dense state keeps its shape from batch to batch: its manifest is reused (measured on
         # the default model: laying it out costs ~0.4 ms a batch, reusing it ~0.13 ms)
         self._layouts = codec.LayoutCache(counters=("batch",))
@@ -149,7 +152,8 @@ class Checkpointer(BatchGuard):
             self._lookups.append((table, indices))
             return batch
         started = time.perf_counter()
-        ticket = self._worker.submit_capture(lambda: self._capture(batch, table, indices))
+        window = self.committed
+        ticket = self._worker.submit_capture(lambda: self._capture(batch, table, indices, window))
         self._captures.append((table.name, ticket))
         self.stats.training_lookup_seconds += time.perf_counter() - started
         return batch
@@ -165,7 +169,7 @@ class Checkpointer(BatchGuard):
                 started = time.perf_counter()
                 self._lookups = [entry for entry in self._lookups if entry[0] is not table]
                 for indices in mine:
-                    self._capture(batch, table, indices)
+                    self._capture(batch, table, indices, self.committed)
                 self.stats.training_capture_seconds += time.perf_counter() - started
             return
         for name, ticket in self._captures:
@@ -277,16 +281,23 @@ class Checkpointer(BatchGuard):
         return True
 
     # -- the capture: training thread, or worker (background_capture) ------------------------
-    def _capture(self, batch: int, table: LoggedTable, indices: torch.Tensor) -> None:
+    def _capture(self, batch: int, table: LoggedTable, indices: torch.Tensor, window: int) -> None:
+        """Record the rows `indices` [N] look up, as they are now; `window`: the batch count the
+        last commit handed over names (the commit window this batch belongs to)."""
         started = time.perf_counter()
         # ORDERING U4: the record is gathered from the rows as they are now, after b-1's update: this
         # runs in b's backward (inline) or is handed over in b's forward (background), both after
         # b-1's backward stored in place, and b's backward waits for it (before_update).
         weights, state = self._ordering.capture_source(table, table.storage())
         rows = row_ops.unique_rows(indices.contiguous(), weights.shape[0])
+        # ORDERING U1d: a row left out of this record has a durable record from earlier in its commit
+        # window (batch >= any target that window's records serve), whose value recovery restores
+        # last (newest first): all of them with k = 1 and in relaxed mode, else the window's first touches.
+        recorded = rows if self._window is None else torch.from_numpy(
+            self._window.first_touches(window, table.name, rows.numpy(), weights.shape[0]))
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
-        append = lambda: self.ring.append(batch, weight_region, state_region, rows, weights, state)  # noqa: E731
+        append = lambda: self.ring.append(batch, weight_region, state_region, recorded, weights, state)  # noqa: E731
         try:
             try:
                 size = append()
@@ -310,4 +321,6 @@ class Checkpointer(BatchGuard):
         self._largest_record = max(self._largest_record, size)
         self._batch_bytes += size
         self.stats.undo_bytes += size
+        self.stats.undo_rows += recorded.numel()
+        self.stats.undo_rows_skipped += rows.numel() - recorded.numel()
         self.stats.capture_seconds += time.perf_counter() - started

@@ -25,7 +25,7 @@ import torch
 from ..errors import CheckpointError, PoolCorruptError, RecoveryError
 from ..pool import Pool
 from ..pool_format import checksum_more
-from . import codec, layout
+from . import codec, layout, slots
 
 
 class DenseState:
@@ -89,8 +89,7 @@ def free_slot(pool: Pool) -> int:
     return 2 if pool.root.dense_slot == 1 else 1
 
 
-def slot_region(pool: Pool, slot: int):
-    return pool.region(layout.DENSE_REGIONS[slot - 1])
+slot_region = slots.slot_region
 
 
 def write_snapshot(pool: Pool, slot: int, batch: int, tree: dict) -> None:
@@ -115,7 +114,7 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
                               f"slots ({max(0, region.size - layout.DENSE_HEADER.size):,} bytes); create the pool "
                               "with larger slots (Runtime(dense_slot_bytes=...))")
     device, start = pool.device, region.offset + layout.DENSE_HEADER.size
-    crc = _payload_checksum_seed(pool.superblock.uuid, batch)
+    crc = slots.payload_checksum_seed(pool.superblock.uuid, batch)
     stored = [0, 0]  # a run of small pieces stored and not yet flushed (they tile it): one flush, one sum
 
     def flush_stored(crc: int) -> int:
@@ -149,27 +148,10 @@ def seal_snapshot(pool: Pool, slot: int, batch: int, nbytes: int, crc: int) -> N
 
 
 def read_snapshot(pool: Pool, slot: int, batch: int) -> dict:
-    """The snapshot in `slot`, checked: header, batch, payload checksum, and the tree's shape."""
-    where = f"{pool.path}: dense slot {'AB'[slot - 1]}"
-    if slot not in (1, 2) or layout.DENSE_REGIONS[slot - 1] not in pool.regions:
-        raise PoolCorruptError(f"{where}: the root names a dense slot the pool does not have")
-    region = slot_region(pool, slot)
-    array = pool.device.array
-    header = layout.unpack_dense_header(array[region.offset : region.offset + layout.DENSE_HEADER.size].tobytes(),
-                                        pool.superblock.uuid, slot)
-    if header is None:
-        raise PoolCorruptError(f"{where}: header is corrupt")
-    found, length, crc = header
-    if found != batch:
-        raise PoolCorruptError(f"{where}: holds batch {found}, the root says {batch}")
-    if layout.DENSE_HEADER.size + length > region.size:
-        raise PoolCorruptError(f"{where}: payload length {length} overruns the slot")
-    start = region.offset + layout.DENSE_HEADER.size
-    blob = array[start : start + length]
-    if _payload_checksum(blob, pool.superblock.uuid, batch) != crc:
-        raise PoolCorruptError(f"{where}: payload checksum mismatch (media corruption)")
-    tree = codec.decode(blob)
-    _check_tree(tree, where, batch)
+    """The snapshot in `slot`, checked: header, batch, payload checksum (slots.checked_payload), and
+    the decoded tree's shape."""
+    tree = codec.decode(slots.checked_payload(pool, slot, batch))
+    _check_tree(tree, slots.where(pool, slot), batch)
     return tree
 
 
@@ -182,12 +164,3 @@ def _check_tree(tree, where: str, batch: int) -> None:
         raise PoolCorruptError(f"{where}: not a dense snapshot this cxltrain can read")
     if tree["batch"] != batch or not all(isinstance(v, torch.Tensor) for v in tree["model"].values()):
         raise PoolCorruptError(f"{where}: snapshot contents are inconsistent")
-
-
-def _payload_checksum(blob, uuid: bytes, batch: int) -> int:
-    return layout.payload_checksum(blob, uuid, 0, batch)
-
-
-def _payload_checksum_seed(uuid: bytes, batch: int) -> int:
-    return layout.payload_checksum_seed(uuid, 0, batch)
-

@@ -7,6 +7,7 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     SkipUndoPersist      U1  the undo record is stored but never persisted
     CommitBeforeRows     U2  the root is written before the batch's rows are persisted
     CaptureBeforeUpdate  U4  the undo record holds the rows as they were before the previous update
+    WindowNeverCleared   U1  (strict, k > 1) a row recorded in one commit window gets no record in later ones
 
 Several planted at once combine (one class deriving from each).
 """
@@ -20,6 +21,7 @@ import torch
 
 from ..faults import Planted
 from .seam import LoggedTable
+from .window import WindowCaptures
 
 if TYPE_CHECKING:
     from ..devices.base import Device
@@ -50,6 +52,10 @@ class Ordering:
         """The (rows [R, P], state [R, K] or None) an undo record is gathered from (U4): the
         table's live storage, `storage` itself."""
         return storage
+
+    def window_captures(self) -> WindowCaptures:
+        """What tells a capture which rows already have a record in their commit window (U1)."""
+        return WindowCaptures()
 
     def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
         """A commit's steps up to its durable root: the rows, then the snapshot and the root."""
@@ -91,10 +97,25 @@ class CaptureBeforeUpdate(Ordering):
         return previous
 
 
+class WindowNeverCleared(Ordering):
+    """Planted U1 bug (strict, k > 1): the rows recorded in a commit window stay marked in the next
+    ones, so a row touched again after a commit gets no record there — what a window that is never
+    cleared would do."""
+
+    def window_captures(self) -> WindowCaptures:
+        return _NeverCleared()
+
+
+class _NeverCleared(WindowCaptures):
+    def _clear(self) -> None:
+        pass
+
+
 PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.SKIP_UNDO_PERSIST: SkipUndoPersist,
     Planted.COMMIT_BEFORE_ROWS: CommitBeforeRows,
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
+    Planted.WINDOW_NEVER_CLEARED: WindowNeverCleared,
 }
 
 

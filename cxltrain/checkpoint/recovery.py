@@ -21,7 +21,7 @@ from ..errors import RecoveryError
 from ..faults import CrashPoint, crash_point
 from ..pool import Pool
 from ..pool_format import ROOT_RELAXED
-from . import dense, layout, ring
+from . import layout, ring, slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +49,14 @@ def has_checkpoint(pool: Pool) -> bool:
             and all(name in pool.regions for name in layout.DENSE_REGIONS))
 
 
-def verify(pool: Pool, snapshot: dict | None = None) -> tuple[list[ring.ScannedRecord], dict]:
+def verify(pool: Pool, snapshot: dict | None = None, *,
+           decode: bool = True) -> tuple[list[ring.ScannedRecord], dict | None]:
     """Everything recovery checks before its first write, and nothing else: the root's commit
     fields, every live undo record (header, payload checksum, regions, row indices) and the dense
     snapshot the root names. Writes nothing, so it runs on a pool opened read-only (`pool check`).
-    Returns (the live records oldest first, the decoded snapshot); raises a PoolError subclass."""
+    Returns (the live records oldest first, the decoded snapshot); raises a PoolError subclass.
+    decode=False checks the snapshot's slot (header, batch, checksum) without decoding it, and
+    returns None for it: no torch is imported (`cxltrain recover`, `pool check`)."""
     if not has_checkpoint(pool):
         raise RecoveryError(f"{pool.path}: holds no committed checkpoint to recover (it was never committed "
                             "with the checkpointer on, or a run with --checkpoint off was interrupted)")
@@ -64,19 +67,24 @@ def verify(pool: Pool, snapshot: dict | None = None) -> tuple[list[ring.ScannedR
                             f"of batch {root.dense_batch}, and the root is {'relaxed' if relaxed else 'strict'}: "
                             "a committed root never says so (corrupt pool)")
     live = ring.scan(pool, root.ring_generation, root.ring_start, root.ring_start_seq)
-    if snapshot is None:
+    if snapshot is None and decode:
+        from . import dense  # torch: decoding makes tensors
+
         snapshot = dense.read_snapshot(pool, root.dense_slot, root.dense_batch)
+    elif snapshot is None:
+        slots.checked_payload(pool, root.dense_slot, root.dense_batch)
     return live, snapshot
 
 
-def recover(pool: Pool, snapshot: dict | None = None) -> tuple[RecoveryReport, dict]:
+def recover(pool: Pool, snapshot: dict | None = None, *, decode: bool = True) -> tuple[RecoveryReport, dict | None]:
     """Roll `pool` back to its root's target. Returns the report and the decoded dense snapshot.
 
     snapshot: the root's snapshot, when the caller has just read it (dense.read_snapshot, which
     checks it) from this pool: it is not read and decoded a second time.
+    decode: False to check the snapshot's slot without decoding it (no torch); None is returned for it.
     """
     started = time.perf_counter()
-    live, snapshot = verify(pool, snapshot)  # every check before the first write
+    live, snapshot = verify(pool, snapshot, decode=decode)  # every check before the first write
     root = pool.root
     rollback = [record for record in live if record.header.batch >= root.batches_done]
     ring_region = pool.region(layout.RING_REGION)

@@ -9,16 +9,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..errors import CheckpointError, PoolCorruptError
 from ..faults import CrashPoint, crash_point
-from ..kernels import ops as row_ops
 from ..pool import Pool
 from ..pool_format import Region, RegionKind
 from . import layout
+
+if TYPE_CHECKING:  # the writer's tensors; the reading side (scan, restore) is recovery's, which needs no torch
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,8 @@ class UndoRing:
         rows [U] int64 unique; weights [R, P] the table's padded rows; state [R, K] or None.
         The old values are gathered straight into the ring (no staging copy, non-temporal stores).
         """
+        from ..kernels import ops as row_ops  # torch: the writer only (recovery imports this module too)
+
         count = rows.numel()
         row_bytes = weights_region.row_stride
         state_bytes = state_region.row_stride if state_region is not None else 0

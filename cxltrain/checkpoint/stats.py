@@ -16,6 +16,8 @@ class CheckpointStats:
     capture_seconds: float = 0.0     # U1: gathering old rows into the ring and persisting them
     commit_seconds: float = 0.0      # U2 + commit: persisting rows and the snapshot, writing the root
     undo_bytes: int = 0              # ring bytes written
+    undo_rows: int = 0               # rows recorded in the ring
+    undo_rows_skipped: int = 0       # rows updated without a record: recorded earlier in their commit window
     dense_bytes: int = 0             # encoded snapshot bytes written
     row_bytes: int = 0               # table bytes (weights and optimizer state) flushed at commits
     rows_persisted: int = 0          # table rows flushed at commits
