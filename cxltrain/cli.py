@@ -95,6 +95,9 @@ def _add_train(sub) -> None:
                                    "persistent pool (by default an emulated CXL pool on /dev/shm).")
     p.add_argument("--pool", metavar="PATH", help="pool file or DAX device (default: an emulated CXL pool in "
                                                  "/dev/shm, or the temp folder)")
+    p.add_argument("--capacity-pool", metavar="PATH",
+                   help="a pool set: the tables live in this capacity pool on block storage (SSD, disk), "
+                        "everything else in --pool, the fast tier (docs/tiers.md)")
     p.add_argument("--data", metavar="FILE", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N) instead of synthetic data; "
                                                  "--rows is then the hash buckets per categorical feature")
@@ -239,7 +242,7 @@ def _run_train(args) -> int:
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
                          mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
-                         discard_checkpoint=args.discard_checkpoint)
+                         discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool)
     config.validate()
     _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)

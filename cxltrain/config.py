@@ -36,6 +36,7 @@ class TrainConfig:
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
     discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
+    capacity_pool: str | None = None   # a pool set's capacity pool on block storage: the tables live there
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

@@ -7,6 +7,7 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     SkipUndoPersist      U1  the undo record is stored but never persisted
     CommitBeforeRows     U2  the root is written before the batch's rows are persisted
     CaptureBeforeUpdate  U4  the undo record holds the rows as they were before the previous update
+    SkipCapacitySync     U2  (pool sets) the root names cold rows whose pages were never synced
 
 Several planted at once combine (one class deriving from each).
 """
@@ -51,6 +52,10 @@ class Ordering:
         table's live storage, `storage` itself."""
         return storage
 
+    def sync_capacity(self, pool) -> None:
+        """Make a pool set's capacity pools durable (their pages written back and synced)."""
+        pool.drain_members()
+
     def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
         """A commit's steps up to its durable root: the rows, then the snapshot and the root."""
         yield from pipeline.persist_rows(dirty)
@@ -64,6 +69,13 @@ class SkipUndoPersist(Ordering):
 
     def undo_device(self, device: Device) -> Device:
         return _UnpersistedDevice(device)
+
+
+class SkipCapacitySync(Ordering):
+    """Planted U2 bug across a pool set: the capacity pools' pages are never synced before the root."""
+
+    def sync_capacity(self, pool) -> None:
+        pass
 
 
 class CommitBeforeRows(Ordering):
@@ -95,6 +107,7 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.SKIP_UNDO_PERSIST: SkipUndoPersist,
     Planted.COMMIT_BEFORE_ROWS: CommitBeforeRows,
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
+    Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
 }
 
 
