@@ -470,6 +470,7 @@ def _report_json(report) -> dict:
         "batch": None if report.root is None else report.root.batches_done,
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
                      "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
+        **({"members": [_report_json(m) for m in report.members]} if report.members else {}),
     }
 
 
@@ -507,6 +508,9 @@ def _print_pool_info(report) -> None:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
+    for member in report.members:  # a pool set's capacity pools (docs/tiers.md)
+        print("capacity pool of this set:")
+        _print_pool_info(member)
 
 
 def _say_in_use(report) -> None:
