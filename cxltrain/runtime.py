@@ -87,6 +87,8 @@ class Runtime:
         capacity_pool: a pool set (docs/tiers.md): the tables named by capacity_tables (default:
             all) live in this capacity pool on block storage, the rest of the model in `pool`, the
             set's primary. Created with the primary; an existing set must name this path.
+        prefetch_ids: with a capacity pool, batch -> {table name: row ids [N]}: `batches` then
+            fetches batch b+1 while b computes and reads its cold rows ahead (tiering.ColdRowPrefetcher).
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -99,7 +101,7 @@ class Runtime:
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None,
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
-                 capacity_tables: Sequence[str] | None = None) -> None:
+                 capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -125,6 +127,8 @@ class Runtime:
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
         self.tables = _persistent_tables(model)
         self.tiers = tiering.Tiers.of(self.tables, capacity_pool, capacity_tables)
+        self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
+        self.prefetcher: tiering.ColdRowPrefetcher | None = None
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
                        dense_slot_bytes or _default_slot_bytes(model))
         self.pool: Pool | None = None
@@ -164,6 +168,9 @@ class Runtime:
         except CxlTrainError as e:  # the user asked for self.path: never show the side name
             raise type(e)(str(e).replace(building, self.path)) from None
         self.pool = pool
+        if self._prefetch_ids is not None and KNOBS.prefetch_threads:
+            cold = [t for t in self.tables.values() if not self.tiers.is_fast(t)]
+            self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, KNOBS.prefetch_threads)
         return self
 
     def _set_up_or_clean_up(self, pool: Pool, created: bool) -> None:
@@ -275,9 +282,13 @@ class Runtime:
         if stop is None:
             stop = getattr(source, "num_batches", None)
         self._end_in_flight()
+        ahead = None  # (b + 1, its batch), fetched early so that its cold rows can be read ahead
         while stop is None or self.batch < stop:
             b = self.batch
-            item = get(b)
+            item = ahead[1] if ahead is not None and ahead[0] == b else get(b)
+            if self.prefetcher is not None and (stop is None or b + 1 < stop):
+                ahead = b + 1, get(b + 1)
+                self.prefetcher.submit(self._prefetch_ids(ahead[1]))
             self._begin(b)
             yield item
             self._end_in_flight()
@@ -327,6 +338,9 @@ class Runtime:
                 self._guard.finish(self.batch)  # everything durable and committed at the batch reached
         finally:
             self._guard.detach()  # kept: rt.stats stays readable after the block
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
             pool.close()
 
 

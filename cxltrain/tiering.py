@@ -11,15 +11,21 @@ to publish it before the primary, and to check that an existing set is the one i
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 
+import numpy as np
+
+from . import pool_set
 from .devices.capacity import open_capacity
 from .errors import ConfigError, PoolError
 from .knobs import KNOBS
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import pool_size_for
 from .pool_set import MEMBER_BYTES, SET_BYTES
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,3 +95,60 @@ class Tiers:
             raise ConfigError(f"{primary.path}: is a pool set with {said}, not "
                               f"{self.capacity_path or 'a single pool'}; pass the same --capacity-pool as "
                               "when it was created")
+
+
+class ColdRowPrefetcher:
+    """Reads the next batch's cold rows into the page cache while this batch computes (DESIGN §7).
+
+    One pread of a byte per page the rows live on, spread over `threads` threads: pread releases
+    the GIL and the disk serves many reads at once, where a lookup faulting the pages in would wait
+    for each one alone. Readahead is switched off for these reads (POSIX_FADV_RANDOM): rows are
+    scattered, so reading ahead would fetch pages nobody asked for.
+    """
+
+    def __init__(self, primary: Pool, tables: list, threads: int = 8) -> None:
+        self._targets = {}  # table name -> [(fd, offset, row stride)] of its weights and optimizer state
+        self._fds = []
+        for table in tables:
+            regions = [primary.region(table.weight_region)]
+            if table.optimizer.state_columns:
+                regions.append(primary.region(table.state_region))
+            member = primary.members[pool_set.member_of_index(regions[0].index)]
+            fd = os.open(member.path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._fds.append(fd)
+            self._targets[table.name] = [(fd, r.offset, r.row_stride) for r in regions]
+        self._threads = threads
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="cxltrain-prefetch")
+        self._pending: list = []
+        self.pages_read = 0
+
+    def submit(self, ids: dict) -> None:
+        """Start reading the pages of rows `ids` ({table name: int64 tensor [N]}); returns at once.
+        The reads of the previous call are waited for first, so at most one batch is in flight."""
+        self.wait()
+        work = []
+        for name, rows in ids.items():
+            rows = np.unique(rows.numpy()) if hasattr(rows, "numpy") else np.unique(rows)
+            for fd, offset, stride in self._targets.get(name, ()):
+                pages = np.unique((offset + rows * stride) // PAGE)
+                work += [(fd, int(page) * PAGE) for page in pages]
+        self.pages_read += len(work)
+        chunk = -(-len(work) // self._threads) if work else 0
+        self._pending = [self._executor.submit(_read_pages, work[i : i + chunk]) for i in range(0, len(work), chunk or 1)]
+
+    def wait(self) -> None:
+        for future in self._pending:
+            future.result()
+        self._pending = []
+
+    def close(self) -> None:
+        self.wait()
+        self._executor.shutdown()
+        for fd in self._fds:
+            os.close(fd)
+
+
+def _read_pages(work: list[tuple[int, int]]) -> None:
+    for fd, offset in work:
+        os.pread(fd, 1, offset)

@@ -176,7 +176,8 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
                    undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint,
-                   capacity_pool=config.capacity_pool)
+                   capacity_pool=config.capacity_pool,
+                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)})
 
 
 def pool_bytes(config: TrainConfig) -> int:
