@@ -19,6 +19,7 @@ import pytest
 
 from cxltrain import knobs
 from cxltrain.config import TrainConfig
+from cxltrain.devices.capacity import open_capacity
 from cxltrain.errors import PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.pool import Pool
@@ -27,7 +28,7 @@ from cxltrain.runtime import export_state
 from cxltrain.trainer import train
 from helpers import assert_same_export, cxltrain, shm_tempdir
 
-CONFIG = TrainConfig(steps=6, batch_size=64, num_tables=2, rows=3000, dim=16)
+CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +50,23 @@ def digest(*paths: str) -> list[str]:
     return [hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths]
 
 
+def bare_set(fast: str, disk: str, name: str) -> str:
+    """A set of two empty pools, made with the pool API alone; returns its capacity pool's path."""
+    with Pool.create(os.path.join(fast, f"{name}.pool"), 1 << 20) as primary:
+        capacity = os.path.join(disk, f"{name}.cap")
+        primary.add_member(Pool.create(capacity, 1 << 20, mapper=open_capacity))
+    return capacity
+
+
 @pytest.fixture(scope="module")
 def sets(folders):
-    """Set "a" at batch 4 with a copy of its capacity pool from batch 2, and set "b" at batch 2."""
+    """Set "a" trained to batch 2, then committed on to batch 3, with a copy of its capacity pool
+    from batch 2; and the capacity pool of another set, "b"."""
     primary, capacity = make_set(*folders, "a", steps=2)
     shutil.copy(capacity, capacity + ".at2")
-    make_set(*folders, "a", steps=4)
-    return primary, capacity, make_set(*folders, "b", steps=2)[1]
+    with Pool.open(primary) as pool:  # the set moves on (its members' roots with it)
+        pool.commit(batches_done=3)
+    return primary, capacity, bare_set(*folders, "b")
 
 
 def test_a_set_opens_whole_and_holds_the_tables_on_the_disk(sets):
@@ -65,7 +76,7 @@ def test_a_set_opens_whole_and_holds_the_tables_on_the_disk(sets):
         assert "t0.weight" in pool.regions and "t0.weight" in pool.members[0].regions
         assert pool.device_for(pool.region("t0.weight")) is pool.members[0].device
         assert pool.members[0].device.kind == "capacity"
-        assert pool.members[0].root.batches_done == pool.root.batches_done == 4
+        assert pool.members[0].root.batches_done == pool.root.batches_done == 3
     report = inspect(primary)
     assert report.ok and [m.path for m in report.members] == [capacity]
 
@@ -161,9 +172,9 @@ def reference(folders):
 
 
 @pytest.mark.parametrize("point", [
-    f"{CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC}:3",
-    pytest.param(f"{CrashPoint.COMMIT_BETWEEN_ROOTS}:3", marks=pytest.mark.slow),
-    pytest.param(f"{CrashPoint.COMMIT_AFTER_ROOT}:3", marks=pytest.mark.slow),
+    f"{CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC}:2",
+    pytest.param(f"{CrashPoint.COMMIT_BETWEEN_ROOTS}:2", marks=pytest.mark.slow),
+    pytest.param(f"{CrashPoint.COMMIT_AFTER_ROOT}:2", marks=pytest.mark.slow),
     pytest.param(f"{CrashPoint.CAPACITY_PAGE_WRITE}:9", marks=pytest.mark.slow)])
 def test_a_set_killed_at_its_crash_points_resumes_bit_exactly(folders, reference, point):
     assert_same_export(killed_and_resumed(*folders, point), reference)
@@ -172,6 +183,6 @@ def test_a_set_killed_at_its_crash_points_resumes_bit_exactly(folders, reference
 def test_the_crash_test_catches_cold_pages_never_synced(folders, reference):
     """Planted: the root names cold rows whose pages were never synced (U2 across the set). The
     crash model loses those page writes, and the resumed run differs from the reference."""
-    resumed = killed_and_resumed(*folders, f"{CrashPoint.COMMIT_AFTER_ROOT}:3", Planted.SKIP_CAPACITY_SYNC)
+    resumed = killed_and_resumed(*folders, f"{CrashPoint.COMMIT_AFTER_ROOT}:2", Planted.SKIP_CAPACITY_SYNC)
     with pytest.raises(AssertionError):
         assert_same_export(resumed, reference)

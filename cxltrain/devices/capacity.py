@@ -27,23 +27,21 @@ import numpy as np
 from ..faults import CrashPoint, crash_point
 from ..knobs import KNOBS
 from .base import Device, page_range
+from .msync import MsyncDevice
 
 # Crash tests can die at the n-th page write of a capacity device (as at FLUSH_POINT on the fast tier).
 PAGE_WRITE_POINT = CrashPoint.CAPACITY_PAGE_WRITE
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
-class CapacityDevice(Device):
+class CapacityDevice(MsyncDevice):
     """A capacity pool mapped shared; durable at drain (fdatasync)."""
 
     kind = "capacity"
 
     def __init__(self, path: str, fd: int, size: int) -> None:
-        super().__init__(path, size, writable=True, is_pmem=False)
+        super().__init__(path, fd, size, writable=True)
         self._fd = fd
-        self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.address = self._array.ctypes.data
 
     def _write_back(self, offset: int, length: int) -> None:
         pass  # the page is already in the page cache: the drain's fdatasync writes it
@@ -57,16 +55,8 @@ class CapacityDevice(Device):
 
     def _persist_range(self, offset: int, length: int) -> None:
         # this range only (a root, a region), not every dirty page: msync of its pages
-        start, span = page_range(offset, length)
         crash_point(PAGE_WRITE_POINT)
-        self._mmap.flush(start, min(span, self.size - start))
-
-    def close(self) -> None:
-        super().close()
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # views still alive: the mapping goes when the last of them does
+        MsyncDevice._write_back(self, offset, length)
 
 
 class CapacityCrashDevice(CapacityDevice):
@@ -81,7 +71,6 @@ class CapacityCrashDevice(CapacityDevice):
         self._fd = fd
         self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
-        self.address = self._array.ctypes.data
         self._queued: dict[int, bytes] = {}  # page offset -> its bytes when flushed
 
     def _write_back(self, offset: int, length: int) -> None:
