@@ -82,8 +82,8 @@ def test_a_set_opens_whole_and_holds_the_tables_on_the_disk(sets):
 
 
 @pytest.mark.slow
-def test_pool_info_and_check_show_the_whole_set(sets):
-    primary, capacity, _ = sets
+def test_pool_info_and_check_show_the_whole_set(folders):
+    primary, capacity = make_set(*folders, "c", steps=2)  # "a" was committed on without its snapshot
     info = cxltrain("pool", "info", primary)
     assert info.returncode == 0 and capacity in info.stdout and "t0.weight" in info.stdout, info.stderr
     assert cxltrain("pool", "check", primary).returncode == 0
