@@ -96,6 +96,9 @@ def _add_train(sub) -> None:
                                    "persistent pool (by default an emulated CXL pool on /dev/shm).")
     p.add_argument("--pool", metavar="PATH", help="pool file or DAX device (default: an emulated CXL pool in "
                                                  "/dev/shm, or the temp folder)")
+    p.add_argument("--capacity-pool", metavar="PATH",
+                   help="a pool set: the tables live in this capacity pool on block storage (SSD, disk), "
+                        "everything else in --pool, the fast tier (docs/tiers.md)")
     p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
                                                  "made by `cxltrain data convert`, instead of synthetic data; "
@@ -247,7 +250,8 @@ def _run_train(args) -> int:
     config = TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
                          checkpoint=args.checkpoint, dense_every=args.dense_every,
                          mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
-                         discard_checkpoint=args.discard_checkpoint, **resolve_train_data(args))
+                         discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
+                         **resolve_train_data(args))
     config.validate()
     _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)
@@ -481,6 +485,7 @@ def _report_json(report) -> dict:
         "batch": None if report.root is None else report.root.batches_done,
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
                      "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
+        **({"members": [_report_json(m) for m in report.members]} if report.members else {}),
     }
 
 
@@ -518,6 +523,9 @@ def _print_pool_info(report) -> None:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
+    for member in report.members:  # a pool set's capacity pools (docs/tiers.md)
+        print("capacity pool of this set:")
+        _print_pool_info(member)
 
 
 def _say_in_use(report) -> None:

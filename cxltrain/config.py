@@ -43,6 +43,7 @@ class TrainConfig:
     eval_batches: int = 4              # held-out batches (file data: its last ones, with epochs or eval_every)
     metrics: str | None = None         # JSONL file: a line of metrics every eval_every (else 10) steps
     prefetch: int = 2                  # batches made ahead on a background thread (0: on the training thread)
+    capacity_pool: str | None = None   # a pool set's capacity pool on block storage: the tables live there
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

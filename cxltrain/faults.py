@@ -40,6 +40,10 @@ class CrashPoint:
     RECOVER_MID = "recover:mid"                            # checkpoint/recovery.py: one record restored
     RECOVER_BEFORE_ROOT = "recover:before-root"            # checkpoint/recovery.py: rows restored, no root
     DEVICE_FLUSH = "device:flush"                          # emulation/cxl.py: every flush of the device
+    # pool sets (docs/tiers.md)
+    CAPACITY_PAGE_WRITE = "capacity:page-write"            # devices/capacity.py: every page write / sync
+    COMMIT_BEFORE_CAPACITY_SYNC = "commit:before-capacity-sync"  # checkpoint/commit.py: cold pages written, unsynced
+    COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
 
     REACHED_PER = {
         UNDO_BETWEEN_PAYLOAD_AND_HEADER: "tables",
@@ -50,6 +54,12 @@ class CrashPoint:
         COMMIT_BEFORE_ROOT: "commits",
         COMMIT_TORN_ROOT: "commits",
         COMMIT_AFTER_ROOT: "commits",
+    }
+    # reached only by a pool set (a capacity pool beside the primary), as REACHED_PER says
+    SET_REACHED_PER = {
+        COMMIT_BEFORE_CAPACITY_SYNC: "commits",
+        COMMIT_BETWEEN_ROOTS: "commits",
+        CAPACITY_PAGE_WRITE: "commits",   # at least once per commit (the sync), more with the crash model
     }
     RECOVERY = (RECOVER_MID, RECOVER_BEFORE_ROOT)
 
@@ -62,6 +72,7 @@ class Planted:
     CAPTURE_BEFORE_UPDATE = "capture-before-update"  # U4: the record holds rows from before the previous update
     ROOT_BEFORE_ENTRIES = "root-before-entries"      # pool: a root naming directory entries not yet durable
     WINDOW_NEVER_CLEARED = "window-never-cleared"    # U1: a row recorded in one commit window gets no record in later ones
+    SKIP_CAPACITY_SYNC = "skip-capacity-sync"        # U2 across pools: the root names cold pages never synced
 
 
 def _names(namespace: type) -> tuple[str, ...]:

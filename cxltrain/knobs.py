@@ -54,6 +54,12 @@ class Knobs:
     # 1 = the row kernels (gather, sparse update, undo capture, row flush) run the native C code
     # of kernels/rows.c when it is built; 0 = always the torch kernels (for comparisons and tests).
     native_kernels: int = 1
+    # 1 = capacity pools (a pool set's members on block storage) use the crash model: writes go to
+    # a private view and only flushed pages reach the file, so a kill loses unsynced page writes,
+    # as a power loss does (devices/capacity.py). For crash tests.
+    capacity_crash: int = 0
+    # Threads that read the next batch's cold rows ahead from a capacity pool (0 = no read-ahead).
+    prefetch_threads: int = 8
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
@@ -71,6 +77,10 @@ class Knobs:
             raise ConfigError(f"threads {self.threads} must be at least 1")
         if self.undo_ring_bytes < 0:
             raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
+        if not 0 <= self.prefetch_threads <= 256:
+            raise ConfigError(f"prefetch_threads {self.prefetch_threads} must be in [0, 256]")
+        if self.capacity_crash not in (0, 1):
+            raise ConfigError(f"capacity_crash {self.capacity_crash} must be 0 or 1")
         if self.power_loss not in (0, 1):
             raise ConfigError(f"power_loss {self.power_loss} must be 0 or 1")
         if self.domain not in DOMAINS:

@@ -27,10 +27,11 @@ from typing import Callable
 import numpy as np
 
 from . import pool_format as fmt
+from . import pool_set
 from .devices import Device, open_target
 from .devices.registry import map_device
 from .errors import ConfigError, NotAPoolError, PoolError, PoolFullError
-from .faults import crash_armed, crash_point, planted
+from .faults import CrashPoint, crash_armed, crash_point, planted
 from .knobs import KNOBS
 from .pool_check import (
     check_regions_disjoint,
@@ -89,11 +90,12 @@ class Pool:
         self._on_close: list[Callable[[], None]] = []
         self._closed = False
         self._failed: str | None = None  # set when a commit failed part-way: the handle refuses all use
+        self.members: list[Pool] = []  # a pool set's capacity pools, opened with it (pool_set.py)
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str, size: int | None = None, *, backend: str | None = None,
-               dir_capacity: int | None = None, region_align: int | None = None) -> "Pool":
+               dir_capacity: int | None = None, region_align: int | None = None, mapper=None) -> "Pool":
         """Create a new pool at `path`: a new file of `size` bytes, or a DAX character device
         (all of it when size is None) that holds no cxltrain pool yet.
 
@@ -112,7 +114,8 @@ class Pool:
             if target.existing and int.from_bytes(os.pread(target.fd, 8, 0), "little") == fmt.MAGIC:
                 raise PoolError(f"{path}: already holds a cxltrain pool")
             sb = sb or new_superblock(target.size, *layout)
-            device = map_device(path, target.fd, target.size, writable=True, backend=backend)
+            device = (mapper(path, target.fd, target.size) if mapper is not None
+                      else map_device(path, target.fd, target.size, writable=True, backend=backend))
             pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batches_done=-1), [])
             pool._write_root(Root(seq=1, dir_count=0, batches_done=-1))
             crash_point("create:before-superblock")
@@ -128,8 +131,11 @@ class Pool:
             raise
 
     @classmethod
-    def open(cls, path: str, *, writable: bool = True, backend: str | None = None) -> "Pool":
-        """Open and validate an existing pool. Nothing is mapped until every check has passed."""
+    def open(cls, path: str, *, writable: bool = True, backend: str | None = None, mapper=None) -> "Pool":
+        """Open and validate an existing pool. Nothing is mapped until every check has passed.
+
+        A pool set's primary opens its capacity pools too (open_members), each checked before
+        anything is written. mapper: maps a writable pool instead of the backend (capacity pools)."""
         with open_pool_file(path, writable, keep=True) as (fd, file_size):
             lock_fd = lock_pool(path, writable)
             read = pread_reader(fd)
@@ -138,7 +144,8 @@ class Pool:
                 root = pick_root([read_root_slot(read, sb, slot) for slot in (0, 1)]).root
                 regions = [read_region(read, sb, i) for i in range(root.dir_count)]
                 check_regions_disjoint(regions)
-                device = map_device(path, fd, sb.pool_size, writable=writable, backend=backend)
+                device = (mapper(path, fd, sb.pool_size) if mapper is not None and writable
+                          else map_device(path, fd, sb.pool_size, writable=writable, backend=backend))
             except BaseException as e:
                 os.close(lock_fd)
                 if isinstance(e, NotAPoolError) and stat.S_ISCHR(os.fstat(fd).st_mode):
@@ -147,18 +154,91 @@ class Pool:
                 if isinstance(e, PoolError) and not str(e).startswith(path):
                     raise type(e)(f"{path}: {e}") from None
                 raise
-            return cls(path, fd, lock_fd, device, sb, root, regions)
+            pool = cls(path, fd, lock_fd, device, sb, root, regions)
+        if pool_set.SET_REGION in pool._regions:
+            try:
+                pool.open_members()
+            except BaseException:
+                pool.close()
+                raise
+        return pool
 
     # -- regions ----------------------------------------------------------------------------
     @property
     def regions(self) -> dict[str, Region]:
-        return dict(self._regions)
+        """Every region of the pool, and of its set's capacity pools (with set-wide indices)."""
+        if not self.members:
+            return dict(self._regions)
+        return {**self._set_regions(), **self._regions}
 
     def region(self, name: str) -> Region:
         try:
             return self._regions[name]
         except KeyError:
+            if self.members and name in (found := self._set_regions()):
+                return found[name]
             raise PoolError(f"{self.path}: no region named {name!r}") from None
+
+    def _set_regions(self) -> dict[str, Region]:
+        return {r.name: dataclasses.replace(r, index=pool_set.set_index(k, r.index))
+                for k, member in enumerate(self.members) for r in member._regions.values()
+                if r.name != pool_set.MEMBER_REGION}
+
+    def device_for(self, region: Region) -> Device:
+        """The device that holds `region` (a region of this pool, or of a member of its set)."""
+        member = pool_set.member_of_index(region.index)
+        return self.device if member < 0 else self.members[member].device
+
+    def drain_members(self) -> None:
+        """Wait until every flush issued to the set's capacity pools has completed (fdatasync)."""
+        for member in self.members:
+            member.device.drain()
+
+    def open_members(self) -> None:
+        """Open the capacity pools this primary names, each checked (membership, identity, epoch)
+        before anything is written; refused ones raise PoolError and leave every file as it was."""
+        from .devices.capacity import open_capacity
+
+        raw = self.array(pool_set.SET_REGION).tobytes()
+        for entry in pool_set.unpack_set(raw, self.superblock.uuid, self.path):
+            where = f"{self.path}: capacity pool {entry.path}"
+            if not os.path.exists(entry.path):
+                raise PoolError(f"{where} is missing; a pool set needs all its pools")
+            try:
+                member = Pool.open(entry.path, writable=self.device.writable, mapper=open_capacity)
+            except PoolError as e:
+                raise type(e)(f"{self.path}: capacity pool {e}") from None
+            self.members.append(member)
+            pool_set.check_identity(entry, member.superblock.uuid, where)
+            if pool_set.MEMBER_REGION not in member._regions:
+                raise PoolError(f"{where}: is not a capacity pool of a pool set")
+            pool_set.check_member(member.array(pool_set.MEMBER_REGION).tobytes(), entry, self.superblock.uuid,
+                                  member.superblock.uuid, where)
+            pool_set.check_epoch(member.root, self.root, where)
+
+    def add_member(self, member: "Pool", path: str | None = None) -> None:
+        """Make `member` (a new, empty capacity pool) part of this primary's set, durably: the
+        member names the primary first, then the primary's list names the member. path: where
+        the member will be found (default: where it is now)."""
+        number = len(self.members)
+        member.add_region(pool_set.MEMBER_REGION, RegionKind.BLOB, "uint8", (pool_set.MEMBER_BYTES,))
+        member.device.copy_persist(member.region(pool_set.MEMBER_REGION).offset,
+                                   pool_set.pack_member(number, self.superblock.uuid, member.superblock.uuid))
+        member.device.drain()
+        entries = [pool_set.MemberEntry(i, m.superblock.uuid, os.path.abspath(m.path))
+                   for i, m in enumerate(self.members)]
+        entries.append(pool_set.MemberEntry(number, member.superblock.uuid, os.path.abspath(path or member.path)))
+        if pool_set.SET_REGION not in self._regions:
+            self.add_region(pool_set.SET_REGION, RegionKind.BLOB, "uint8", (pool_set.SET_BYTES,))
+        # ORDERING: the member names this primary (durable above) before the primary's list names it.
+        self.device.copy_persist(self._regions[pool_set.SET_REGION].offset,
+                                 pool_set.pack_set(entries, self.superblock.uuid))
+        self.members.append(member)
+        # the member starts at the set's epoch
+        member._write_root(dataclasses.replace(member.root, seq=member.root.seq + 1,
+                                               batches_done=self.root.batches_done,
+                                               dense_batch=self.root.batches_done + 1))
+        member.device.drain()
 
     def _next_offset(self) -> int:
         end = max((r.end for r in self._regions.values()), default=self.superblock.data_offset)
@@ -222,16 +302,20 @@ class Pool:
         self._check_open()
         r = self.region(name)
         itemsize = r.dtype.numpy.itemsize
-        flat = self.device.array[r.offset : r.offset + r.size].view(r.dtype.numpy)
+        device = self.device_for(r) if self.members else self.device
+        flat = device.array[r.offset : r.offset + r.size].view(r.dtype.numpy)
         if padded:
             return flat.reshape(r.shape[0], r.row_stride // itemsize)
         inner = r.shape[1:]
         strides = [r.row_stride] + [math.prod(inner[i + 1:]) * itemsize for i in range(len(inner))]
         return np.lib.stride_tricks.as_strided(flat, shape=r.shape, strides=tuple(strides),
-                                               writeable=self.device.writable)
+                                               writeable=device.writable)
 
     def persist_region(self, name: str) -> None:
         r = self.region(name)
+        if self.members:
+            self.device_for(r).persist(r.offset, r.size)
+            return
         self.device.persist(r.offset, r.size)
 
     # -- commits ----------------------------------------------------------------------------
@@ -249,6 +333,13 @@ class Pool:
         given = {"flags": flags, "ring_generation": ring_generation, "ring_start": ring_start,
                  "ring_start_seq": ring_start_seq, "dense_slot": dense_slot, "dense_batch": dense_batch}
         kept = {name: value for name, value in given.items() if value is not None}
+        for member in self.members:
+            # ORDERING: a member's root moves to the new epoch after its pages are durable (the
+            # caller drained them) and before the primary's root: a member is never behind its primary.
+            member._write_root(dataclasses.replace(member.root, seq=member.root.seq + 1, batches_done=batches_done,
+                                                   dense_batch=self.root.batches_done + 1))
+        if self.members:
+            crash_point(CrashPoint.COMMIT_BETWEEN_ROOTS)
         self._write_root(dataclasses.replace(self.root, seq=self.root.seq + 1, batches_done=batches_done, **kept))
         return self.root
 
@@ -293,6 +384,8 @@ class Pool:
             for callback in reversed(self._on_close):
                 callback()
         finally:
+            for member in self.members:
+                member.close()
             self.device.close()
             os.close(self._fd)
             os.close(self._lock_fd)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from . import pool_set
 from .errors import PoolError, PoolLockedError
 from .pool_check import (
     Reader,
@@ -36,6 +37,7 @@ class PoolReport:
     regions: list[Region] = dataclasses.field(default_factory=list)
     problems: list[str] = dataclasses.field(default_factory=list)
     in_use: bool = False  # a writer held the pool: this is its last committed root, read beside it
+    members: list["PoolReport"] = dataclasses.field(default_factory=list)  # a pool set's capacity pools
 
     @property
     def ok(self) -> bool:
@@ -83,4 +85,43 @@ def _inspect(path: str, read: Reader, file_size: int) -> PoolReport:
         check_regions_disjoint(report.regions)
     except PoolError as e:
         report.problems.append(str(e))
+    set_region = next((r for r in report.regions if r.name == pool_set.SET_REGION), None)
+    if set_region is not None and not report.problems:
+        _inspect_members(report, read(set_region.offset, set_region.size))
     return report
+
+
+def _inspect_members(report: PoolReport, raw: bytes) -> None:
+    """Inspect the capacity pools a primary names, and check each belongs to it, now (problems go
+    in the primary's report, one line each)."""
+    try:
+        entries = pool_set.unpack_set(raw, report.superblock.uuid, "its list of capacity pools")
+    except PoolError as e:
+        report.problems.append(str(e))
+        return
+    for entry in entries:
+        where = f"capacity pool {entry.path}"
+        if not os.path.exists(entry.path):
+            report.problems.append(f"{where} is missing; a pool set needs all its pools")
+            continue
+        try:
+            member = inspect(entry.path)
+        except PoolError as e:
+            report.problems.append(f"{where}: {e}")
+            continue
+        report.members.append(member)
+        report.problems.extend(f"{where}: {problem}" for problem in member.problems)
+        if member.problems:
+            continue
+        region = next((r for r in member.regions if r.name == pool_set.MEMBER_REGION), None)
+        try:
+            pool_set.check_identity(entry, member.superblock.uuid, where)
+            if region is None:
+                raise PoolError(f"{where}: is not a capacity pool of a pool set")
+            with open(entry.path, "rb") as f:
+                f.seek(region.offset)
+                pool_set.check_member(f.read(region.size), entry, report.superblock.uuid, member.superblock.uuid,
+                                      where)
+            pool_set.check_epoch(member.root, report.root, where)
+        except PoolError as e:
+            report.problems.append(str(e))

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import tiering
 from .checkpoint import (
     BatchGuard,
     Checkpointer,
@@ -84,6 +85,11 @@ class Runtime:
         discard_checkpoint: with checkpoint "off", accept opening a pool that holds committed
             batches: the run stops vouching for them, so a crash during it restarts at batch 0.
             Without it, that is refused (ConfigError) before anything is written.
+        capacity_pool: a pool set (docs/tiers.md): the tables named by capacity_tables (default:
+            all) live in this capacity pool on block storage, the rest of the model in `pool`, the
+            set's primary. Created with the primary; an existing set must name this path.
+        prefetch_ids: with a capacity pool, batch -> {table name: row ids [N]}: `batches` then
+            fetches batch b+1 while b computes and reads its cold rows ahead (tiering.ColdRowPrefetcher).
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -95,7 +101,8 @@ class Runtime:
                  mode: str = STRICT, pipeline: bool = True, background_capture: bool = False,
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None,
-                 discard_checkpoint: bool = False) -> None:
+                 discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
+                 capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -120,6 +127,9 @@ class Runtime:
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
         self.tables = _persistent_tables(model)
+        self.tiers = tiering.Tiers.of(self.tables, capacity_pool, capacity_tables)
+        self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
+        self.prefetcher: tiering.ColdRowPrefetcher | None = None
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
                        dense_slot_bytes or _default_slot_bytes(model))
         self.pool: Pool | None = None
@@ -147,26 +157,39 @@ class Runtime:
         building = self.path + ".creating"
         if created:
             remove_stale(building)  # its errors are about that file: they name it
+            self.tiers.check_new()
         try:
             pool = (Pool.create(building, self.pool_bytes(), backend=self.backend) if created
                     else Pool.open(self.path, backend=self.backend))
+            if created:
+                self.tiers.create_members(pool, self._table_specs(fast=False))
+            else:
+                self.tiers.check_open(pool)
             self._set_up_or_clean_up(pool, created)
         except CxlTrainError as e:  # the user asked for self.path: never show the side name
             raise type(e)(str(e).replace(building, self.path)) from None
         self.pool = pool
+        if self._prefetch_ids is not None and KNOBS.prefetch_threads:
+            cold = [t for t in self.tables.values() if not self.tiers.is_fast(t)]
+            self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, KNOBS.prefetch_threads)
         return self
 
     def _set_up_or_clean_up(self, pool: Pool, created: bool) -> None:
         try:
             self._setup(pool)
+            self.restarted = self.restarted and not created  # a new set's capacity pool holds its tables
             if created:
+                self.tiers.publish_members(pool)  # the members first: a primary never names a side name
                 publish(pool, self.path)
         except BaseException:
             if self._guard is not None:
                 self._guard.detach()
+            building = [m.path for m in pool.members] if created else []
             pool.close()
             if created:
                 os.unlink(pool.path)  # never leave a half-built pool behind
+                for path in building:
+                    os.unlink(path)
             raise
 
     def _specs(self) -> list[RegionSpec]:
@@ -174,15 +197,18 @@ class Runtime:
         return [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (ring_bytes,)),
                 *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in layout.DENSE_REGIONS)]
 
-    def _table_specs(self) -> list[RegionSpec]:
-        return [spec for table in self.tables.values() for spec in table.region_specs()]
+    def _table_specs(self, *, fast: bool | None = None) -> list[RegionSpec]:
+        """The tables' regions: all of them, or (fast=True/False) those of the fast / capacity tier."""
+        return [spec for table in self.tables.values() if fast is None or self.tiers.is_fast(table) == fast
+                for spec in table.region_specs()]
 
     def pool_bytes(self) -> int:
         """Size of the pool this Runtime creates when there is none: tables, undo ring, dense slots."""
         size = self._sizes[0]
         if size is not None:
             return size
-        sizes = [spec.nbytes(KNOBS.row_align) for spec in self._table_specs() + self._specs()]
+        sizes = [spec.nbytes(KNOBS.row_align) for spec in self._table_specs(fast=True) + self._specs()]
+        sizes += self.tiers.primary_extra_bytes()
         return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align)
 
     def _setup(self, pool: Pool) -> None:
@@ -233,7 +259,7 @@ class Runtime:
         self.recovery = report
 
     def _start_fresh(self, pool: Pool, tables_present: bool) -> None:
-        missing = [s for s in ([] if tables_present else self._table_specs()) + self._specs()
+        missing = [s for s in ([] if tables_present else self._table_specs(fast=True)) + self._specs()
                    if s.name not in pool.regions]
         pool.add_regions(missing)  # first: a pool too small is refused before anything else changes
         if tables_present and pool.root.batches_done != -1:
@@ -257,9 +283,13 @@ class Runtime:
         if stop is None:
             stop = getattr(source, "num_batches", None)
         self._end_in_flight()
+        ahead = None  # (b + 1, its batch), fetched early so that its cold rows can be read ahead
         while stop is None or self.batch < stop:
             b = self.batch
-            item = get(b)
+            item = ahead[1] if ahead is not None and ahead[0] == b else get(b)
+            if self.prefetcher is not None and (stop is None or b + 1 < stop):
+                ahead = b + 1, get(b + 1)
+                self.prefetcher.submit(self._prefetch_ids(ahead[1]))
             self._begin(b)
             yield item
             self._end_in_flight()
@@ -309,6 +339,9 @@ class Runtime:
                 self._guard.finish(self.batch)  # everything durable and committed at the batch reached
         finally:
             self._guard.detach()  # kept: rt.stats stays readable after the block
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
             pool.close()
 
 

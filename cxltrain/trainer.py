@@ -158,7 +158,9 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
-                   undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint)
+                   undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint,
+                   capacity_pool=config.capacity_pool,
+                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)})
 
 
 def pool_bytes(config: TrainConfig) -> int:

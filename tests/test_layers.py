@@ -28,12 +28,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("cxltrain.kernels", "cxltrain.pool_format")),
     ("devices", ("cxltrain.devices", "cxltrain.emulation")),
     # The pool handle, and beside it what opens, locks, checks and inspects a pool file.
-    ("pool", ("cxltrain.pool", "cxltrain.pool_files", "cxltrain.pool_check", "cxltrain.pool_inspect")),
+    ("pool", ("cxltrain.pool", "cxltrain.pool_files", "cxltrain.pool_check", "cxltrain.pool_inspect",
+              "cxltrain.pool_set")),
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
     ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
-    ("runtime", ("cxltrain.runtime",)),
+    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md).
+    ("runtime", ("cxltrain.runtime", "cxltrain.tiering")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
     ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
               "cxltrain.run_metrics", "cxltrain.evaluation")),

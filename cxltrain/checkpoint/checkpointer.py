@@ -62,7 +62,8 @@ takes on the worker are commit.py's; the orderings both follow are ordering.py's
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
 tables.py (before_update before the in-place update), U2a in Checkpointer._hand_over_commit, U2b
-in ordering.Ordering.commit, U2c and U3 in commit.py, U4 in Checkpointer._capture.
+in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3 in commit.py, U4 in
+Checkpointer._capture.
 """
 
 from __future__ import annotations

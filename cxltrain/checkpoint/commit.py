@@ -82,11 +82,16 @@ class CommitPipeline:
                 crash_point(CrashPoint.COMMIT_MID_ROWS)  # one table's rows flushed, more to go
             yield
         self.pool.device.drain()
+        if self.pool.members:
+            crash_point(CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC)
+            # ORDERING U2d: the capacity pools' dirty pages (cold rows) are durable (fdatasync)
+            # before the root that names `done` is written (U2 across the pool set).
+            self.ordering.sync_capacity(self.pool)
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
         """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""
-        device = self.pool.device
         weights = self.pool.region(table.weight_region)
+        device = self.pool.device_for(weights) if self.pool.members else self.pool.device
         device.flush_rows(weights.offset, weights.row_stride, indices)
         row_bytes = weights.row_stride
         if table.optimizer.state_columns:

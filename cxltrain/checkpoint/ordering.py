@@ -8,6 +8,7 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     CommitBeforeRows     U2  the root is written before the batch's rows are persisted
     CaptureBeforeUpdate  U4  the undo record holds the rows as they were before the previous update
     WindowNeverCleared   U1  (strict, k > 1) a row recorded in one commit window gets no record in later ones
+    SkipCapacitySync     U2  (pool sets) the root names cold rows whose pages were never synced
 
 Several planted at once combine (one class deriving from each).
 """
@@ -57,6 +58,10 @@ class Ordering:
         """What tells a capture which rows already have a record in their commit window (U1)."""
         return WindowCaptures()
 
+    def sync_capacity(self, pool) -> None:
+        """Make a pool set's capacity pools durable (their pages written back and synced)."""
+        pool.drain_members()
+
     def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
         """A commit's steps up to its durable root: the rows, then the snapshot and the root."""
         yield from pipeline.persist_rows(dirty)
@@ -70,6 +75,13 @@ class SkipUndoPersist(Ordering):
 
     def undo_device(self, device: Device) -> Device:
         return _UnpersistedDevice(device)
+
+
+class SkipCapacitySync(Ordering):
+    """Planted U2 bug across a pool set: the capacity pools' pages are never synced before the root."""
+
+    def sync_capacity(self, pool) -> None:
+        pass
 
 
 class CommitBeforeRows(Ordering):
@@ -116,6 +128,7 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.COMMIT_BEFORE_ROWS: CommitBeforeRows,
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
     Planted.WINDOW_NEVER_CLEARED: WindowNeverCleared,
+    Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
 }
 
 

@@ -93,6 +93,7 @@ def recover(pool: Pool, snapshot: dict | None = None, *, decode: bool = True) ->
         if done == 0 and len(rollback) > 1:
             crash_point(CrashPoint.RECOVER_MID)  # one record restored, more to go
     pool.device.drain()
+    pool.drain_members()  # a pool set's capacity pools: restored cold rows synced
     crash_point(CrashPoint.RECOVER_BEFORE_ROOT)
     generation = root.ring_generation + 1
     # ORDERING: the restored rows are durable before the root that retires the records they came

@@ -238,7 +238,7 @@ def restore(pool: Pool, ring_region: Region, record: ScannedRecord) -> None:
     """Write a record's old rows back in place and flush them (the caller drains). Absolute values:
     restoring twice is the same as once, so a crash during recovery is repaired by recovering again."""
     h = record.header
-    array = pool.device.array
+    array = pool.device.array  # the ring is the primary's
     base = ring_region.offset + record.offset + layout.UNDO_HEADER.size
     old_weights, old_state, rows = layout.split_payload(array[base : base + h.payload_bytes], h.count, h.row_bytes,
                                                         h.state_bytes)
@@ -248,9 +248,10 @@ def restore(pool: Pool, ring_region: Region, record: ScannedRecord) -> None:
 
 
 def _scatter_rows(pool: Pool, region: Region, rows: np.ndarray, values: np.ndarray) -> None:
-    """region row r := values[i] for r = rows[i], as raw bytes; flushed, not drained."""
-    array = pool.device.array
-    table = array[region.offset : region.end].reshape(region.shape[0], region.row_stride)
+    """region row r := values[i] for r = rows[i], as raw bytes; flushed, not drained. The region
+    may be a capacity pool's (a pool set): its own device holds it."""
+    device = pool.device_for(region) if pool.members else pool.device
+    table = device.array[region.offset : region.end].reshape(region.shape[0], region.row_stride)
     table[rows] = values
-    pool.device.flush_rows(region.offset, region.row_stride, rows)
+    device.flush_rows(region.offset, region.row_stride, rows)
 

@@ -1,0 +1,106 @@
+"""The capacity tier's devices: a pool file on block storage (SSD, disk), the tier table rows
+too large for memory live in (docs/architecture.md §10, DESIGN §7).
+
+  CapacityDevice       mmap(MAP_SHARED) of the file. A flush notes nothing, drain is one
+                       fdatasync of the file, which writes back every page dirtied through the
+                       mapping: one system call per commit instead of one msync per run of rows.
+                       persist(range) is msync of that range's pages alone (a root, a region).
+                       The kernel may drop clean pages at any time, so resident memory stays
+                       bounded by what the process touches between commits.
+  CapacityCrashDevice  the crash model (knob `capacity_crash` = 1), like SQLite's crash VFS: the
+                       process writes into a private copy-on-write view, flush queues the touched
+                       pages, drain writes them to the file and syncs it. A killed process loses
+                       every page write it never synced, as a power loss loses page writes that
+                       never reached the disk. Crash tests use it; it holds written pages in
+                       private memory, so it is for small pools.
+
+Both are writable mappings; a read-only inspection uses the msync device, as for any pool.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from ..faults import CrashPoint, crash_point
+from ..knobs import KNOBS
+from .base import Device, page_range
+from .msync import MsyncDevice
+
+# Crash tests can die at the n-th page write of a capacity device (as at FLUSH_POINT on the fast tier).
+PAGE_WRITE_POINT = CrashPoint.CAPACITY_PAGE_WRITE
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class CapacityDevice(MsyncDevice):
+    """A capacity pool mapped shared; durable at drain (fdatasync)."""
+
+    kind = "capacity"
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        super().__init__(path, fd, size, writable=True)
+        self._fd = fd
+
+    def _write_back(self, offset: int, length: int) -> None:
+        pass  # the page is already in the page cache: the drain's fdatasync writes it
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int:
+        return 0 if rows.size == 0 else 1  # as _write_back: nothing until the drain
+
+    def _fence(self) -> None:
+        crash_point(PAGE_WRITE_POINT)
+        os.fdatasync(self._fd)
+
+    def _persist_range(self, offset: int, length: int) -> None:
+        # this range only (a root, a region), not every dirty page: msync of its pages
+        crash_point(PAGE_WRITE_POINT)
+        MsyncDevice._write_back(self, offset, length)
+
+
+class CapacityCrashDevice(CapacityDevice):
+    """The crash model: stores go to a private view; a flush queues the touched pages as they are
+    then (a write the disk has accepted, not made durable); drain writes the queued pages to the
+    file and syncs it. A kill loses the view and the queue: every page write never synced."""
+
+    model = "capacity tier: page writes never synced are lost at a crash"
+
+    def __init__(self, path: str, fd: int, size: int) -> None:
+        Device.__init__(self, path, size, writable=True, is_pmem=False)
+        self._fd = fd
+        self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        self._array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._queued: dict[int, bytes] = {}  # page offset -> its bytes when flushed
+
+    def _write_back(self, offset: int, length: int) -> None:
+        start, span = page_range(offset, length)
+        for page in range(start, min(start + span, self.size), PAGE):
+            self._queued[page] = self._array[page : min(page + PAGE, self.size)].tobytes()
+
+    def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
+        return None  # flush() per run of rows: each run's pages are queued
+
+    def _fence(self) -> None:
+        queued, self._queued = self._queued, {}
+        for page in sorted(queued):
+            crash_point(PAGE_WRITE_POINT)
+            os.pwrite(self._fd, queued[page], page)
+        os.fdatasync(self._fd)
+
+    def _persist_range(self, offset: int, length: int) -> None:
+        # this range's pages written and synced; pages flushed earlier stay queued until a drain
+        start, span = page_range(offset, length)
+        for page in range(start, min(start + span, self.size), PAGE):
+            self._queued.pop(page, None)
+            crash_point(PAGE_WRITE_POINT)
+            os.pwrite(self._fd, self._array[page : min(page + PAGE, self.size)], page)
+        os.fdatasync(self._fd)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.kind} crash-model {self.path} {self.size} bytes>"
+
+
+def open_capacity(path: str, fd: int, size: int) -> Device:
+    """The capacity device for a writable member pool: the crash model when the knob asks for it."""
+    return CapacityCrashDevice(path, fd, size) if KNOBS.capacity_crash else CapacityDevice(path, fd, size)
