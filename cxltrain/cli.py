@@ -18,6 +18,8 @@ import warnings
 from typing import Callable, Sequence
 
 from . import knobs
+from .dist import cli as dist_cli
+from .dist import manifest as run_dir
 from .errors import ConfigError, CxlTrainError, PoolError, TrainingStopped
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO
@@ -130,6 +132,9 @@ def _add_train(sub) -> None:
     _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from .dist.cli import add_train_options
+
+    add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
     p.set_defaults(run=_run_train)
 
 
@@ -235,6 +240,8 @@ def _run_train(args) -> int:
     from .emulation.cxl import SHM, memory_dir
     from .trainer import pool_bytes, train
 
+    if dist_cli.distributed(args):
+        return dist_cli.run_train(args, args.argv)
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
@@ -341,6 +348,8 @@ def _recovered(path: str, report, seconds: float) -> str:
 def _run_recover(args) -> int:
     from .runtime import recover_pool
 
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_recover(args.path, args.json)
     report = recover_pool(args.path)
     print(_recovered(args.path, report, report.seconds))
     if args.json:
@@ -356,6 +365,8 @@ def _run_export(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_export(args.path, args.out, _save_export, args.json)
     state = export_state(args.path)
     _save_export(state, args.out)
     tensors = len(state["model"])
@@ -480,6 +491,8 @@ def _inspect_or_fail(path: str):
 
 
 def _run_pool_info(args) -> int:
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_pool_info(args.path, args.json)
     report = _inspect_or_fail(args.path)
     if not args.json:  # with --json, stdout is the JSON alone
         _print_pool_info(report)
@@ -638,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_recover_export(sub)
+    dist_cli.add_import(sub)
     _add_pool(sub)
     _add_devices(sub)
     _add_crashtest(sub)
@@ -767,6 +781,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a distributed launch passes them on
     run: Callable[[argparse.Namespace], int] = args.run
     warnings.showwarning = _one_line_warning
     global _sigterm

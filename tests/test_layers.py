@@ -32,13 +32,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
-    ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
-    ("runtime", ("cxltrain.runtime",)),
+    # cxltrain/dist is split over the layers: its plan, shards and exchange are model pieces, its
+    # runtime and recovery the training loop's, the rest (the rank's job, export/import) jobs.
+    ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics", "cxltrain.dist.plan",
+               "cxltrain.dist.shards", "cxltrain.dist.exchange")),
+    ("runtime", ("cxltrain.runtime", "cxltrain.dist.runtime", "cxltrain.dist.recovery", "cxltrain.dist.manifest")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
-    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config")),
+    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.dist")),
     # The package's own __init__ re-exports public names from several layers (lazily), and
     # __main__ runs the command line: both sit at the top with it.
-    ("cli", ("cxltrain.cli", "cxltrain.__main__", "cxltrain")),
+    ("cli", ("cxltrain.cli", "cxltrain.__main__", "cxltrain", "cxltrain.dist.cli")),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 

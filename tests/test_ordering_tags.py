@@ -20,7 +20,8 @@ WHERE = {
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
-    "U3": "cxltrain/checkpoint/commit.py",         # reclaim after the durable root
+    "U3a": "cxltrain/checkpoint/commit.py",        # reclaim after the durable root
+    "U3b": "cxltrain/checkpoint/ordering.py",      # distributed: never reclaim above the agreed G
     "U4": "cxltrain/checkpoint/checkpointer.py",   # capture from the rows after the previous update
 }
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 import numpy as np
 import torch
 
-from ..faults import Planted
+from ..faults import Planted, PlantedDist
 from .seam import LoggedTable
 
 if TYPE_CHECKING:
@@ -58,6 +58,14 @@ class Ordering:
         # ends with a drain) before the root that names `done` is written.
         pipeline.seal_and_write_root(done, written)
 
+    def keep_from(self, done: int, agreed: int | None) -> int:
+        """The oldest batch whose undo records the commit at `done` keeps: `done` in a single
+        process; in a distributed run (agreed: the last target G all ranks agreed on) never above
+        G, since a peer may still need this rank rolled back to G (docs/distributed.md)."""
+        # ORDERING U3b: in a distributed run, records of batches at or above the agreed target G
+        # are kept whatever this pool's own root says.
+        return done if agreed is None else min(done, agreed)
+
 
 class SkipUndoPersist(Ordering):
     """Planted U1 bug: the record's stores land, its persists are left out."""
@@ -91,10 +99,18 @@ class CaptureBeforeUpdate(Ordering):
         return previous
 
 
+class ReclaimAboveAgreed(Ordering):
+    """Planted U3b bug: a rank reclaims up to its own commit, ignoring the agreed target G."""
+
+    def keep_from(self, done: int, agreed: int | None) -> int:
+        return done
+
+
 PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.SKIP_UNDO_PERSIST: SkipUndoPersist,
     Planted.COMMIT_BEFORE_ROWS: CommitBeforeRows,
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
+    PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }
 
 
