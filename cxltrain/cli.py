@@ -233,6 +233,8 @@ def _check_pool_space(path: str, pool_size: int) -> None:
 
 
 def _run_train(args) -> int:
+    if dist_cli.distributed(args):  # several ranks: docs/distributed.md
+        return dist_cli.run_train(args, args.argv)
     from .checkpoint.stats import summary_line
     from .config import TrainConfig
     from .devices import resolve_backend
@@ -240,8 +242,6 @@ def _run_train(args) -> int:
     from .emulation.cxl import SHM, memory_dir
     from .trainer import pool_bytes, train
 
-    if dist_cli.distributed(args):
-        return dist_cli.run_train(args, args.argv)
     config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
                          rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
                          zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,

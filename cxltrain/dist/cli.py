@@ -42,10 +42,12 @@ def config_of(args):
 def run_train(args, argv: list[str]) -> int:
     if not args.pool:
         raise ConfigError("a distributed run needs --pool DIR (a directory for one pool per rank and the manifest)")
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ and args.nproc_per_node != 1:
         return _launch(args, argv)
     from .train import run_rank
 
+    if args.nproc_per_node == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        _launch_checks(args, 1)  # one rank runs in this process: no launcher, no port
     summary = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,
                        progress=not args.no_progress)
     if summary["rank"] == 0:
@@ -62,9 +64,15 @@ def run_train(args, argv: list[str]) -> int:
 
 def _launch(args, argv: list[str]) -> int:
     """Check what can be checked here (one line, no restarts), then run under torch.distributed.run."""
-    from .train import check_config, plan_for, settings_for
+    _launch_checks(args, args.nproc_per_node)
+    from .train import launch
 
-    n = args.nproc_per_node
+    return launch(_without_launcher_options(argv), args.nproc_per_node, args.max_restarts)
+
+
+def _launch_checks(args, n: int) -> None:
+    from .job_settings import check_config, plan_for, settings_for
+
     if n < 1 or args.max_restarts < 0:
         raise ConfigError("--nproc-per-node must be >= 1 and --max-restarts >= 0")
     config = config_of(args)
@@ -72,9 +80,6 @@ def _launch(args, argv: list[str]) -> int:
     if run_dir.is_run_dir(args.pool):
         run_dir.check(args.pool, run_dir.read(args.pool), n, plan_for(config, n, args.sharding),
                       settings_for(config, args.sharding))
-    from .train import launch
-
-    return launch(_without_launcher_options(argv), n, args.max_restarts)
 
 
 def _without_launcher_options(argv: list[str]) -> list[str]:
@@ -95,6 +100,8 @@ def _without_launcher_options(argv: list[str]) -> list[str]:
 
 
 def run_recover(path: str, as_json: bool) -> int:
+    m = run_dir.read(path)  # refused here, before torch starts
+    run_dir.check(path, m, m["world_size"], None, None)
     from .recovery import recover_dir
 
     done = recover_dir(path)

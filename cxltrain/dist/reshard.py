@@ -30,7 +30,8 @@ from ..tables import region_names
 from . import manifest as run_dir
 from .plan import DATA_PARALLEL, ShardingPlan
 from .recovery import recover_dir
-from .train import build, check_config, plan_for, seed_everything, settings_for
+from .job_settings import check_config, plan_for, settings_for
+from .train import build, seed_everything
 
 DENSE_PREFIX = "dense."
 

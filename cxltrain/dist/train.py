@@ -24,13 +24,14 @@ import torch.distributed as dist
 
 from ..checkpoint.layout import record_bytes
 from ..config import TrainConfig
-from ..errors import ConfigError, CxlTrainError, NonFiniteError
+from ..errors import CxlTrainError, NonFiniteError
 from ..faults import CrashPoint, crash_point
 from ..knobs import KNOBS
 from ..trainer import build_source
 from . import manifest as run_dir
 from .exchange import Comm, SparseExchange, local_slice
-from .plan import ShardingPlan, make_plan, parse_kinds
+from .job_settings import check_config, plan_for, settings_for
+from .plan import ShardingPlan
 from .recovery import recover_group
 from .runtime import DistRuntime
 from .shards import RankModel
@@ -41,25 +42,6 @@ MIN_RING_BYTES = 4 << 20
 
 class PeerLost(CxlTrainError):
     """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs."""
-
-
-def plan_for(config: TrainConfig, world_size: int, sharding: str) -> ShardingPlan:
-    return make_plan([config.rows] * config.num_tables, world_size, parse_kinds(sharding, config.num_tables))
-
-
-def settings_for(config: TrainConfig, sharding: str) -> dict:
-    return run_dir.settings_of({**config.run_metadata(), "sharding": sharding, "checkpoint": config.checkpoint,
-                                "dense_every": config.dense_every})
-
-
-def check_config(config: TrainConfig, world_size: int) -> None:
-    config.validate()
-    if config.batch_size % world_size:
-        raise ConfigError(f"--batch-size {config.batch_size} must split evenly over {world_size} ranks")
-    if config.mode != "strict":
-        raise ConfigError("a distributed run commits in strict mode only (relaxed mode has no one recovery point)")
-    if config.data is not None:
-        raise ConfigError("a distributed run trains on synthetic data (--data is single-process for now)")
 
 
 def ring_bytes(config: TrainConfig, model: RankModel) -> int:
@@ -132,7 +114,12 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
     check_config(config, world_size)
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
+        # gloo may read a dead rank's address from the attempt before
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
+                                world_size=world_size, timeout=timeout)
     else:  # one rank in this process: no rendezvous, no port
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
@@ -152,7 +139,7 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
     plan = ShardingPlan.from_json(m["plan"])
-    if rank == 0 and progress:
+    if rank == 0:
         print(plan.describe(), flush=True)
     started = time.perf_counter()
     recovered = None if fresh else recover_group(directory, rank, world_size, m["run"])
@@ -164,7 +151,7 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
             dist.barrier()
             if rank == 0:
                 run_dir.write(directory, {**m, "state": run_dir.CREATED})
-        if rank == 0 and progress:
+        if rank == 0:
             where = (f"recovered every rank to batch {recovered.batch} in {recovery_seconds * 1000:.0f} ms "
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
                      if recovered else "training from batch 0")
@@ -175,23 +162,24 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
     return summary
 
 
-def _ordered_mean_hook(group, world_size: int):
+def _ordered_mean_hook(world_size: int):
     """DDP comm hook: the bucket's mean over the ranks summed in rank order (all-gather, then a
     fixed-order sum), so the bits do not depend on the bucket layout DDP rebuilds after its first
-    step (a ring all-reduce sums each chunk in another order)."""
+    step (a ring all-reduce sums each chunk in another order). Blocking, on the run's one group:
+    the autograd thread issues it and the exchange's backward in the same order on every rank, so
+    the collectives of one group never interleave (a second group, created after a restart, could
+    meet the previous attempt's addresses in torchrun's store)."""
 
     def hook(state, bucket):
         tensor = bucket.buffer()
         gathered = [torch.empty_like(tensor) for _ in range(world_size)]
-        work = dist.all_gather(gathered, tensor, group=group, async_op=True)
-
-        def finish(_):
-            total = gathered[0].clone()
-            for part in gathered[1:]:
-                total += part
-            return total.div_(world_size)
-
-        return work.get_future().then(finish)
+        dist.all_gather(gathered, tensor)
+        total = gathered[0].clone()
+        for part in gathered[1:]:
+            total += part
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(total.div_(world_size))
+        return done
 
     return hook
 
@@ -199,9 +187,8 @@ def _ordered_mean_hook(group, world_size: int):
 def _train_loop(config, plan, model: RankModel, dense_opt, rt: DistRuntime, comm: Comm, world_size: int) -> dict:
     dense = model.dense
     if world_size > 1:
-        dense_group = dist.new_group(backend="gloo")  # DDP's all-reduces beside the exchange's all-to-alls
-        dense = torch.nn.parallel.DistributedDataParallel(model.dense, process_group=dense_group)
-        dense.register_comm_hook(None, _ordered_mean_hook(dense_group, world_size))
+        dense = torch.nn.parallel.DistributedDataParallel(model.dense)
+        dense.register_comm_hook(None, _ordered_mean_hook(world_size))
     source = build_source(config)
     exchange = SparseExchange(plan, model, comm, config.batch_size)
     first, losses = rt.start_batch, []
