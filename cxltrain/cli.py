@@ -616,10 +616,15 @@ def _add_bench(sub) -> None:
                                                       "(needs matplotlib: the `bench` extra)")
     b.add_argument("--quick", action="store_true", help="a tiny model, in seconds: checks the bench runs, "
                                                         "its figures mean nothing")
+    b.add_argument("--dist", action="store_true", help="distributed runs instead: step time strict vs off, bytes "
+                                                       "exchanged per batch at 1, 2 and 4 ranks, and the group's "
+                                                       "recovery after a kill (docs/distributed.md)")
     b.set_defaults(run=_run_bench)
 
 
 def _run_bench(args) -> int:
+    if args.dist:
+        return dist_cli.run_bench(args)
     from .bench.plot import require_matplotlib, save_plot
     from .bench.report import format_text
     from .bench.suite import full_plan, quick_plan, run_bench

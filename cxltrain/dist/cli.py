@@ -185,3 +185,15 @@ def run_import(args) -> int:
     if args.json:
         print(json.dumps({"dir": args.dir, "batch": g, "world_size": n}))
     return 0
+
+
+def run_bench(args) -> int:
+    import sys
+
+    from .bench import format_text, run
+
+    results = run(args.quick, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
+    print(format_text(results))
+    if args.json:
+        print(json.dumps(results))
+    return 0

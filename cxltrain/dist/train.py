@@ -37,6 +37,7 @@ from .runtime import DistRuntime
 from .shards import RankModel
 
 DEFAULT_TIMEOUT_S = 60.0
+WARMUP_STEPS = 3  # left out of the timed steps (first-touch page faults, DDP's bucket rebuild)
 MIN_RING_BYTES = 4 << 20
 
 
@@ -194,8 +195,11 @@ def _train_loop(config, plan, model: RankModel, dense_opt, rt: DistRuntime, comm
     first, losses = rt.start_batch, []
     agreed = rt.start_batch
     loop_start = time.perf_counter()
+    timed_from, timed_start = first + WARMUP_STEPS, None
     for batch in rt.batches(source.batch, stop=config.steps):
         b = rt.batch
+        if b == timed_from:
+            timed_start, timed_bytes = time.perf_counter(), comm.bytes_sent
         local = local_slice(batch, world_size, comm.rank)
         if rt.durable_target > agreed:
             crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
@@ -209,11 +213,17 @@ def _train_loop(config, plan, model: RankModel, dense_opt, rt: DistRuntime, comm
         dense_opt.step()
         dense_opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    rt.wait_durable()
     seconds = time.perf_counter() - loop_start
     steps = max(0, config.steps - first)
+    timed = config.steps - timed_from
+    sent = torch.tensor([float(comm.bytes_sent - (timed_bytes if timed_start else 0))])
+    dist.all_reduce(sent)  # what every rank sent to the others, in the timed batches
     stats = rt.stats
     return {"steps": steps, "start_batch": first, "seconds": seconds,
             "ms_per_step": seconds * 1000 / steps if steps else 0.0,
+            "ms_per_step_after_warmup": (time.perf_counter() - timed_start) * 1000 / timed if timed_start else None,
+            "bytes_exchanged_per_batch": float(sent[0]) / timed if timed_start else None,
             "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
             "bytes_sent_per_batch": comm.bytes_sent / steps if steps else 0.0,
             "checkpoint_stats": None if stats is None else stats.to_json()}
