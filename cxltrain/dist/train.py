@@ -142,10 +142,11 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
     plan = ShardingPlan.from_json(m["plan"])
     if rank == 0:
         print(plan.describe(), flush=True)
-    started = time.perf_counter()
-    recovered = None if fresh else recover_group(directory, rank, world_size, m["run"])
     model, dense_opt, rt = build(config, plan, rank, {"dir": directory, "run": m["run"], "rank": rank})
     comm = Comm(rank, world_size)
+    dist.barrier()  # the recovery's time starts once every rank is here, not at the first one's start
+    started = time.perf_counter()
+    recovered = None if fresh else recover_group(directory, rank, world_size, m["run"])
     with rt:
         recovery_seconds = time.perf_counter() - started
         if fresh:
