@@ -71,7 +71,7 @@ class PlantedDist:
     """The planted bugs of distributed runs (cxltrain/dist/); a single process never reaches them."""
 
     RECLAIM_ABOVE_AGREED = "reclaim-above-agreed"    # U3b: a rank reclaims records above the agreed target G
-    COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"  # a rank commits taking its own target for G
+    COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"  # a rank commits as if its batch were agreed
 
 
 def _names(namespace: type) -> tuple[str, ...]:

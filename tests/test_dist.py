@@ -138,16 +138,34 @@ def test_the_ranks_agree_on_the_lowest_target_or_all_refuse():
 # ---------------------------------------------------------------------------------------------
 # Kills, restarts, planted bugs.
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_torchrun_restart_after_a_kill_between_commits_is_bit_identical(references, shm_dir, ranks):
-    """Rank 1 SIGKILLed between the ranks' commits, under the power-loss model; torchrun restarts
-    the group, which agrees on G, rolls rank 0 back past its own commit, and finishes."""
+NAMED_POINTS = [f"{CrashPoint.DIST_BEFORE_AGREEMENT}:6", f"{CrashPoint.DIST_AFTER_LOCAL_COMMIT}:3",
+                f"{CrashPoint.COMMIT_AFTER_ROOT}:4", f"{CrashPoint.UPDATE_MID}:7"]
+
+
+@pytest.mark.parametrize("ranks,crash", [(2, None), pytest.param(4, None, marks=pytest.mark.slow),
+                                         *(pytest.param(2, c, marks=pytest.mark.slow) for c in NAMED_POINTS)])
+def test_torchrun_restart_after_a_kill_between_commits_is_bit_identical(references, shm_dir, ranks, crash):
+    """Rank 1 SIGKILLed between the ranks' commits (or, slow, at other named points), under the
+    power-loss model; torchrun restarts the group, which agrees on G, rolls rank 0 back past its
+    own commit, and finishes."""
     run = shm_dir / "run"
-    done = ok(torchrun(run, STEPS, ranks, restarts=1, env={**BETWEEN_COMMITS, "CXLTRAIN_POWER_LOSS": "1"}))
-    assert f"recovered every rank to batch {AT_G}" in done.stdout, done.stdout
+    kill = {**BETWEEN_COMMITS, **({CRASH_ENV: crash} if crash else {})}
+    done = ok(torchrun(run, STEPS, ranks, restarts=1, env={**kill, "CXLTRAIN_POWER_LOSS": "1"}))
+    assert "recovered every rank to batch" in done.stdout, done.stdout
+    if crash is None:
+        assert f"recovered every rank to batch {AT_G}" in done.stdout, done.stdout
     out = shm_dir / "out.pt"
     ok(cxltrain("export", run, out, timeout=CHILD_TIMEOUT))
     assert_same_export(torch.load(out, weights_only=True), references(ranks)["end"])
+
+
+@pytest.mark.slow
+def test_a_crash_during_the_group_recovery_is_repaired_by_recovering_again(reference, shm_dir):
+    run = shm_dir / "run"
+    assert train(run, STEPS, 2, "--max-restarts", "0", env=BETWEEN_COMMITS).returncode != 0
+    dying = cxltrain("recover", run, env={CRASH_ENV: CrashPoint.DIST_RECOVER_BEFORE_ROOT}, timeout=CHILD_TIMEOUT)
+    assert dying.returncode == -signal.SIGKILL
+    assert_same_export(export(run), reference["at_g"])
 
 
 @pytest.mark.parametrize("fault", [None, PlantedDist.RECLAIM_ABOVE_AGREED,

@@ -88,7 +88,9 @@ class SparseExchange:
             messages.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
         header = torch.tensor([[m.numel(), durable] for m in messages], dtype=torch.int64)
         received_header = torch.cat(comm.all_to_all(list(header), [2] * comm.world_size)).view(-1, 2)
-        agreed = durable if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT) else int(received_header[:, 1].min())
+        agreed = int(received_header[:, 1].min())
+        if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT):
+            agreed = local.index + 1  # as if every rank had this batch's commit durable already
         received = comm.all_to_all(messages, received_header[:, 0].tolist())
         pooled = self._look_up(received)
         return list(_Exchange.apply(self, *pooled)), agreed
