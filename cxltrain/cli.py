@@ -234,7 +234,8 @@ def _check_pool_space(path: str, pool_size: int) -> None:
 
 def _run_train(args) -> int:
     if dist_cli.distributed(args):  # several ranks: docs/distributed.md
-        return dist_cli.run_train(args, args.argv)
+        with knobs.override(**_emulation_knobs(args)):
+            return dist_cli.run_train(args, args.argv)
     from .checkpoint.stats import summary_line
     from .config import TrainConfig
     from .devices import resolve_backend
