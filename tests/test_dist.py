@@ -286,6 +286,11 @@ def test_bad_starts_are_refused_in_one_line_with_nothing_written(shm_dir):
         assert done.returncode != 0 and message in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
     assert (sorted(os.listdir(run)), (run / run_dir.MANIFEST).read_bytes()) == before
+    single = shm_dir / "single.pool"
+    single.write_bytes(b"not a directory")
+    done = cxltrain("train", "--pool", single, *_with(options(STEPS), ["--nproc-per-node", "2"]), timeout=CHILD_TIMEOUT)
+    assert done.returncode != 0 and "is not a distributed run's directory" in done.stderr, done.stderr
+    assert single.read_bytes() == b"not a directory"
     done = cxltrain("recover", run, timeout=CHILD_TIMEOUT)  # the rank pools are missing
     assert done.returncode != 0 and "rank 0's pool is missing" in done.stderr, done.stderr
     done = cxltrain("pool", "info", run, "--json", timeout=CHILD_TIMEOUT)

@@ -80,6 +80,9 @@ def _launch_checks(args, n: int) -> None:
     if run_dir.is_run_dir(args.pool):
         run_dir.check(args.pool, run_dir.read(args.pool), n, plan_for(config, n, args.sharding),
                       settings_for(config, args.sharding))
+    elif os.path.exists(args.pool) and (not os.path.isdir(args.pool) or os.listdir(args.pool)):
+        raise ConfigError(f"{args.pool}: exists and is not a distributed run's directory (no {run_dir.MANIFEST}); "
+                          "a run of several ranks needs a directory of its own")
 
 
 def _without_launcher_options(argv: list[str]) -> list[str]:
