@@ -236,7 +236,7 @@ def test_import_onto_the_same_world_size_continues_bit_identical(reference, shm_
     assert_same_export(export(run), reference["end"])
 
 
-@pytest.mark.parametrize("ranks", [1, 3])
+@pytest.mark.parametrize("ranks", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_import_onto_another_world_size_changes_no_bit(reference, shm_dir, ranks):
     """An export imported into 1 or 3 ranks (re-planned: a table-wise table may move, a row-wise one
     is split anew) and exported again is the same state dict, bit for bit."""
