@@ -19,6 +19,8 @@ from typing import Callable, Sequence
 
 from . import knobs
 from .cli_data import add_commands, add_train_data_options, parse_rows, resolve_train_data
+from .dist import cli as dist_cli
+from .dist import manifest as run_dir
 from .errors import ConfigError, CxlTrainError, PoolError, TrainingStopped
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, STRICT, UNDO
@@ -143,6 +145,9 @@ def _add_train(sub) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
+    from .dist.cli import add_train_options
+
+    add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
 
 
 def _add_emulation_options(p) -> None:
@@ -240,6 +245,9 @@ def _check_pool_space(path: str, pool_size: int) -> None:
 
 
 def _run_train(args) -> int:
+    if dist_cli.distributed(args):  # several ranks: docs/distributed.md
+        with knobs.override(**_emulation_knobs(args)):
+            return dist_cli.run_train(args, args.argv)
     from .checkpoint.stats import summary_line
     from .config import TrainConfig
     from .devices import resolve_backend
@@ -357,6 +365,8 @@ def _recovered(path: str, report, seconds: float) -> str:
 def _run_recover(args) -> int:
     from .checkpoint.offline import process_seconds, recover_pool  # no torch: recovery copies bytes
 
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_recover(args.path, args.json)
     report = recover_pool(args.path)
     process = process_seconds()
     print(_recovered(args.path, report, report.seconds)
@@ -374,6 +384,8 @@ def _run_export(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_export(args.path, args.out, _save_export, args.json)
     state = export_state(args.path)
     _save_export(state, args.out)
     tensors = len(state["model"])
@@ -499,6 +511,8 @@ def _inspect_or_fail(path: str):
 
 
 def _run_pool_info(args) -> int:
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_pool_info(args.path, args.json)
     report = _inspect_or_fail(args.path)
     if not args.json:  # with --json, stdout is the JSON alone
         _print_pool_info(report)
@@ -625,10 +639,15 @@ def _add_bench(sub) -> None:
                                                       "(needs matplotlib: the `bench` extra)")
     b.add_argument("--quick", action="store_true", help="a tiny model, in seconds: checks the bench runs, "
                                                         "its figures mean nothing")
+    b.add_argument("--dist", action="store_true", help="distributed runs instead: step time strict vs off, bytes "
+                                                       "exchanged per batch at 1, 2 and 4 ranks, and the group's "
+                                                       "recovery after a kill (docs/distributed.md)")
     b.set_defaults(run=_run_bench)
 
 
 def _run_bench(args) -> int:
+    if args.dist:
+        return dist_cli.run_bench(args)
     from .bench.plot import require_matplotlib, save_plot
     from .bench.report import format_text
     from .bench.suite import full_plan, quick_plan, run_bench
@@ -660,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_recover_export(sub)
+    dist_cli.add_import(sub)
     _add_pool(sub)
     _add_devices(sub)
     _add_crashtest(sub)
@@ -790,6 +810,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # a distributed launch passes them on
     run: Callable[[argparse.Namespace], int] = args.run
     warnings.showwarning = _one_line_warning
     global _sigterm

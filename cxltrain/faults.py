@@ -44,6 +44,10 @@ class CrashPoint:
     CAPACITY_PAGE_WRITE = "capacity:page-write"            # devices/capacity.py: every page write / sync
     COMMIT_BEFORE_CAPACITY_SYNC = "commit:before-capacity-sync"  # checkpoint/commit.py: cold pages written, unsynced
     COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
+    # distributed runs (cxltrain/dist/), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
+    DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # dist/step.py: this rank's commit durable, peers' maybe not
+    DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # dist/step.py: a step done, G not yet agreed
+    DIST_RECOVER_BEFORE_ROOT = "dist:recover-before-root"  # dist/recovery.py: rolled back to G, no root yet
 
     REACHED_PER = {
         UNDO_BETWEEN_PAYLOAD_AND_HEADER: "tables",
@@ -75,12 +79,20 @@ class Planted:
     SKIP_CAPACITY_SYNC = "skip-capacity-sync"        # U2 across pools: the root names cold pages never synced
 
 
+class PlantedDist:
+    """The planted bugs of distributed runs (cxltrain/dist/); a single process never reaches them."""
+
+    RECLAIM_ABOVE_AGREED = "reclaim-above-agreed"    # U3b: a rank reclaims records above the agreed target G
+    COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"  # a rank commits as if its batch were agreed
+
+
 def _names(namespace: type) -> tuple[str, ...]:
     return tuple(value for key, value in vars(namespace).items() if key.isupper() and isinstance(value, str))
 
 
 CRASH_POINTS = frozenset(_names(CrashPoint))
 PLANTED = _names(Planted)
+DIST_PLANTED = _names(PlantedDist)
 
 
 def _parse_crash(value: str | None) -> tuple[str, int] | None:
@@ -96,14 +108,27 @@ def _parse_crash(value: str | None) -> tuple[str, int] | None:
 
 def _parse_faults(value: str) -> frozenset[str]:
     faults = frozenset(f for f in value.split(",") if f)
-    unknown = sorted(faults - set(PLANTED))
+    unknown = sorted(faults - set(PLANTED) - set(DIST_PLANTED))
     if unknown:
         raise ValueError(f"{FAULT_ENV}={value!r}: unknown planted fault(s) {', '.join(unknown)}; "
-                         f"registered: {', '.join(PLANTED)}")
+                         f"registered: {', '.join(PLANTED + DIST_PLANTED)}")
     return faults
 
 
-_CRASH = _parse_crash(os.environ.get(CRASH_ENV))
+CRASH_RANK_ENV = "CXLTRAIN_CRASH_RANK"  # distributed runs: only this rank (RANK) arms CXLTRAIN_CRASH_AT
+
+
+def _crash_setting() -> str | None:
+    """CXLTRAIN_CRASH_AT, unless CXLTRAIN_CRASH_RANK names another rank than this process's RANK,
+    or torchrun is restarting the group (a crash test kills the first incarnation only)."""
+    rank = os.environ.get(CRASH_RANK_ENV)
+    if rank is not None and (rank != os.environ.get("RANK", "0")
+                             or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
+        return None
+    return os.environ.get(CRASH_ENV)
+
+
+_CRASH = _parse_crash(_crash_setting())
 _FAULTS = _parse_faults(os.environ.get(FAULT_ENV, ""))
 _reached = 0
 

@@ -10,7 +10,7 @@ from torch import nn
 import cxltrain
 from cxltrain.checkpoint import Checkpointer, GuardState, NoCheckpoint, ordering
 from cxltrain.errors import CheckpointError
-from cxltrain.faults import PLANTED, Planted
+from cxltrain.faults import DIST_PLANTED, PLANTED, Planted
 from cxltrain.tables import PersistentEmbeddingBag
 
 
@@ -53,6 +53,6 @@ def test_planted_bugs_select_orderings_and_combine():
     assert type(ordering.for_planted(())) is ordering.Ordering
     assert type(ordering.for_planted([Planted.ROOT_BEFORE_ENTRIES])) is ordering.Ordering  # the pool's own
     assert type(ordering.for_planted([Planted.COMMIT_BEFORE_ROWS])) is ordering.CommitBeforeRows
-    every = ordering.for_planted(PLANTED)
+    every = ordering.for_planted(PLANTED + DIST_PLANTED)
     assert all(isinstance(every, cls) for cls in ordering.PLANTED_ORDERINGS.values())
     assert not every.flush_at_update and ordering.Ordering.flush_at_update

@@ -33,15 +33,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
-    ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
+    # cxltrain/dist is split over the layers: its plan, shards and exchange are model pieces, its
+    # runtime and recovery the training loop's, the rest (the rank's job, export/import) jobs.
+    ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics", "cxltrain.dist.plan",
+               "cxltrain.dist.shards", "cxltrain.dist.exchange")),
     # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md).
-    ("runtime", ("cxltrain.runtime", "cxltrain.tiering")),
+    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.dist.runtime", "cxltrain.dist.recovery",
+                 "cxltrain.dist.manifest")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
     ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
-              "cxltrain.run_metrics", "cxltrain.evaluation")),
+              "cxltrain.run_metrics", "cxltrain.evaluation", "cxltrain.dist")),
     # The package's own __init__ re-exports public names from several layers (lazily), and
     # __main__ runs the command line: both sit at the top with it.
-    ("cli", ("cxltrain.cli", "cxltrain.cli_data", "cxltrain.__main__", "cxltrain")),
+    ("cli", ("cxltrain.cli", "cxltrain.cli_data", "cxltrain.__main__", "cxltrain", "cxltrain.dist.cli")),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 

@@ -22,7 +22,8 @@ WHERE = {
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
     "U2d": "cxltrain/checkpoint/commit.py",        # a pool set's capacity pools synced before the root
-    "U3": "cxltrain/checkpoint/commit.py",         # reclaim after the durable root
+    "U3a": "cxltrain/checkpoint/commit.py",        # reclaim after the durable root
+    "U3b": "cxltrain/checkpoint/ordering.py",      # distributed: never reclaim above the agreed G
     "U4": "cxltrain/checkpoint/checkpointer.py",   # capture from the rows after the previous update
 }
 

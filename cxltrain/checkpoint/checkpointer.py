@@ -62,8 +62,8 @@ takes on the worker are commit.py's; the orderings both follow are ordering.py's
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
 tables.py (before_update before the in-place update), U2a in Checkpointer._hand_over_commit, U2b
-in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3 in commit.py, U4 in
-Checkpointer._capture.
+in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
+(distributed runs) in ordering.Ordering.keep_from, U4 in Checkpointer._capture.
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ class Checkpointer(BatchGuard):
         self.flush_at_update = (pool.device.is_pmem and not self.background_capture
                                 and self._ordering.flush_at_update)
         self._commit_ticket: Ticket | None = None
+        # a distributed run's last agreed recovery target G (cxltrain/dist): commits keep the undo
+        # records of batches >= G whatever their own target (U3b); None in a single process
+        self.agreed: int | None = None
         self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs (background)
         self._lookups: list[tuple[LoggedTable, torch.Tensor]] = []  # ... its lookups not yet captured (inline)
         self._dirty: dict[int, DirtyRows] = {}  # batch -> (table, rows) updated, not flushed at update
@@ -258,7 +261,7 @@ class Checkpointer(BatchGuard):
             written = slot, *dense.write_payload(self.pool, slot, done,
                                                  self._layouts.lay_out(self.dense_state.capture(done)))
             self.stats.dense_bytes += written[1]
-        self._commit_ticket = self._worker.submit_commit(self._commits.steps(done, dirty, written))
+        self._commit_ticket = self._worker.submit_commit(self._commits.steps(done, dirty, written, self.agreed))
         self.committed = done
         if snapshot:
             self.dense_committed = done

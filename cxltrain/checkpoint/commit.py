@@ -43,18 +43,23 @@ class CommitPipeline:
         self.pool, self.ring, self.stats, self.ordering = pool, ring, stats, ordering
         self._root_flags = ROOT_RELAXED if relaxed else 0
         self.durable = pool.root.batches_done
+        self._keep_from = 0  # the commit in flight keeps undo records of batches >= this
 
-    def steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None) -> Iterator[None]:
+    def steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None,
+              agreed: int | None = None) -> Iterator[None]:
         """The commit at `done` batches, timed. dirty: the rows updated since the last commit;
         written: (slot, payload bytes, payload checksum) of the dense state at `done`, already
-        durable in that slot (dense.write_payload), or None when no snapshot is due."""
-        return self._timed(self._steps(done, dirty, written))
+        durable in that slot (dense.write_payload), or None when no snapshot is due; agreed: a
+        distributed run's last agreed target G (Ordering.keep_from), None in a single process."""
+        return self._timed(self._steps(done, dirty, written, agreed))
 
-    def _steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None) -> Iterator[None]:
+    def _steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None,
+               agreed: int | None) -> Iterator[None]:
+        self._keep_from = self.ordering.keep_from(done, agreed)
         yield from self.ordering.commit(self, done, dirty, written)
-        # ORDERING U3: records of batches < done are forgotten (their ring space reused) only now
-        # that a durable root no longer needs them.
-        self.ring.reclaim(done)
+        # ORDERING U3a: records of batches < done (< G in a distributed run) are forgotten (their
+        # ring space reused) only now that a durable root no longer needs them.
+        self.ring.reclaim(self._keep_from)
         self.durable = done
         self.stats.commits += 1
 
@@ -67,7 +72,7 @@ class CommitPipeline:
             self.stats.snapshots += 1
             slot, snapshot_batch = written[0], done
             crash_point(CrashPoint.COMMIT_BEFORE_ROOT)
-        start, start_seq = self.ring.start_after_reclaim(done)
+        start, start_seq = self.ring.start_after_reclaim(self._keep_from)
         # ORDERING U2c: the dense snapshot of `done`, when one is due (payload persisted at hand-over,
         # header sealed just above), is durable before this root names it.
         self.pool.commit(batches_done=done, flags=self._root_flags, ring_start=start, ring_start_seq=start_seq,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 import numpy as np
 import torch
 
-from ..faults import Planted
+from ..faults import Planted, PlantedDist
 from .seam import LoggedTable
 from .window import WindowCaptures
 
@@ -68,6 +68,14 @@ class Ordering:
         # ORDERING U2b: the rows updated in place since the last commit are durable (persist_rows
         # ends with a drain) before the root that names `done` is written.
         pipeline.seal_and_write_root(done, written)
+
+    def keep_from(self, done: int, agreed: int | None) -> int:
+        """The oldest batch whose undo records the commit at `done` keeps: `done` in a single
+        process; in a distributed run (agreed: the last target G all ranks agreed on) never above
+        G, since a peer may still need this rank rolled back to G (docs/distributed.md)."""
+        # ORDERING U3b: in a distributed run, records of batches at or above the agreed target G
+        # are kept whatever this pool's own root says.
+        return done if agreed is None else min(done, agreed)
 
 
 class SkipUndoPersist(Ordering):
@@ -123,12 +131,20 @@ class _NeverCleared(WindowCaptures):
         pass
 
 
+class ReclaimAboveAgreed(Ordering):
+    """Planted U3b bug: a rank reclaims up to its own commit, ignoring the agreed target G."""
+
+    def keep_from(self, done: int, agreed: int | None) -> int:
+        return done
+
+
 PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.SKIP_UNDO_PERSIST: SkipUndoPersist,
     Planted.COMMIT_BEFORE_ROWS: CommitBeforeRows,
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
     Planted.WINDOW_NEVER_CLEARED: WindowNeverCleared,
     Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
+    PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }
 
 

@@ -1,0 +1,147 @@
+"""The sharding plan: which rank holds which table, or which rows of it (TorchRec's vocabulary).
+
+    plan = make_plan([100_000, 100_000, 64], world_size=2)   # automatic from the sizes
+    print(plan.describe())
+    plan.owners(0)          # ranks holding table 0
+    plan.rows_of(0, rank)   # (lo, hi): the rows of table 0 that `rank` holds
+
+Kinds:
+    table-wise      the whole table on one rank (tables spread largest first over the least loaded)
+    row-wise        rows [bounds[i], bounds[i+1]) on rank i: for a table too big for one rank
+    data-parallel   a full copy on every rank, updated identically: for small tables
+
+Automatic: tables of at most SMALL_TABLE_ROWS rows are data-parallel, a table larger than twice a
+rank's fair share of all rows is row-wise, the others table-wise; when that leaves a rank with
+nothing, the table-wise tables become row-wise. Torch-free, so the command line plans fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+from ..errors import ConfigError
+
+TABLE_WISE, ROW_WISE, DATA_PARALLEL = "table-wise", "row-wise", "data-parallel"
+KINDS = (TABLE_WISE, ROW_WISE, DATA_PARALLEL)
+AUTO = "auto"
+SMALL_TABLE_ROWS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    name: str
+    rows: int
+    kind: str
+    ranks: tuple[int, ...]         # the ranks holding (part of) it
+    bounds: tuple[int, ...] = ()   # row-wise: ranks[i] holds rows [bounds[i], bounds[i+1])
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        if rank not in self.ranks:
+            return 0, 0
+        if self.kind == ROW_WISE:
+            i = self.ranks.index(rank)
+            return self.bounds[i], self.bounds[i + 1]
+        return 0, self.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    world_size: int
+    tables: tuple[TablePlan, ...]
+
+    def owners(self, t: int) -> tuple[int, ...]:
+        return self.tables[t].ranks
+
+    def rows_of(self, t: int, rank: int) -> tuple[int, int]:
+        return self.tables[t].rows_of(rank)
+
+    def held_by(self, rank: int) -> list[int]:
+        """Indices of the tables `rank` holds (a part of), in table order."""
+        return [t for t, table in enumerate(self.tables) if rank in table.ranks]
+
+    def to_json(self) -> dict:
+        return {"world_size": self.world_size, "tables": [dataclasses.asdict(t) for t in self.tables]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ShardingPlan":
+        try:
+            tables = tuple(TablePlan(str(t["name"]), int(t["rows"]), str(t["kind"]), tuple(int(r) for r in t["ranks"]),
+                                     tuple(int(b) for b in t["bounds"])) for t in data["tables"])
+            return cls(int(data["world_size"]), tables)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a sharding plan ({e!r})") from None
+
+    def describe(self) -> str:
+        """One line per table, as the run prints it."""
+        lines = [f"sharding plan for {self.world_size} rank(s):"]
+        for t in self.tables:
+            if t.kind == ROW_WISE:
+                where = ", ".join(f"rank {r} rows {lo:,}-{hi - 1:,}" for r, lo, hi in zip(t.ranks, t.bounds, t.bounds[1:]))
+            elif t.kind == DATA_PARALLEL:
+                where = "a copy on every rank"
+            else:
+                where = f"rank {t.ranks[0]}"
+            lines.append(f"  {t.name}: {t.rows:,} rows, {t.kind}: {where}")
+        return "\n".join(lines)
+
+    def fingerprint(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True)
+
+
+def parse_kinds(spec: str, num_tables: int) -> list[str]:
+    """`auto`, one kind for every table, or a comma-separated kind per table."""
+    kinds = [k.strip() for k in spec.split(",")]
+    if len(kinds) == 1:
+        kinds = kinds * num_tables
+    if len(kinds) != num_tables or any(k not in (*KINDS, AUTO) for k in kinds):
+        raise ConfigError(f"--sharding {spec!r}: give auto, one of {', '.join(KINDS)}, or one of them per table "
+                          f"({num_tables} comma-separated)")
+    return kinds
+
+
+def make_plan(rows: Sequence[int], world_size: int, kinds: Sequence[str] | None = None,
+              names: Sequence[str] | None = None) -> ShardingPlan:
+    """The plan for tables of `rows` rows over `world_size` ranks; kinds: per table, "auto" or a kind."""
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    names = list(names) if names is not None else [f"t{i}" for i in range(len(rows))]
+    kinds = list(kinds) if kinds is not None else [AUTO] * len(rows)
+    fair = sum(rows) / world_size
+    chosen = [k if k != AUTO else (DATA_PARALLEL if world_size > 1 and r <= SMALL_TABLE_ROWS
+                                   else ROW_WISE if world_size > 1 and r > 2 * fair else TABLE_WISE)
+              for r, k in zip(rows, kinds)]
+    placed = _place_table_wise(rows, chosen, world_size)
+    spread = any(k != TABLE_WISE for k in chosen)  # a row-wise or data-parallel table reaches every rank
+    if AUTO in kinds and not spread and len(set(placed.values())) < world_size:
+        chosen = [ROW_WISE if k == TABLE_WISE and given == AUTO else k for k, given in zip(chosen, kinds)]
+        placed = _place_table_wise(rows, chosen, world_size)
+    tables = []
+    for t, (name, r, kind) in enumerate(zip(names, rows, chosen)):
+        if kind == ROW_WISE:
+            if r < world_size:
+                raise ConfigError(f"table {name}: {r} rows cannot be split row-wise over {world_size} ranks")
+            ranks = tuple(range(world_size))
+            tables.append(TablePlan(name, r, kind, ranks, tuple(r * i // world_size for i in range(world_size + 1))))
+        elif kind == DATA_PARALLEL:
+            tables.append(TablePlan(name, r, kind, tuple(range(world_size))))
+        else:
+            tables.append(TablePlan(name, r, kind, (placed[t],)))
+    plan = ShardingPlan(world_size, tuple(tables))
+    idle = [r for r in range(world_size) if not plan.held_by(r)]
+    if idle:
+        raise ConfigError(f"the sharding plan leaves rank(s) {', '.join(map(str, idle))} without a table "
+                          f"({len(rows)} table-wise table(s) over {world_size} ranks); shard some row-wise")
+    return plan
+
+
+def _place_table_wise(rows: Sequence[int], kinds: list[str], world_size: int) -> dict[int, int]:
+    """Table-wise tables, largest first, each to the rank with the fewest rows so far (lowest on a tie)."""
+    load = [0] * world_size
+    placed = {}
+    for t in sorted((t for t, k in enumerate(kinds) if k == TABLE_WISE), key=lambda t: (-rows[t], t)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        placed[t] = rank
+        load[rank] += rows[t]
+    return placed
