@@ -177,7 +177,8 @@ def add_import(sub) -> None:
     i.add_argument("--sharding", default="auto", help="as for train (default auto)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(run=run_import, data=None, checkpoint=d.checkpoint, mode=d.mode, pipeline=d.pipeline,
-                   background_capture=False)
+                   background_capture=False, epochs=None, eval_every=d.eval_every, eval_batches=d.eval_batches,
+                   metrics=None, prefetch=d.prefetch, default_num_tables=d.num_tables)
 
 
 def run_import(args) -> int:
