@@ -48,7 +48,7 @@ from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import RegionKind, pool_size_for
-from .tables import PersistentEmbeddingBag, pool_holds, region_names
+from .tables import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
 
 DEFAULT_UNDO_RING_BYTES = 64 << 20
 
@@ -318,6 +318,7 @@ def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
     tables = {path: m for path, m in model.named_modules() if isinstance(m, PersistentEmbeddingBag)}
     if not tables:
         raise ConfigError("the model has no PersistentEmbeddingBag: nothing for a pool to hold")
+    name_unnamed(tables)
     names = [t.name for t in tables.values()]
     if len(set(names)) != len(names):
         raise ConfigError(f"table names must be unique in a model, got {names}")
