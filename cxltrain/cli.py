@@ -326,6 +326,9 @@ def _add_recover_export(sub) -> None:
                                    "weights_only=True).")
     e.add_argument("path")
     e.add_argument("out", help="output file (.pt); must not exist")
+    e.add_argument("--format", choices=("cxltrain", "torchrec"), default="cxltrain",
+                   help="torchrec: one flat state dict, tables keyed embedding_bags.<table>.weight as in TorchRec's "
+                        "EmbeddingBagCollection, plus the dense weights; no optimizer state (docs/torchrec.md)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(run=_run_export)
 
@@ -357,7 +360,11 @@ def _run_export(args) -> int:
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
     state = export_state(args.path)
-    _save_export(state, args.out)
+    if args.format == "torchrec":
+        from .interop import to_torchrec
+
+        state = {"batch": state["batch"], "model": to_torchrec(state)}
+    _save_export(state["model"] if args.format == "torchrec" else state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:

@@ -365,7 +365,8 @@ def export_state(path: str) -> dict:
         {"batch": batches done,
          "model": {dense parameter/buffer name: tensor,
                    "<table module path>.weight": [R, D], "<table module path>.optimizer_state": [R, K]},
-         "optimizers": [optimizer.state_dict(), ...], "schedulers": [...]}
+         "optimizers": [optimizer.state_dict(), ...], "schedulers": [...],
+         "tables": {table module path: table name}, "metadata": the run's description (Runtime metadata)}
 
     A pool with nothing to roll back is read, never written (read-only access is enough); one with
     undo records to roll back is recovered in place first, which needs write access.
@@ -394,4 +395,5 @@ def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
                                                     else np.array(weights))
         if state_region in pool.regions:
             model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
-    return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"]}
+    return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"],
+            "tables": dict(snapshot["tables"]), "metadata": snapshot["metadata"]}

@@ -32,8 +32,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
-    ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
-    ("runtime", ("cxltrain.runtime",)),
+    ("model", ("cxltrain.models", "cxltrain.collection", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
+    # interop converts exports to and from TorchRec's key names; pool_import builds a pool from one.
+    ("runtime", ("cxltrain.runtime", "cxltrain.interop", "cxltrain.pool_import")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
     ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config")),
     # The package's own __init__ re-exports public names from several layers (lazily), and
