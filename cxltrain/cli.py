@@ -8,6 +8,7 @@ usage errors, 1 for everything else) — never a traceback for an error it can n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -333,6 +334,32 @@ def _add_recover_export(sub) -> None:
     e.set_defaults(run=_run_export)
 
 
+def _add_import(sub) -> None:
+    i = sub.add_parser("import", help="build a new pool from an export (ours, or a TorchRec EBC state dict)",
+                       description="Build POOL (which must not exist) from OUT.pt: an export of cxltrain (any "
+                                   "format), or a TorchRec EmbeddingBagCollection state dict plus dense weights. "
+                                   "The pool is committed at the export's batch; a Runtime or `cxltrain train` "
+                                   "with the same options resumes it there (docs/torchrec.md).")
+    i.add_argument("source", metavar="OUT.pt")
+    i.add_argument("path", metavar="POOL")
+    i.add_argument("--sparse-optimizer", choices=("adagrad", "sgd"), default="adagrad",
+                   help="the tables' optimizer when the export holds no optimizer state (TorchRec's): its state "
+                        "columns start at their initial value (default adagrad)")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(run=_run_import)
+
+
+def _run_import(args) -> int:
+    from .pool_import import import_file
+
+    report = import_file(args.source, args.path, state_columns=1 if args.sparse_optimizer == "adagrad" else 0)
+    print(f"imported {args.source} ({report.source} format) into {report.path}: {len(report.tables)} tables, "
+          f"committed at batch {report.batch}")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+    return 0
+
+
 def _recovered(path: str, report, seconds: float) -> str:
     return (f"recovered {path} to batch {report.batch} in {seconds * 1000:.1f} ms (rolled back "
             f"{report.records_restored} undo records, {report.rows_restored:,} rows, of "
@@ -645,6 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_recover_export(sub)
+    _add_import(sub)
     _add_pool(sub)
     _add_devices(sub)
     _add_crashtest(sub)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -43,6 +43,8 @@ from .checkpoint import (
     recover,
     verify,
 )
+from .checkpoint.seam import dense_only
+from .data.loader import batches_from
 from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
@@ -51,6 +53,7 @@ from .pool_format import RegionKind, pool_size_for
 from .tables import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
 
 DEFAULT_UNDO_RING_BYTES = 64 << 20
+_END = object()  # an iterable source ran out
 
 
 class Runtime:
@@ -195,6 +198,9 @@ class Runtime:
         except (ConfigError, PoolError) as e:
             raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
         if present and has_checkpoint(pool):
+            if any(t.pending_load for t in tables):
+                raise ConfigError(f"{pool.path}: already holds a checkpoint of these tables, which would replace the "
+                                  "values load_state_dict gave them; use a new pool to start from the loaded state")
             self._refuse_to_risk_committed_batches(pool)
             self._resume(pool)
         else:
@@ -248,17 +254,21 @@ class Runtime:
 
     # -- batches ----------------------------------------------------------------------------
     def batches(self, source, stop: int | None = None) -> Iterator:
-        """Batches start_batch, start_batch+1, ... of `source` (an object with .batch(b), or a
-        callable b -> batch), up to `stop` (default: source.num_batches when it has one, else
-        endless). A batch is committed when the loop asks for the next one, or when the block exits
-        normally."""
-        get: Callable = source.batch if hasattr(source, "batch") else source
-        if stop is None:
-            stop = getattr(source, "num_batches", None)
+        """Batches start_batch, start_batch+1, ... of `source` (an object with .batch(b), a callable
+        b -> batch, a list, a torch DataLoader or any iterable: data/loader.py says which can resume
+        past batch 0), up to `stop` (default: source.num_batches when it has one, the end of an
+        iterable or of a resumable DataLoader's epoch, else endless). A batch is committed when the
+        loop asks for the next one, or when the block exits normally."""
         self._end_in_flight()
+        get, items, stop = batches_from(source, self.batch, stop)
         while stop is None or self.batch < stop:
             b = self.batch
-            item = get(b)
+            if get is not None:
+                item = get(b)
+            else:
+                item = next(items, _END)
+                if item is _END:
+                    return
             self._begin(b)
             yield item
             self._end_in_flight()
@@ -328,7 +338,8 @@ def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
 def _default_slot_bytes(model: nn.Module) -> int:
     """Room for a dense snapshot: the dense state, and optimizer state up to 3x its size (Adam with
     amsgrad keeps 3 tensors per parameter), plus 1 MiB for RNG states and the manifest."""
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with dense_only():
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return 4 * state_bytes + (1 << 20)
 
 

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint.seam import in_dense_only
 from .errors import ConfigError, NonFiniteError, PoolError
 from .kernels import ops as row_ops
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
@@ -111,6 +112,8 @@ class PersistentEmbeddingBag(nn.Module):
         self._fused = mode != "max" and padding_idx is None and not self.scale_grad_by_freq
         self.frozen = False  # from_pretrained(freeze=True): looked up, never updated
         self._initial = None if _weight is None else _checked_weight(where, _weight, num_embeddings, embedding_dim)
+        self._initial_state: torch.Tensor | None = None  # from load_state_dict, with _initial
+        self._loaded = False  # load_state_dict gave the values a new pool starts from
         self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad()
         if not isinstance(self.optimizer, (SGD, RowWiseAdagrad)):
             raise ConfigError(f"{where}: optimizer must be cxltrain.optim.SGD or RowWiseAdagrad")
@@ -184,6 +187,9 @@ class PersistentEmbeddingBag(nn.Module):
         if created if initialize is None else initialize:
             self.reset_parameters()
             self.persist()
+            # the given or loaded values are in the pool now: drop the copy (from_pretrained's too)
+            self._initial = self._initial_state = None
+            self._loaded = False
         return created
 
     def check_regions(self, pool: Pool) -> None:
@@ -236,7 +242,9 @@ class PersistentEmbeddingBag(nn.Module):
                 rows[:, : self.embedding_dim].uniform_(-bound, bound, generator=generator)
             if self.padding_idx is not None and self._initial is None:
                 rows[self.padding_idx].zero_()  # as nn.EmbeddingBag initialises it
-            if self._state is not None:
+            if self._state is not None and self._initial_state is not None:
+                self._state.copy_(self._initial_state)
+            elif self._state is not None:
                 self._state.fill_(self.optimizer.initial_state())
 
     def _require_storage(self) -> torch.Tensor:
@@ -259,6 +267,61 @@ class PersistentEmbeddingBag(nn.Module):
         """[R, K] view of the optimizer state, or None for SGD."""
         self._require_storage()
         return self._state
+
+    @property
+    def pending_load(self) -> bool:
+        """Whether load_state_dict gave values that no pool holds yet."""
+        return self._loaded
+
+    # -- state dict ---------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """`weight` [R, D] and `optimizer_state` [R, K]: views of the pool (no copy until saved);
+        nothing for a table without storage, or inside a dense snapshot (seam.dense_only)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._rows is None or in_dense_only():
+            return
+        destination[prefix + "weight"] = self.weight.detach()
+        if self._state is not None:
+            destination[prefix + "optimizer_state"] = self._state.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Take `weight` (and `optimizer_state`) as the values the table starts from. A table in a
+        pool is refused: the rows would change outside any batch, where no undo record covers them.
+        Unattached, the values wait for attach() (a Runtime creating its pool writes them, durable
+        before the first commit); in DRAM (materialize) they are copied in at once."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        weight_key, state_key = prefix + "weight", prefix + "optimizer_state"
+        for key in (weight_key, state_key):  # ours, though no Parameter or buffer holds them
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+        if in_dense_only():
+            return
+        if weight_key not in state_dict:
+            missing_keys.append(weight_key)
+            return
+        where = f"table {self.name or prefix.rstrip('.')!r}"
+        if self.pool is not None:
+            error_msgs.append(f"{where} lives in pool {self.pool.path}: loading rows there would change them outside "
+                              "any batch, uncovered by the undo log; load the state dict before attaching (a "
+                              "Runtime then creates a new pool from it), or build a pool with `cxltrain import`")
+            return
+        k = self.optimizer.state_columns
+        state = state_dict.get(state_key)
+        if state is not None and (not isinstance(state, torch.Tensor) or tuple(state.shape) != (self.num_embeddings, k)):
+            error_msgs.append(f"{where}: {state_key} must be [{self.num_embeddings}, {k}] for {self.optimizer}")
+            return
+        try:
+            weight = _checked_weight(where, state_dict[weight_key], self.num_embeddings, self.embedding_dim)
+        except ConfigError as e:
+            error_msgs.append(str(e))
+            return
+        self._initial = weight
+        self._initial_state = None if state is None else state.detach().to(torch.float32).clone()
+        self._loaded = True
+        if self._rows is not None:  # DRAM storage: take the values now
+            self.reset_parameters()
 
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,

@@ -3,11 +3,13 @@
 Every source can jump to batch b: `source.batch(b)` depends only on the source's configuration
 and b, so a run resumed at batch b sees exactly the batches an uninterrupted run saw. Each has
 `batch(b)`, `batches(start, stop)`, `num_batches` (None = endless), `num_dense`, `num_tables`,
-`rows` (a tuple, one entry per table) and `pooling`.
+`rows` (a tuple, one entry per table) and `pooling`. `rt.batches` also takes lists, iterables and
+torch DataLoaders (loader.py: which of them can resume past batch 0).
 """
 
 from .batch import Batch
 from .criteo import CriteoFile
+from .loader import ResumableSampler
 from .synthetic import SyntheticCriteo
 
-__all__ = ["Batch", "CriteoFile", "SyntheticCriteo"]
+__all__ = ["Batch", "CriteoFile", "ResumableSampler", "SyntheticCriteo"]
