@@ -39,7 +39,8 @@ class ImportReport:
     source: str                          # "cxltrain" or "torchrec"
 
 
-def import_file(source: str, path: str, *, state_columns: int = 1) -> ImportReport:
+def import_file(source: str, path: str, *, state_columns: int = 1,
+                undo_ring_bytes: int = DEFAULT_UNDO_RING_BYTES) -> ImportReport:
     """Build the pool `path` (must not exist) from the export file `source` (module docstring).
     state_columns: optimizer-state columns of tables whose export holds none (TorchRec's: 1 for
     row-wise Adagrad, our DLRM's default; 0 for SGD)."""
@@ -50,10 +51,11 @@ def import_file(source: str, path: str, *, state_columns: int = 1) -> ImportRepo
     except Exception as e:  # a torn or foreign file: one line, never a traceback
         raise ConfigError(f"{source}: not a torch export ({type(e).__name__}: {str(e).splitlines()[0][:120]})") \
             from None
-    return import_state(state, path, state_columns=state_columns, source=source)
+    return import_state(state, path, state_columns=state_columns, source=source, undo_ring_bytes=undo_ring_bytes)
 
 
-def import_state(state, path: str, *, state_columns: int = 1, source: str = "the export") -> ImportReport:
+def import_state(state, path: str, *, state_columns: int = 1, source: str = "the export",
+                 undo_ring_bytes: int = DEFAULT_UNDO_RING_BYTES) -> ImportReport:
     """Build the pool `path` from an export already loaded (see import_file)."""
     kind = "cxltrain"
     if isinstance(state, dict) and "model" not in state and any(
@@ -66,7 +68,7 @@ def import_state(state, path: str, *, state_columns: int = 1, source: str = "the
     remove_stale(building)
     specs = _region_specs(tables)
     slot_bytes = 2 * codec.lay_out(tree).nbytes + (1 << 20)  # room for the dense optimizers' state to grow
-    specs += [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (DEFAULT_UNDO_RING_BYTES,)),
+    specs += [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (undo_ring_bytes,)),
               *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in layout.DENSE_REGIONS)]
     size = pool_size_for([s.nbytes(KNOBS.row_align) for s in specs], KNOBS.dir_capacity, KNOBS.region_align)
     try:

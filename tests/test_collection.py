@@ -22,6 +22,8 @@ KEYS = ["user", "item", "history"]
 VALUES = torch.tensor([5, 7, 59, 1, 2, 3, 39, 0, 0, 4])
 LENGTHS = torch.tensor([2, 1, 1, 2, 0, 4])
 
+RING = 1 << 20  # a small undo ring: a test pool is created in milliseconds
+
 
 def collection() -> PersistentEmbeddingBagCollection:
     ebc = PersistentEmbeddingBagCollection(CONFIGS, seed=4)
@@ -99,7 +101,7 @@ def test_export_loads_into_torchrecs_embedding_bag_collection(pool_path, tmp_pat
 
     trained = model()
     data = SyntheticCriteo(num_tables=2, rows=[50, 30], batch_size=32, seed=1)
-    with cxltrain.Runtime(pool_path, trained, []) as rt:
+    with cxltrain.Runtime(pool_path, trained, [], undo_ring_bytes=RING) as rt:
         for batch in rt.batches(data, stop=3):
             trained.loss(batch).backward()
     out = str(tmp_path / "ebc.pt")
@@ -114,7 +116,7 @@ def test_export_loads_into_torchrecs_embedding_bag_collection(pool_path, tmp_pat
     features = torchrec.KeyedJaggedTensor(keys=["t0", "t1"], values=torch.tensor([3, 49, 0, 7, 29, 29, 1]),
                                           lengths=torch.tensor([2, 1, 0, 1, 3, 0]))
     ours = model()
-    with cxltrain.Runtime(pool_path, ours, []) as rt, torch.no_grad():
+    with cxltrain.Runtime(pool_path, ours, [], undo_ring_bytes=RING) as rt, torch.no_grad():
         assert rt.start_batch == 3
         mine = ours.embedding_bag_collection(features)
         assert type(mine).__name__ == "KeyedTensor"

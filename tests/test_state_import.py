@@ -23,6 +23,8 @@ DATA = SyntheticCriteo(num_tables=2, rows=ROWS, batch_size=32, seed=2)
 TABLE_KEYS = {f"embedding_bag_collection.embedding_bags.t{i}.{leaf}" for i in range(2)
               for leaf in ("weight", "optimizer_state")}
 
+RING = 1 << 20  # a small undo ring: a test pool is created in milliseconds
+
 
 def model() -> DLRM:
     return DLRM(embedding_rows=ROWS, embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,), seed=5)
@@ -32,7 +34,7 @@ def train(path: str, net: DLRM, stop: int, *, saved: dict | None = None) -> None
     """Train `net` in the pool at `path` up to batch `stop` (Adam on the MLPs); with `saved`, put a
     copy of net.state_dict() taken inside the block there."""
     opt = torch.optim.Adam(net.dense_parameters(), lr=1e-2)
-    with cxltrain.Runtime(path, net, opt, metadata={"run": "t"}) as rt:
+    with cxltrain.Runtime(path, net, opt, metadata={"run": "t"}, undo_ring_bytes=RING) as rt:
         for batch in rt.batches(DATA, stop=stop):
             net.loss(batch).backward()
             opt.step()
@@ -51,7 +53,7 @@ def test_state_dict_holds_the_tables_and_loads_into_a_new_pool(shm_dir):
     fresh = model()
     result = fresh.load_state_dict(saved)  # strict: every key matched, the tables' included
     assert not result.missing_keys and not result.unexpected_keys
-    with cxltrain.Runtime(os.path.join(shm_dir, "b.pool"), fresh, []) as rt:
+    with cxltrain.Runtime(os.path.join(shm_dir, "b.pool"), fresh, [], undo_ring_bytes=RING) as rt:
         assert rt.start_batch == 0
         for key, value in fresh.state_dict().items():
             assert torch.equal(value, saved[key]), key
@@ -62,7 +64,7 @@ def test_loading_into_a_live_pool_is_refused_untouched(shm_dir):
     saved = {}
     train(path, model(), 2, saved=saved)
     net = model()
-    with cxltrain.Runtime(path, net, torch.optim.Adam(net.dense_parameters(), lr=1e-2)):
+    with cxltrain.Runtime(path, net, torch.optim.Adam(net.dense_parameters(), lr=1e-2), undo_ring_bytes=RING):
         before = net.tables[0].weight.clone()
         changed = {k: v + 1 for k, v in saved.items()}
         with pytest.raises(RuntimeError, match="outside any batch, uncovered by the undo log"):
@@ -71,7 +73,7 @@ def test_loading_into_a_live_pool_is_refused_untouched(shm_dir):
     loaded = model()
     loaded.load_state_dict(saved)
     with pytest.raises(ConfigError, match="would replace the values load_state_dict gave them"):
-        with cxltrain.Runtime(path, loaded, []):
+        with cxltrain.Runtime(path, loaded, [], undo_ring_bytes=RING):
             pass
 
 
@@ -79,7 +81,7 @@ def test_import_of_our_export_resumes_as_the_original(shm_dir):
     original, imported = os.path.join(shm_dir, "a.pool"), os.path.join(shm_dir, "b.pool")
     train(original, model(), 3)
     export = export_state(original)
-    assert import_state(export, imported).batch == 3
+    assert import_state(export, imported, undo_ring_bytes=RING).batch == 3
     again = export_state(imported)
     assert_same_export(export, again)
     assert again["tables"] == export["tables"] and again["metadata"] == {"run": "t"}
@@ -99,7 +101,7 @@ def test_import_of_a_torchrec_state_dict(shm_dir, tmp_path):
     pool = os.path.join(shm_dir, "b.pool")
     assert cli_main(["import", source, pool]) == 0
     net = model()
-    with cxltrain.Runtime(pool, net, []) as rt:
+    with cxltrain.Runtime(pool, net, [], undo_ring_bytes=RING) as rt:
         assert rt.start_batch == 0
         state = net.state_dict()
         for i in range(2):
