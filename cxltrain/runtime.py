@@ -260,7 +260,7 @@ class Runtime:
         iterable or of a resumable DataLoader's epoch, else endless). A batch is committed when the
         loop asks for the next one, or when the block exits normally."""
         self._end_in_flight()
-        get, items, stop = batches_from(source, self.batch, stop)
+        get, items, stop = batches_from(source, self.batch, stop, committed=any(s is source for s in self.schedulers))
         while stop is None or self.batch < stop:
             b = self.batch
             if get is not None:

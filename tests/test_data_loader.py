@@ -49,6 +49,25 @@ def loader(seed: int = 7) -> DataLoader:
     return DataLoader(data, batch_size=6, collate_fn=collate, sampler=ResumableSampler(data, shuffle=True, seed=seed))
 
 
+class StatefulStream:
+    """A stream that can say where it is and go back there, as torchdata's StatefulDataLoader does:
+    state_dict() after yielding batch b says the next is b + 1."""
+
+    def __init__(self, length: int = 6) -> None:
+        self.position, self.length = 0, length
+
+    def __iter__(self):
+        while self.position < self.length:
+            self.position += 1
+            yield SOURCE.batch(self.position - 1)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+
 def model() -> DLRM:
     return DLRM(embedding_rows=ROWS, embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,), seed=1)
 
@@ -67,6 +86,8 @@ def run(path: str, make_source, *, epochs: int = 1, stop: int | None = None, cra
     opt = torch.optim.Adam(net.dense_parameters(), lr=1e-2)
     schedulers = [TableLR(net.tables, lambda n: 0.5 ** (n // lr_every))] if lr_every else []
     source = make_source()
+    if isinstance(source, StatefulStream):
+        schedulers.append(source)  # its state is committed with every batch
     with cxltrain.Runtime(path, net, opt, schedulers=schedulers, undo_ring_bytes=RING) as rt:
         for _ in range(epochs):
             for batch in rt.batches(source, stop=stop):
@@ -74,7 +95,8 @@ def run(path: str, make_source, *, epochs: int = 1, stop: int | None = None, cra
                 opt.step()
                 opt.zero_grad()
                 for s in schedulers:
-                    s.step()
+                    if hasattr(s, "step"):
+                        s.step()
                 if rt.batch == crash_at:
                     raise Crash
 
@@ -106,6 +128,10 @@ def test_each_epoch_is_reshuffled_and_a_pass_sees_every_sample():
     assert sorted(first) == sorted(second) == list(range(10)) and first != second
     sampler.seek(1, 4)
     assert list(sampler) == second[4:]
+
+
+def test_a_stateful_loader_committed_with_the_batches_resumes_exactly(shm_dir):
+    same_after_crashes(shm_dir, StatefulStream, [2])
 
 
 def test_a_generator_trains_from_the_start_and_refuses_to_resume_past_it(shm_dir):

@@ -7,6 +7,9 @@ source is read from batch b by seeking where it can:
 - a sequence (list, tuple): item b;
 - a DataLoader over a map-style dataset whose sampler is a ResumableSampler: the sampler is moved
   to batch b and the loader iterated from there, its workers and prefetching as usual;
+- a stateful loader (one with state_dict/load_state_dict, as torchdata's StatefulDataLoader) that
+  the Runtime commits with every batch (`Runtime(..., schedulers=[..., loader])`): restored on
+  resume to where the committed batch left it, then iterated;
 - anything else iterable (a generator, a DataLoader with torch's samplers, an IterableDataset):
   read from its start on a fresh run; resuming it past batch 0 is refused with one line, since
   skipping items of a source that cannot seek would silently train on other data.
@@ -66,9 +69,11 @@ class ResumableSampler(Sampler[int]):
         yield from self.order(epoch)[start:].tolist()
 
 
-def batches_from(source, start: int, stop: int | None) -> tuple[Callable | None, Iterator | None, int | None]:
+def batches_from(source, start: int, stop: int | None, *, committed: bool = False
+                 ) -> tuple[Callable | None, Iterator | None, int | None]:
     """How `rt.batches` reads `source` from batch `start`: (get(b), None, stop) for a source it asks
-    by index, or (None, iterator of the batches start, start+1, ..., stop) for one it iterates."""
+    by index, or (None, iterator of the batches start, start+1, ..., stop) for one it iterates.
+    committed: the source's state_dict is committed with every batch (restored to `start` already)."""
     if hasattr(source, "batch"):
         return source.batch, None, stop if stop is not None else getattr(source, "num_batches", None)
     if callable(source):
@@ -88,10 +93,10 @@ def batches_from(source, start: int, stop: int | None) -> tuple[Callable | None,
     if not isinstance(source, collections.abc.Iterable):
         raise ConfigError(f"rt.batches: a {type(source).__name__} is not a data source: give an iterable "
                           "(list, generator, DataLoader), an object with .batch(b), or a callable b -> batch")
-    if start:
+    if start and not (committed and hasattr(source, "state_dict") and hasattr(source, "load_state_dict")):
         raise ConfigError(f"rt.batches: the pool resumes at batch {start}, and a {type(source).__name__} cannot "
-                          "seek there; use a DataLoader with cxltrain.data.ResumableSampler, a list, or a source "
-                          "with .batch(b)")
+                          "seek there; use a DataLoader with cxltrain.data.ResumableSampler, a list, a source with "
+                          ".batch(b), or a stateful loader given to the Runtime with its schedulers")
     return None, iter(source), stop
 
 
