@@ -67,3 +67,15 @@ def from_torchrec(state: dict, collection_path: str = DLRM_COLLECTION) -> dict:
     if not tables:
         raise ConfigError("no embedding_bags.<table>.weight keys: not a TorchRec EmbeddingBagCollection state dict")
     return {"batch": 0, "model": model, "optimizers": [], "schedulers": [], "tables": tables, "metadata": {}}
+
+
+def torchrec_interaction_order(num_features: int) -> torch.Tensor:
+    """order [(F+1)F/2]: TorchRec DLRM's interaction column k is our DLRM's column order[k].
+
+    Ours keeps the lower triangle of the [F+1, F+1] dot products row-major (tril, offset -1),
+    TorchRec's the upper triangle row-major (triu, offset 1); (i, j) and (j, i) hold the same dot."""
+    vectors = num_features + 1
+    ours = torch.tril_indices(vectors, vectors, offset=-1)
+    position = {(int(i), int(j)): k for k, (i, j) in enumerate(ours.t())}
+    theirs = torch.triu_indices(vectors, vectors, offset=1)
+    return torch.tensor([position[(int(j), int(i))] for i, j in theirs.t()], dtype=torch.int64)

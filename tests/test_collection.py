@@ -121,3 +121,26 @@ def test_export_loads_into_torchrecs_embedding_bag_collection(pool_path, tmp_pat
         mine = ours.embedding_bag_collection(features)
         assert type(mine).__name__ == "KeyedTensor"
         assert torch.equal(mine.values(), ebc(features).values())
+
+
+def test_torchrec_interaction_order_is_a_column_permutation():
+    """The top MLP's first layer, its columns permuted, gives the same logits on TorchRec's order."""
+    from cxltrain.interop import torchrec_interaction_order
+
+    net = DLRM(embedding_rows=[10, 10, 10], embedding_dim=4, bottom_mlp=(8,), top_mlp=(8,))
+    net.materialize()
+    batch = SyntheticCriteo(num_tables=3, rows=10, batch_size=5, seed=0).batch(0)
+    with torch.no_grad():
+        x = net.bottom(batch.dense)
+        embedded = net.embedding_bag_collection.pooled(batch.values, batch.offsets)
+        stacked = torch.stack([x, *embedded], dim=1)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))
+        upper = torch.triu_indices(4, 4, offset=1)
+        theirs = torch.cat([x, dots[:, upper[0], upper[1]]], dim=1)  # TorchRec's InteractionArch
+        order = torchrec_interaction_order(3)
+        first = net.top[0]
+        permuted = torch.nn.Linear(first.in_features, first.out_features)
+        permuted.weight.copy_(first.weight[:, [*range(4), *(4 + order).tolist()]])
+        permuted.bias.copy_(first.bias)
+        top = torch.nn.Sequential(permuted, *net.top[1:])
+        torch.testing.assert_close(top(theirs).squeeze(1), net(batch), rtol=1e-6, atol=1e-6)
