@@ -338,9 +338,8 @@ class PersistentEmbeddingBag(nn.Module):
             # the rows' undo record must be durable before backward stores into them
             batch = self.checkpointer.capture(self, indices)
         anchor = torch.empty(0, requires_grad=learns)
-        if self._fused and not last_offset:
-            return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch)
-        return _GeneralBagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch, last_offset)
+        general = not self._fused or last_offset
+        return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch, general, last_offset)
 
     def _validate(self, input, offsets, per_sample_weights):
         where = f"table {self.name!r}"
@@ -464,7 +463,8 @@ def pool_holds(pool: Pool, tables) -> bool:
 
 
 class _BagLookup(torch.autograd.Function):
-    """Forward: embedding_bag over the pool rows. Backward: the fused sparse update, in place.
+    """Forward: embedding_bag over the pool rows. Backward: the fused sparse update, in place
+    (general: the per-row update from autograd's row gradients, for the modes the kernel lacks).
 
     `anchor` is an empty tensor that requires grad, so autograd calls backward although the
     table's rows are not a Parameter (they must not be: torch would then allocate a dense
@@ -472,33 +472,10 @@ class _BagLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch):
-        ctx.table, ctx.batch = table, batch
+    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch, general, last_offset):
+        ctx.table, ctx.batch, ctx.general, ctx.last_offset = table, batch, general, last_offset
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         # the contiguous padded rows [R, P]: embedding_bag copies a non-contiguous table whole
-        pooled = F.embedding_bag(indices, rows, offsets, mode=table.mode, per_sample_weights=per_sample_weights)
-        return pooled[:, : table.embedding_dim] if rows.shape[1] != table.embedding_dim else pooled
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        indices, offsets, per_sample_weights = ctx.saved_tensors
-        table = ctx.table
-        if indices.numel():
-            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights,
-                            lambda: table.update_from_lookups(indices, offsets, per_sample_weights, grad_out))
-        return None, None, None, None, None, None, None
-
-
-class _GeneralBagLookup(torch.autograd.Function):
-    """The modes the fused kernel does not cover (max, padding_idx, scale_grad_by_freq,
-    include_last_offset). Forward: F.embedding_bag with every option. Backward: autograd's gradient
-    of just the batch's unique rows [U, D] (embedding_bag over a copy of those rows), then the
-    optimizer's fused rule applied once per row, in place, guarded as _BagLookup's."""
-
-    @staticmethod
-    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch, last_offset):
-        ctx.table, ctx.batch, ctx.last_offset = table, batch, last_offset
-        ctx.save_for_backward(indices, offsets, per_sample_weights)
         pooled = F.embedding_bag(indices, rows, offsets, mode=table.mode, per_sample_weights=per_sample_weights,
                                  include_last_offset=last_offset, padding_idx=table.padding_idx)
         return pooled[:, : table.embedding_dim] if rows.shape[1] != table.embedding_dim else pooled
@@ -508,11 +485,17 @@ class _GeneralBagLookup(torch.autograd.Function):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
         if indices.numel():
-            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights,
-                            lambda: table.update_from_row_gradients(
-                                *table.row_gradients(indices, offsets, per_sample_weights, grad_out,
-                                                     ctx.last_offset)))
-        return None, None, None, None, None, None, None, None
+            if ctx.general:
+                # max, padding_idx, scale_grad_by_freq, include_last_offset: autograd's gradient of
+                # just the batch's unique rows [U, D], then the optimizer's rule once per row
+                def update():
+                    rows, grads = table.row_gradients(indices, offsets, per_sample_weights, grad_out, ctx.last_offset)
+                    return table.update_from_row_gradients(rows, grads)
+            else:
+                def update():
+                    return table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
+            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update)
+        return None, None, None, None, None, None, None, None, None
 
 
 def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update) -> None:
