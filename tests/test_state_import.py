@@ -81,6 +81,8 @@ def test_import_of_our_export_resumes_as_the_original(shm_dir):
     original, imported = os.path.join(shm_dir, "a.pool"), os.path.join(shm_dir, "b.pool")
     train(original, model(), 3)
     export = export_state(original)
+    loaded = model().load_state_dict(export["model"])  # an export loads back into the model, strictly
+    assert not loaded.missing_keys and not loaded.unexpected_keys
     assert import_state(export, imported, undo_ring_bytes=RING).batch == 3
     again = export_state(imported)
     assert_same_export(export, again)
