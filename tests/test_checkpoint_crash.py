@@ -81,8 +81,9 @@ def test_reference_cache_equals_cli_runs(shm_dir, ref_dir):
     assert exported.returncode == 0, exported.stderr
     state = torch.load(out, weights_only=True)
     assert state["batch"] == 4
-    assert set(state["model"]) >= {"tables.0.weight", "tables.0.optimizer_state", "bottom.0.weight"}
-    assert state["model"]["tables.1.weight"].shape == (3000, 8)
+    table = "embedding_bag_collection.embedding_bags.t{}."  # DLRM's tables, keyed as TorchRec's
+    assert set(state["model"]) >= {table.format(0) + "weight", table.format(0) + "optimizer_state", "bottom.0.weight"}
+    assert state["model"][table.format(1) + "weight"].shape == (3000, 8)
     assert differences(state, reference(4, ref_dir)) == []
 
 
