@@ -288,7 +288,7 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     assert report.batch in (7, 8) and report.dense_batch == 6 and report.dense_lag == report.batch - 6
     recovered = export_state(pool)
     tables, dense_state = reference(report.batch, ref_dir), reference(6, ref_dir)
-    table_keys = {k for k in recovered["model"] if k.startswith("tables.")}
+    table_keys = {k for k in recovered["model"] if k.startswith("embedding_bag_collection.")}
     assert table_keys and recovered["batch"] == report.batch
     assert differences({k: recovered["model"][k] for k in table_keys}, {k: tables["model"][k] for k in table_keys}) == []
     assert differences({k: v for k, v in recovered["model"].items() if k not in table_keys},
