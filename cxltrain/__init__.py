@@ -19,8 +19,11 @@ _EXPORTS = {
     "Pool": "cxltrain.pool",
     "Runtime": "cxltrain.runtime",
     "PersistentEmbeddingBag": "cxltrain.tables",
+    "PersistentEmbeddingBagCollection": "cxltrain.collection",
+    "EmbeddingBagConfig": "cxltrain.collection",
     "SGD": "cxltrain.optim",
     "RowWiseAdagrad": "cxltrain.optim",
+    "TableLR": "cxltrain.optim",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

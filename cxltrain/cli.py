@@ -8,6 +8,7 @@ usage errors, 1 for everything else) — never a traceback for an error it can n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -350,8 +351,43 @@ def _add_recover_export(sub) -> None:
                                    "weights_only=True).")
     e.add_argument("path")
     e.add_argument("out", help="output file (.pt); must not exist")
+    e.add_argument("--format", choices=("cxltrain", "torchrec"), default="cxltrain",
+                   help="torchrec: one flat state dict, tables keyed embedding_bags.<table>.weight as in TorchRec's "
+                        "EmbeddingBagCollection, plus the dense weights; no optimizer state (docs/torchrec.md)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(run=_run_export)
+
+
+def _add_import(sub) -> None:
+    i = sub.add_parser("import", help="build a new pool from an export (ours, or a TorchRec EBC state dict)",
+                       description="Build POOL (which must not exist) from OUT.pt: an export of cxltrain (any "
+                                   "format), or a TorchRec EmbeddingBagCollection state dict plus dense weights. "
+                                   "The pool is committed at the export's batch; a Runtime or `cxltrain train` "
+                                   "with the same options resumes it there (docs/torchrec.md). With --nproc-per-node N, "
+                                   "PATH is a distributed run's directory instead, the tables re-sharded onto N "
+                                   "ranks (docs/distributed.md).")
+    i.add_argument("source", metavar="OUT.pt")
+    i.add_argument("path", metavar="PATH", help="the new pool, or with --nproc-per-node the new run's directory "
+                                                "(must not exist)")
+    i.add_argument("--sparse-optimizer", choices=("adagrad", "sgd"), default="adagrad",
+                   help="the tables' optimizer when the export holds no optimizer state (TorchRec's): its state "
+                        "columns start at their initial value (default adagrad)")
+    i.add_argument("--json", action="store_true")
+    dist_cli.add_import_options(i)
+    i.set_defaults(run=_run_import)
+
+
+def _run_import(args) -> int:
+    if args.nproc_per_node is not None:
+        return dist_cli.run_import(args)
+    from .pool_import import import_file
+
+    report = import_file(args.source, args.path, state_columns=1 if args.sparse_optimizer == "adagrad" else 0)
+    print(f"imported {args.source} ({report.source} format) into {report.path}: {len(report.tables)} tables, "
+          f"committed at batch {report.batch}")
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+    return 0
 
 
 def _recovered(path: str, report, seconds: float) -> str:
@@ -387,7 +423,11 @@ def _run_export(args) -> int:
     if run_dir.is_run_dir(args.path):
         return dist_cli.run_export(args.path, args.out, _save_export, args.json)
     state = export_state(args.path)
-    _save_export(state, args.out)
+    if args.format == "torchrec":
+        from .interop import to_torchrec
+
+        state = {"batch": state["batch"], "model": to_torchrec(state)}
+    _save_export(state["model"] if args.format == "torchrec" else state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:
@@ -679,7 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_recover_export(sub)
-    dist_cli.add_import(sub)
+    _add_import(sub)
     _add_pool(sub)
     _add_devices(sub)
     _add_crashtest(sub)

@@ -72,3 +72,45 @@ SparseOptimizer = SGD | RowWiseAdagrad
 def _check_positive(name: str, value: float) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+
+class TableLR:
+    """Changes the tables' learning rate between batches, as torch's LambdaLR does for dense ones:
+    after `step()` number n, each table's lr is its base lr times lr_lambda(n). Give it to the
+    Runtime with the dense schedulers (`schedulers=[..., table_lr]`): its state is then part of every
+    committed snapshot, and a resumed run puts back the lrs the committed batch trained with.
+
+        table_lr = TableLR(model.tables, lambda n: 0.5 ** (n // 100))
+        with cxltrain.Runtime(path, model, dense_opt, schedulers=[table_lr]) as rt:
+            for batch in rt.batches(data):
+                ...; table_lr.step()
+    """
+
+    def __init__(self, tables, lr_lambda) -> None:
+        self.tables = list(tables)
+        if not self.tables:
+            raise ConfigError("TableLR needs at least one table")
+        self.lr_lambda = lr_lambda
+        self.base_lrs = [table.optimizer.lr for table in self.tables]
+        self.last_step = 0
+
+    def step(self) -> None:
+        self.last_step += 1
+        self._set([base * float(self.lr_lambda(self.last_step)) for base in self.base_lrs])
+
+    def get_last_lr(self) -> list[float]:
+        return [table.optimizer.lr for table in self.tables]
+
+    def _set(self, lrs: list[float]) -> None:
+        for table, lr in zip(self.tables, lrs):
+            # the optimizers are frozen values: a new one per change, never a write another table sees
+            table.optimizer = dataclasses.replace(table.optimizer, lr=lr)
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "base_lrs": list(self.base_lrs), "lrs": self.get_last_lr()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["lrs"]) != len(self.tables):
+            raise ConfigError(f"TableLR state holds {len(state['lrs'])} tables' lrs, this one has {len(self.tables)}")
+        self.last_step, self.base_lrs = int(state["last_step"]), [float(x) for x in state["base_lrs"]]
+        self._set([float(x) for x in state["lrs"]])

@@ -45,14 +45,17 @@ from .checkpoint import (
     verify,
 )
 from .checkpoint.offline import check_checkpoint, recover_pool  # noqa: F401 (re-exported: no model needed)
+from .checkpoint.seam import dense_only
+from .data.loader import batches_from
 from .errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from .knobs import KNOBS
 from .modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
 from .pool import Pool, RegionSpec, publish, remove_stale
 from .pool_format import RegionKind, pool_size_for
-from .tables import PersistentEmbeddingBag, pool_holds, region_names
+from .tables import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
 
 DEFAULT_UNDO_RING_BYTES = 64 << 20
+_END = object()  # an iterable source ran out
 
 
 class Runtime:
@@ -222,6 +225,9 @@ class Runtime:
         except (ConfigError, PoolError) as e:
             raise RecoveryError(f"{e} (a pool holds one model: use another pool, or delete this one)") from None
         if present and has_checkpoint(pool):
+            if any(t.pending_load for t in tables):
+                raise ConfigError(f"{pool.path}: already holds a checkpoint of these tables, which would replace the "
+                                  "values load_state_dict gave them; use a new pool to start from the loaded state")
             self._refuse_to_risk_committed_batches(pool)
             self._resume(pool)
         else:
@@ -275,21 +281,25 @@ class Runtime:
 
     # -- batches ----------------------------------------------------------------------------
     def batches(self, source, stop: int | None = None) -> Iterator:
-        """Batches start_batch, start_batch+1, ... of `source` (an object with .batch(b), or a
-        callable b -> batch), up to `stop` (default: source.num_batches when it has one, else
-        endless). A batch is committed when the loop asks for the next one, or when the block exits
-        normally."""
-        get: Callable = source.batch if hasattr(source, "batch") else source
-        if stop is None:
-            stop = getattr(source, "num_batches", None)
+        """Batches start_batch, start_batch+1, ... of `source` (an object with .batch(b), a callable
+        b -> batch, a list, a torch DataLoader or any iterable: data/loader.py says which can resume
+        past batch 0), up to `stop` (default: source.num_batches when it has one, the end of an
+        iterable or of a resumable DataLoader's epoch, else endless). A batch is committed when the
+        loop asks for the next one, or when the block exits normally."""
         self._end_in_flight()
+        get, items, stop = batches_from(source, self.batch, stop, committed=any(s is source for s in self.schedulers))
         ahead = None  # (b + 1, its batch), fetched early so that its cold rows can be read ahead
         while stop is None or self.batch < stop:
             b = self.batch
-            item = ahead[1] if ahead is not None and ahead[0] == b else get(b)
-            if self.prefetcher is not None and (stop is None or b + 1 < stop):
-                ahead = b + 1, get(b + 1)
-                self.prefetcher.submit(self._prefetch_ids(ahead[1]))
+            if get is not None:
+                item = ahead[1] if ahead is not None and ahead[0] == b else get(b)
+                if self.prefetcher is not None and (stop is None or b + 1 < stop):
+                    ahead = b + 1, get(b + 1)
+                    self.prefetcher.submit(self._prefetch_ids(ahead[1]))
+            else:
+                item = next(items, _END)
+                if item is _END:
+                    return
             self._begin(b)
             yield item
             self._end_in_flight()
@@ -352,6 +362,7 @@ def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
     tables = {path: m for path, m in model.named_modules() if isinstance(m, PersistentEmbeddingBag)}
     if not tables:
         raise ConfigError("the model has no PersistentEmbeddingBag: nothing for a pool to hold")
+    name_unnamed(tables)
     names = [t.name for t in tables.values()]
     if len(set(names)) != len(names):
         raise ConfigError(f"table names must be unique in a model, got {names}")
@@ -361,7 +372,8 @@ def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
 def _default_slot_bytes(model: nn.Module) -> int:
     """Room for a dense snapshot: the dense state, and optimizer state up to 3x its size (Adam with
     amsgrad keeps 3 tensors per parameter), plus 1 MiB for RNG states and the manifest."""
-    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with dense_only():
+        state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     return 4 * state_bytes + (1 << 20)
 
 
@@ -383,7 +395,8 @@ def export_state(path: str) -> dict:
         {"batch": batches done,
          "model": {dense parameter/buffer name: tensor,
                    "<table module path>.weight": [R, D], "<table module path>.optimizer_state": [R, K]},
-         "optimizers": [optimizer.state_dict(), ...], "schedulers": [...]}
+         "optimizers": [optimizer.state_dict(), ...], "schedulers": [...],
+         "tables": {table module path: table name}, "metadata": the run's description (Runtime metadata)}
 
     A pool with nothing to roll back is read, never written (read-only access is enough); one with
     undo records to roll back is recovered in place first, which needs write access.
@@ -412,4 +425,5 @@ def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
                                                     else np.array(weights))
         if state_region in pool.regions:
             model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
-    return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"]}
+    return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"],
+            "tables": dict(snapshot["tables"]), "metadata": snapshot["metadata"]}

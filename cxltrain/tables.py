@@ -16,10 +16,14 @@ Example (B = 2, D = 4):
     out = bag(torch.tensor([3, 7, 7]), torch.tensor([0, 2]))   # bags [3, 7] and [7] → [2, 4]
     out.sum().backward()                    # rows 3 and 7 updated in the pool (7 once, grad 2x)
 
-Inputs follow nn.EmbeddingBag: (input [N], offsets [B]) or input [B, L] with offsets=None; mode
-"sum" or "mean"; per_sample_weights [N] with mode "sum" (treated as constants: no gradient flows
-to them). Indices that are out of range, negative, or not int32/int64 raise before anything is
-written.
+Inputs and constructor arguments follow nn.EmbeddingBag: (input [N], offsets [B], or [B + 1] with
+include_last_offset) or input [B, L] with offsets=None; mode "sum", "mean" or "max"; padding_idx;
+scale_grad_by_freq; per_sample_weights [N] with mode "sum" (treated as constants: no gradient flows
+to them); `from_pretrained`. The default mode is "sum" (nn.EmbeddingBag's is "mean"). `max_norm` is
+refused: it renormalises rows during forward, a store outside the backward update the undo log
+captures. Indices that are out of range, negative, or not int32/int64 raise before anything is
+written. Plain sum/mean bags take the fused kernel; the other modes compute the unique rows'
+gradient with autograd on a copy of just those rows, then apply the same fused rule per row.
 
 Non-finite gradients stop the run: backward raises NonFiniteError, naming the table and the batch,
 before the table stores anything (one isfinite check of the [U, D] gradient per table per batch).
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .checkpoint.seam import in_dense_only
 from .errors import ConfigError, NonFiniteError, PoolError
 from .kernels import ops as row_ops
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
@@ -47,7 +52,7 @@ from .pool_format import RegionKind
 if TYPE_CHECKING:
     from .checkpoint.seam import TableGuard
 
-MODES = ("sum", "mean")
+MODES = ("sum", "mean", "max")
 
 
 @dataclasses.dataclass
@@ -73,27 +78,47 @@ class PersistentEmbeddingBag(nn.Module):
         feature_names: the sparse features that look up this table (torchrec's vocabulary).
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, name: str, mode: str = "sum",
+    def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "sum", sparse: bool = False,
+                 _weight: torch.Tensor | None = None, include_last_offset: bool = False,
+                 padding_idx: int | None = None, device=None, dtype=None, *, name: str | None = None,
                  optimizer: SparseOptimizer | None = None, seed: int = 0,
                  feature_names: tuple[str, ...] | None = None) -> None:
         super().__init__()
+        where = f"table {name!r}"
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
-            raise ConfigError(f"table {name!r}: num_embeddings must be a positive int, got {num_embeddings!r}")
+            raise ConfigError(f"{where}: num_embeddings must be a positive int, got {num_embeddings!r}")
         if not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ConfigError(f"table {name!r}: embedding_dim must be a positive int, got {embedding_dim!r}")
+            raise ConfigError(f"{where}: embedding_dim must be a positive int, got {embedding_dim!r}")
         if mode not in MODES:
-            raise ConfigError(f"table {name!r}: mode must be one of {MODES}, got {mode!r}")
-        if not name or "." in name:
+            raise ConfigError(f"{where}: mode must be one of {MODES}, got {mode!r}")
+        if name is not None and (not name or "." in name):
             raise ConfigError(f"table name {name!r} must be non-empty and contain no '.'")
+        _refuse_unsupported(where, max_norm, device, dtype)
+        if padding_idx is not None:
+            if not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
+                raise ConfigError(f"{where}: padding_idx must be an int in [-{num_embeddings}, {num_embeddings}), "
+                                  f"got {padding_idx!r}")
+            padding_idx %= num_embeddings
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.name = name
         self.mode = mode
+        self.max_norm, self.norm_type, self.sparse = max_norm, norm_type, bool(sparse)
+        self.scale_grad_by_freq = bool(scale_grad_by_freq)
+        self.include_last_offset = bool(include_last_offset)
+        self.padding_idx = padding_idx
+        # sum/mean bags with none of the extras take the fused kernel straight from the lookups
+        self._fused = mode != "max" and padding_idx is None and not self.scale_grad_by_freq
+        self.frozen = False  # from_pretrained(freeze=True): looked up, never updated
+        self._initial = None if _weight is None else _checked_weight(where, _weight, num_embeddings, embedding_dim)
+        self._initial_state: torch.Tensor | None = None  # from load_state_dict, with _initial
+        self._loaded = False  # load_state_dict gave the values a new pool starts from
         self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad()
         if not isinstance(self.optimizer, (SGD, RowWiseAdagrad)):
-            raise ConfigError(f"table {name!r}: optimizer must be cxltrain.optim.SGD or RowWiseAdagrad")
+            raise ConfigError(f"{where}: optimizer must be cxltrain.optim.SGD or RowWiseAdagrad")
         self.seed = seed
-        self.feature_names = tuple(feature_names) if feature_names else (name,)
+        self.feature_names = tuple(feature_names) if feature_names else (name,) if name else ()
         self.pool: Pool | None = None
         # [R, P] contiguous row storage (P >= D: row padding included), and [R, K] optimizer state.
         self._rows: torch.Tensor | None = None
@@ -103,13 +128,33 @@ class PersistentEmbeddingBag(nn.Module):
         # update (backward), so it can log them and keep them inside batches (checkpoint/seam.py)
         self.checkpointer: TableGuard | None = None
 
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, max_norm: float | None = None,
+                        norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
+                        sparse: bool = False, include_last_offset: bool = False, padding_idx: int | None = None,
+                        **kwargs) -> "PersistentEmbeddingBag":
+        """A table whose initial rows are `embeddings` [R, D] (copied in when it gets storage), as
+        nn.EmbeddingBag.from_pretrained; freeze=True: looked up, never updated. kwargs: name,
+        optimizer, seed, feature_names."""
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            raise ConfigError("from_pretrained: embeddings must be a 2-D tensor [rows, dim]")
+        rows, dim = embeddings.shape
+        table = cls(rows, dim, max_norm, norm_type, scale_grad_by_freq, mode, sparse, embeddings,
+                    include_last_offset, padding_idx, **kwargs)
+        table.frozen = bool(freeze)
+        return table
+
     # -- storage ----------------------------------------------------------------------------
     @property
     def weight_region(self) -> str:
+        if not self.name:
+            raise ConfigError("a table needs a name (its pool regions' prefix): PersistentEmbeddingBag(..., "
+                              "name=...), or let a Runtime name it after its module path")
         return region_names(self.name)[0]
 
     @property
     def state_region(self) -> str:
+        self.weight_region  # noqa: B018 (the same check of the name)
         return region_names(self.name)[1]
 
     def region_specs(self) -> list[RegionSpec]:
@@ -142,6 +187,9 @@ class PersistentEmbeddingBag(nn.Module):
         if created if initialize is None else initialize:
             self.reset_parameters()
             self.persist()
+            # the given or loaded values are in the pool now: drop the copy (from_pretrained's too)
+            self._initial = self._initial_state = None
+            self._loaded = False
         return created
 
     def check_regions(self, pool: Pool) -> None:
@@ -188,8 +236,15 @@ class PersistentEmbeddingBag(nn.Module):
         bound = self.num_embeddings ** -0.5
         with torch.no_grad():
             rows.zero_()  # padding columns too: they are part of every row flush
-            rows[:, : self.embedding_dim].uniform_(-bound, bound, generator=generator)
-            if self._state is not None:
+            if self._initial is not None:
+                rows[:, : self.embedding_dim].copy_(self._initial)
+            else:
+                rows[:, : self.embedding_dim].uniform_(-bound, bound, generator=generator)
+            if self.padding_idx is not None and self._initial is None:
+                rows[self.padding_idx].zero_()  # as nn.EmbeddingBag initialises it
+            if self._state is not None and self._initial_state is not None:
+                self._state.copy_(self._initial_state)
+            elif self._state is not None:
                 self._state.fill_(self.optimizer.initial_state())
 
     def _require_storage(self) -> torch.Tensor:
@@ -213,18 +268,78 @@ class PersistentEmbeddingBag(nn.Module):
         self._require_storage()
         return self._state
 
+    @property
+    def pending_load(self) -> bool:
+        """Whether load_state_dict gave values that no pool holds yet."""
+        return self._loaded
+
+    # -- state dict ---------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """`weight` [R, D] and `optimizer_state` [R, K]: views of the pool (no copy until saved);
+        nothing for a table without storage, or inside a dense snapshot (seam.dense_only)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._rows is None or in_dense_only():
+            return
+        destination[prefix + "weight"] = self.weight.detach()
+        if self._state is not None:
+            destination[prefix + "optimizer_state"] = self._state.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """Take `weight` (and `optimizer_state`) as the values the table starts from. A table in a
+        pool is refused: the rows would change outside any batch, where no undo record covers them.
+        Unattached, the values wait for attach() (a Runtime creating its pool writes them, durable
+        before the first commit); in DRAM (materialize) they are copied in at once."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        weight_key, state_key = prefix + "weight", prefix + "optimizer_state"
+        for key in (weight_key, state_key):  # ours, though no Parameter or buffer holds them
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+        if in_dense_only():
+            return
+        if weight_key not in state_dict:
+            missing_keys.append(weight_key)
+            return
+        where = f"table {self.name or prefix.rstrip('.')!r}"
+        if self.pool is not None:
+            error_msgs.append(f"{where} lives in pool {self.pool.path}: loading rows there would change them outside "
+                              "any batch, uncovered by the undo log; load the state dict before attaching (a "
+                              "Runtime then creates a new pool from it), or build a pool with `cxltrain import`")
+            return
+        k = self.optimizer.state_columns
+        state = state_dict.get(state_key)
+        if state is not None and (not isinstance(state, torch.Tensor) or tuple(state.shape) != (self.num_embeddings, k)):
+            error_msgs.append(f"{where}: {state_key} must be [{self.num_embeddings}, {k}] for {self.optimizer}")
+            return
+        try:
+            weight = _checked_weight(where, state_dict[weight_key], self.num_embeddings, self.embedding_dim)
+        except ConfigError as e:
+            error_msgs.append(str(e))
+            return
+        self._initial = weight
+        self._initial_state = None if state is None else state.detach().to(torch.float32).clone()
+        self._loaded = True
+        if self._rows is not None:  # DRAM storage: take the values now
+            self.reset_parameters()
+
     # -- forward / backward -----------------------------------------------------------------
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled embeddings [B, D] of the bags given by (input [N], offsets [B]) or input [B, L]."""
         rows = self._require_storage()
+        last_offset = self.include_last_offset and input.dim() == 1
         indices, offsets, per_sample_weights = self._validate(input, offsets, per_sample_weights)
+        if last_offset and offsets.numel() < 1:
+            raise ValueError(f"table {self.name!r}: include_last_offset needs at least one offset")
+        learns = torch.is_grad_enabled() and not self.frozen
         batch = None
-        if self.checkpointer is not None and torch.is_grad_enabled() and indices.numel():
+        if self.checkpointer is not None and learns and indices.numel():
             # the rows' undo record must be durable before backward stores into them
             batch = self.checkpointer.capture(self, indices)
-        anchor = torch.empty(0, requires_grad=torch.is_grad_enabled())
-        return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch)
+        anchor = torch.empty(0, requires_grad=learns)
+        general = not self._fused or last_offset
+        return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch, general, last_offset)
 
     def _validate(self, input, offsets, per_sample_weights):
         where = f"table {self.name!r}"
@@ -282,10 +397,48 @@ class PersistentEmbeddingBag(nn.Module):
             return self.optimizer.update(storage, self._state, indices.contiguous(), grad_out.float().contiguous(),
                                          offsets.contiguous(), weights, self.mode)
 
+    def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
+                      grad_out: torch.Tensor, last_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [U] sorted, their gradient [U, D]) as autograd gives it for F.embedding_bag with
+        this table's options, computed over a copy of just those rows (the padding row left out)."""
+        storage = self._require_storage()
+        rows = row_ops.unique_rows(indices.contiguous(), self.num_embeddings)
+        local = row_ops.gather_rows(storage, rows)[:, : self.embedding_dim].clone().requires_grad_()
+        padding = None
+        if self.padding_idx is not None:
+            at = int(torch.searchsorted(rows, self.padding_idx))
+            padding = at if at < rows.numel() and int(rows[at]) == self.padding_idx else None
+        with torch.enable_grad():
+            pooled = F.embedding_bag(torch.searchsorted(rows, indices.contiguous()), local, offsets, mode=self.mode,
+                                     per_sample_weights=per_sample_weights, include_last_offset=last_offset,
+                                     padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq)
+            (grad,) = torch.autograd.grad(pooled, local, grad_out.float())
+        if padding is not None:  # never updated, as in torch
+            keep = rows != self.padding_idx
+            rows, grad = rows[keep], grad[keep]
+        return rows, grad
+
+    def update_from_row_gradients(self, rows: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The optimizer's rule applied once to each of rows [U] (distinct) with its gradient [U, D],
+        in place; returns rows."""
+        storage = self._require_storage()
+        with torch.no_grad():
+            self.optimizer.update(storage, self._state, rows.contiguous(), grad.contiguous())
+        return rows
+
     def extra_repr(self) -> str:
         where = self.pool.path if self.pool is not None else ("dram" if self._rows is not None else "unattached")
         return (f"{self.num_embeddings}, {self.embedding_dim}, name={self.name!r}, mode={self.mode!r}, "
                 f"optimizer={self.optimizer}, storage={where}")
+
+
+def name_unnamed(tables: dict[str, PersistentEmbeddingBag]) -> None:
+    """Name each table made without a name (as nn.EmbeddingBag is) after its module path in the
+    model, `.` replaced by `_` ("tables.0" -> "tables_0")."""
+    for path, table in tables.items():
+        if table.name is None:
+            table.name = path.replace(".", "_") or "table"
+            table.feature_names = table.feature_names or (table.name,)
 
 
 def region_names(table_name: str) -> tuple[str, str]:
@@ -310,7 +463,8 @@ def pool_holds(pool: Pool, tables) -> bool:
 
 
 class _BagLookup(torch.autograd.Function):
-    """Forward: embedding_bag over the pool rows. Backward: the fused sparse update, in place.
+    """Forward: embedding_bag over the pool rows. Backward: the fused sparse update, in place
+    (general: the per-row update from autograd's row gradients, for the modes the kernel lacks).
 
     `anchor` is an empty tensor that requires grad, so autograd calls backward although the
     table's rows are not a Parameter (they must not be: torch would then allocate a dense
@@ -318,11 +472,12 @@ class _BagLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch):
-        ctx.table, ctx.batch = table, batch
+    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch, general, last_offset):
+        ctx.table, ctx.batch, ctx.general, ctx.last_offset = table, batch, general, last_offset
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         # the contiguous padded rows [R, P]: embedding_bag copies a non-contiguous table whole
-        pooled = F.embedding_bag(indices, rows, offsets, mode=table.mode, per_sample_weights=per_sample_weights)
+        pooled = F.embedding_bag(indices, rows, offsets, mode=table.mode, per_sample_weights=per_sample_weights,
+                                 include_last_offset=last_offset, padding_idx=table.padding_idx)
         return pooled[:, : table.embedding_dim] if rows.shape[1] != table.embedding_dim else pooled
 
     @staticmethod
@@ -330,28 +485,62 @@ class _BagLookup(torch.autograd.Function):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
         if indices.numel():
-            started = time.perf_counter()
-            # per lookup, the gradient is grad_out's row (times a per-sample weight): all finite if these are
-            finite = row_ops.all_finite(grad_out) and (
-                per_sample_weights is None or row_ops.all_finite(per_sample_weights))
-            if not finite:
-                # stop, never store: rows updated with NaN/inf would be silently wrong from now on
-                batch = "" if ctx.batch is None else f" in batch {ctx.batch}"
-                raise NonFiniteError(f"table {table.name!r}: gradient{batch} is not finite (NaN or inf); stopped "
-                                     "before updating the table, and the batch is not committed")
-            if table.checkpointer is not None:
-                # ORDERING U1c: the undo record of these rows is durable (before_update returns only
-                # then) before the update below issues the batch's first in-place store into them.
-                table.checkpointer.before_update(table, ctx.batch)
-            unique_rows = table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
-            if table.checkpointer is not None:
-                table.checkpointer.after_update(table, ctx.batch, unique_rows)
-            stats = table.stats
-            stats.updates += 1
-            stats.lookups += indices.numel()
-            stats.rows_updated += unique_rows.numel()
-            stats.update_seconds += time.perf_counter() - started
-        return None, None, None, None, None, None, None
+            if ctx.general:
+                # max, padding_idx, scale_grad_by_freq, include_last_offset: autograd's gradient of
+                # just the batch's unique rows [U, D], then the optimizer's rule once per row
+                def update():
+                    rows, grads = table.row_gradients(indices, offsets, per_sample_weights, grad_out, ctx.last_offset)
+                    return table.update_from_row_gradients(rows, grads)
+            else:
+                def update():
+                    return table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
+            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update)
+        return None, None, None, None, None, None, None, None, None
+
+
+def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update) -> None:
+    """Run `update()` (which stores the batch's rows and returns them [U]) between the finiteness
+    check, the undo-log wait and the checkpointer's note of the rows; count it in table.stats."""
+    started = time.perf_counter()
+    # per lookup, the gradient is grad_out's row (times a per-sample weight): all finite if these are
+    finite = row_ops.all_finite(grad_out) and (
+        per_sample_weights is None or row_ops.all_finite(per_sample_weights))
+    if not finite:
+        # stop, never store: rows updated with NaN/inf would be silently wrong from now on
+        where = "" if batch is None else f" in batch {batch}"
+        raise NonFiniteError(f"table {table.name!r}: gradient{where} is not finite (NaN or inf); stopped "
+                             "before updating the table, and the batch is not committed")
+    if table.checkpointer is not None:
+        # ORDERING U1c: the undo record of these rows is durable (before_update returns only
+        # then) before the update below issues the batch's first in-place store into them.
+        table.checkpointer.before_update(table, batch)
+    unique_rows = update()
+    if table.checkpointer is not None:
+        table.checkpointer.after_update(table, batch, unique_rows)
+    stats = table.stats
+    stats.updates += 1
+    stats.lookups += indices.numel()
+    stats.rows_updated += unique_rows.numel()
+    stats.update_seconds += time.perf_counter() - started
+
+
+def _refuse_unsupported(where: str, max_norm, device, dtype) -> None:
+    """nn.EmbeddingBag arguments a pool table cannot honour: one line each, never ignored."""
+    if max_norm is not None:
+        raise ConfigError(f"{where}: max_norm is not supported: it renormalises rows during forward, a store "
+                          "outside the backward update that the undo log captures")
+    if device is not None and torch.device(device).type != "cpu":
+        raise ConfigError(f"{where}: rows live in a host-memory pool; device must be cpu, got {device}")
+    if dtype is not None and dtype != torch.float32:
+        raise ConfigError(f"{where}: pool rows are float32; dtype {dtype} is not supported")
+
+
+def _checked_weight(where: str, weight, rows: int, dim: int) -> torch.Tensor:
+    """A detached float32 CPU copy of initial weights [rows, dim], or ConfigError."""
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (rows, dim):
+        got = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ConfigError(f"{where}: initial weights must be a tensor [{rows}, {dim}], got {got}")
+    return weight.detach().to("cpu", torch.float32).clone()
 
 
 def _table_seed(seed: int, name: str) -> int:

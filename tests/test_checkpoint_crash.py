@@ -81,8 +81,9 @@ def test_reference_cache_equals_cli_runs(shm_dir, ref_dir):
     assert exported.returncode == 0, exported.stderr
     state = torch.load(out, weights_only=True)
     assert state["batch"] == 4
-    assert set(state["model"]) >= {"tables.0.weight", "tables.0.optimizer_state", "bottom.0.weight"}
-    assert state["model"]["tables.1.weight"].shape == (3000, 8)
+    table = "embedding_bag_collection.embedding_bags.t{}."  # DLRM's tables, keyed as TorchRec's
+    assert set(state["model"]) >= {table.format(0) + "weight", table.format(0) + "optimizer_state", "bottom.0.weight"}
+    assert state["model"][table.format(1) + "weight"].shape == (3000, 8)
     assert differences(state, reference(4, ref_dir)) == []
 
 
@@ -287,7 +288,7 @@ def test_relaxed_mode_recovers_embeddings_and_an_older_dense_state(shm_dir, ref_
     assert report.batch in (7, 8) and report.dense_batch == 6 and report.dense_lag == report.batch - 6
     recovered = export_state(pool)
     tables, dense_state = reference(report.batch, ref_dir), reference(6, ref_dir)
-    table_keys = {k for k in recovered["model"] if k.startswith("tables.")}
+    table_keys = {k for k in recovered["model"] if k.startswith("embedding_bag_collection.")}
     assert table_keys and recovered["batch"] == report.batch
     assert differences({k: recovered["model"][k] for k in table_keys}, {k: tables["model"][k] for k in table_keys}) == []
     assert differences({k: v for k, v in recovered["model"].items() if k not in table_keys},

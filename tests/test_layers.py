@@ -35,11 +35,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
     # cxltrain/dist is split over the layers: its plan, shards and exchange are model pieces, its
     # runtime and recovery the training loop's, the rest (the rank's job, export/import) jobs.
-    ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics", "cxltrain.dist.plan",
-               "cxltrain.dist.shards", "cxltrain.dist.exchange")),
-    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md).
-    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.dist.runtime", "cxltrain.dist.recovery",
-                 "cxltrain.dist.manifest")),
+    ("model", ("cxltrain.models", "cxltrain.collection", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics",
+               "cxltrain.dist.plan", "cxltrain.dist.shards", "cxltrain.dist.exchange")),
+    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md); interop converts exports
+    # to and from TorchRec's key names; pool_import builds a pool from one.
+    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.interop", "cxltrain.pool_import",
+                 "cxltrain.dist.runtime", "cxltrain.dist.recovery", "cxltrain.dist.manifest")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
     ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
               "cxltrain.run_metrics", "cxltrain.evaluation", "cxltrain.dist")),

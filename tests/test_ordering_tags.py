@@ -59,13 +59,14 @@ def test_tags_sit_where_the_rules_are_enforced():
 
 def test_u1_holds_for_the_tables_by_call_order():
     """The table calls before_update (which returns once the undo record is durable) before its
-    fused update stores anything; the U1c tag is on that call."""
+    update stores anything (every lookup's backward goes through _guarded_update); the U1c tag is
+    on that call."""
     lines = (ROOT / "cxltrain/tables.py").read_text().splitlines()
     _, _, number, _ = next(t for t in tags() if t[0] == "U1c")
     after = lines[number:]
     call = next(i for i, line in enumerate(after) if not line.strip().startswith("#"))
     assert "before_update(" in after[call]
-    update = next(i for i, line in enumerate(after) if "update_from_lookups(" in line)
+    update = next(i for i, line in enumerate(after) if "= update()" in line)
     assert call < update
 
 

@@ -16,13 +16,21 @@ def _blocks(path: Path, count: int) -> list[str]:
 
 
 def test_readme_runtime_example_runs_and_resumes(shm_dir):
-    code = _blocks(README, 1)[0].replace("/dev/shm/ctr.pool", str(shm_dir / "ctr.pool"))
+    code = _blocks(README, 2)[0].replace("/dev/shm/ctr.pool", str(shm_dir / "ctr.pool"))
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)
     assert namespace["rt"].batch == 50 and namespace["rt"].start_batch == 0
     again: dict = {}
     exec(compile(code.replace("stop=50", "stop=60"), str(README), "exec"), again)
     assert again["rt"].recovered_batch == 50 and again["rt"].batch == 60
+
+
+def test_readme_torchrec_example_runs(shm_dir):
+    code = _blocks(README, 2)[1].replace("/dev/shm/ebc.pool", str(shm_dir / "ebc.pool"))
+    code = code.replace("ebc, [])", "ebc, [], undo_ring_bytes=1 << 20)")  # a small ring: created at once
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert namespace["rt"].batch == 20 and namespace["pooled"].values().shape == (2, 32)
 
 
 def test_architecture_table_example_runs(shm_dir):

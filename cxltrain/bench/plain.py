@@ -32,15 +32,14 @@ def plain_model(config: TrainConfig, *, initialize: bool = True) -> DLRM:
     model = DLRM(embedding_rows=[config.rows] * config.num_tables, embedding_dim=config.dim,
                  bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp, sparse_optimizer=SGD(config.sparse_lr),
                  seed=config.seed)
-    bags = []
+    bags = model.embedding_bag_collection.embedding_bags
     for table in model.tables:
         if initialize:
             table.materialize()  # the same values a pool table starts with
             weight = table.weight
         else:
             weight = torch.empty(config.rows, config.dim)
-        bags.append(nn.EmbeddingBag(config.rows, config.dim, mode="sum", sparse=True, _weight=weight))
-    model.tables = nn.ModuleList(bags)
+        bags[table.name] = nn.EmbeddingBag(config.rows, config.dim, mode="sum", sparse=True, _weight=weight)
     return model
 
 

@@ -3,7 +3,7 @@
 A snapshot is a tree (encoded by codec.py, no pickle) of:
 
     "batch"       batches the state has seen; also the data position (the next batch index)
-    "model"       model.state_dict(): the dense parameters and buffers (tables hold none)
+    "model"       model.state_dict() under seam.dense_only(): the dense parameters and buffers
     "optimizers"  [optimizer.state_dict() for each dense optimizer], any torch optimizer
     "schedulers"  [scheduler.state_dict() for each LR scheduler]
     "rng"         torch, numpy and python RNG states
@@ -26,6 +26,7 @@ from ..errors import CheckpointError, PoolCorruptError, RecoveryError
 from ..pool import Pool
 from ..pool_format import checksum_more
 from . import codec, layout, slots
+from .seam import dense_only
 
 
 class DenseState:
@@ -38,7 +39,9 @@ class DenseState:
         self.metadata = metadata if metadata is not None else {}
 
     def capture(self, batch: int) -> dict:
-        return {"batch": batch, "model": self.model.state_dict(),  # with _metadata (module versions)
+        with dense_only():
+            model = self.model.state_dict()  # with _metadata (module versions); the tables left out
+        return {"batch": batch, "model": model,
                 "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers],
                 "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata,
@@ -50,7 +53,8 @@ class DenseState:
             raise RecoveryError(f"{where}: the snapshot has {len(tree['optimizers'])} optimizer(s) and "
                                 f"{len(tree['schedulers'])} scheduler(s); this run has {len(self.optimizers)} "
                                 f"and {len(self.schedulers)}")
-        own = self.model.state_dict()
+        with dense_only():
+            own = self.model.state_dict()
         theirs = tree["model"]
         if set(own) != set(theirs) or any(own[k].shape != theirs[k].shape or own[k].dtype != theirs[k].dtype
                                           for k in own):
@@ -67,7 +71,8 @@ class DenseState:
     def restore(self, tree: dict, where: str) -> None:
         """Load a snapshot, already checked with check(), into the live model, optimizers, schedulers
         and RNGs."""
-        self.model.load_state_dict(tree["model"])
+        with dense_only():
+            self.model.load_state_dict(tree["model"])
         for optimizer, state in zip(self.optimizers, tree["optimizers"]):
             try:
                 optimizer.load_state_dict(state)

@@ -14,7 +14,9 @@ and optimizer state, how many state columns its optimizer keeps, and its storage
 
 from __future__ import annotations
 
-from typing import Protocol
+import contextlib
+import threading
+from typing import Iterator, Protocol
 
 import torch
 
@@ -63,3 +65,22 @@ class TableGuard(Protocol):
     def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
         """The table has stored into `rows` [U] (sorted, unique)."""
         ...
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def dense_only() -> Iterator[None]:
+    """Within it, on this thread, a model's state_dict()/load_state_dict() leave the tables out: the
+    dense snapshot is the state the tables do not hold (their rows are logged row by row instead)."""
+    before = getattr(_scope, "dense_only", False)
+    _scope.dense_only = True
+    try:
+        yield
+    finally:
+        _scope.dense_only = before
+
+
+def in_dense_only() -> bool:
+    return getattr(_scope, "dense_only", False)

@@ -157,42 +157,40 @@ def run_pool_info(path: str, as_json: bool) -> int:
     return 1 if any(r["problems"] for r in ranks) else 0
 
 
-def add_import(sub) -> None:
+def add_import_options(i) -> None:
+    """`cxltrain import`'s options for a distributed run's directory (cli.py adds the command)."""
     from ..config import TrainConfig
 
     d = TrainConfig()
-    i = sub.add_parser("import", help="start a run from an exported state dict, re-sharded onto N ranks",
-                       description="Make a distributed run's directory from a state dict `cxltrain export` wrote "
-                                   "(of any world size, or of a single process): the tables re-sharded onto "
-                                   "--nproc-per-node ranks, dense and optimizer state included. Then train it "
-                                   "with the same options to continue.")
-    i.add_argument("state", metavar="IN.pt")
-    i.add_argument("dir", metavar="DIR", help="the new run's directory (must not exist)")
-    i.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks of the new run (default 1)")
+    i.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                   help="make a distributed run's directory (PATH) for N ranks, the tables re-sharded onto them; "
+                        "then train it with the same options (docs/distributed.md)")
     for name, default in (("steps", d.steps), ("batch-size", d.batch_size), ("num-tables", d.num_tables),
                           ("rows", d.rows), ("dim", d.dim), ("seed", d.seed), ("pooling", d.pooling),
                           ("dense-every", d.dense_every)):
-        i.add_argument(f"--{name}", type=int, default=default, help=f"as for train (default {default})")
-    i.add_argument("--zipf", type=float, default=d.zipf_exponent, dest="zipf_exponent", help="as for train")
-    i.add_argument("--sharding", default="auto", help="as for train (default auto)")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(run=run_import, data=None, checkpoint=d.checkpoint, mode=d.mode, pipeline=d.pipeline,
+        i.add_argument(f"--{name}", type=int, default=default, help=f"with --nproc-per-node: as for train "
+                                                                   f"(default {default})")
+    i.add_argument("--zipf", type=float, default=d.zipf_exponent, dest="zipf_exponent",
+                   help="with --nproc-per-node: as for train")
+    i.add_argument("--sharding", default="auto", help="with --nproc-per-node: as for train (default auto)")
+    i.set_defaults(data=None, checkpoint=d.checkpoint, mode=d.mode, pipeline=d.pipeline,
                    background_capture=False, epochs=None, eval_every=d.eval_every, eval_batches=d.eval_batches,
                    metrics=None, prefetch=d.prefetch, default_num_tables=d.num_tables)
 
 
 def run_import(args) -> int:
+    """`cxltrain import OUT.pt DIR --nproc-per-node N`: args.source, args.path as cli.py names them."""
     from .reshard import import_state
 
     n = args.nproc_per_node
     if n < 1:
         raise ConfigError("--nproc-per-node must be >= 1")
-    args.pool = args.dir
-    g = import_state(args.state, args.dir, config_of(args), n, args.sharding)
-    print(f"imported {args.state} at batch {g} into {args.dir}: {n} rank(s); continue with "
-          f"`cxltrain train --nproc-per-node {n} --pool {args.dir}` and the same options")
+    args.pool = args.path
+    g = import_state(args.source, args.path, config_of(args), n, args.sharding)
+    print(f"imported {args.source} at batch {g} into {args.path}: {n} rank(s); continue with "
+          f"`cxltrain train --nproc-per-node {n} --pool {args.path}` and the same options")
     if args.json:
-        print(json.dumps({"dir": args.dir, "batch": g, "world_size": n}))
+        print(json.dumps({"dir": args.path, "batch": g, "world_size": n}))
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..collection import EmbeddingBagConfig, PersistentEmbeddingBagCollection
 from ..data.batch import Batch
 from ..errors import ConfigError
 from ..optim import RowWiseAdagrad, SparseOptimizer
@@ -62,16 +63,21 @@ class DLRM(nn.Module):
         self.num_dense_features = num_dense_features
         generator = torch.Generator().manual_seed(seed)
         self.bottom = _mlp([num_dense_features, *bottom_mlp, embedding_dim], generator, final_activation=True)
-        self.tables = nn.ModuleList(
-            PersistentEmbeddingBag(rows, embedding_dim, name=name, mode=pooling, optimizer=optimizer,
-                                   seed=seed * 1_000_003 + i)
-            for i, (rows, name) in enumerate(zip(embedding_rows, names)))
+        # TorchRec's collection: the tables are embedding_bag_collection.embedding_bags.<name>
+        self.embedding_bag_collection = PersistentEmbeddingBagCollection(
+            [EmbeddingBagConfig(name, rows, embedding_dim, [name], pooling) for rows, name in zip(embedding_rows, names)],
+            optimizer=optimizer, seed=seed)
         vectors = len(embedding_rows) + 1
         self._pairs = torch.tril_indices(vectors, vectors, offset=-1)
         interactions = vectors * (vectors - 1) // 2
         self.top = _mlp([embedding_dim + interactions, *top_mlp, 1], generator, final_activation=False)
         # wall-clock seconds spent in table lookups (forward), for the step breakdown `train` prints
         self.embedding_forward_seconds = 0.0
+
+    @property
+    def tables(self) -> list[PersistentEmbeddingBag]:
+        """The tables [F], in feature order."""
+        return self.embedding_bag_collection.tables()
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """The parameters a torch optimizer should train: the bottom and top MLPs."""
@@ -103,7 +109,7 @@ class DLRM(nn.Module):
             raise ConfigError(f"batch has {len(batch.values)} sparse features, model has {len(self.tables)} tables")
         x = self.bottom(batch.dense)
         started = time.perf_counter()
-        embedded = [table(values, offsets) for table, values, offsets in zip(self.tables, batch.values, batch.offsets)]
+        embedded = self.embedding_bag_collection.pooled(batch.values, batch.offsets)
         self.embedding_forward_seconds += time.perf_counter() - started
         return self.top(torch.cat([x, self._interact(x, embedded)], dim=1)).squeeze(1)
 
