@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 
 from .checkpoint import verify
+from .checkpoint.seam import dense_only
 from .config import TrainConfig
 from .data.files import open_criteo
 from .errors import ConfigError
@@ -29,7 +30,8 @@ def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) ->
                               f"{pool_path}` (eval opens a pool read-only and never writes it)")
         config = _config_of(pool_path, snapshot.get("metadata"))
         model = build_model(config)
-        model.load_state_dict(snapshot["model"])
+        with dense_only():   # the snapshot holds the dense state; the tables are the pool's, viewed below
+            model.load_state_dict(snapshot["model"])
         with warnings.catch_warnings():   # torch warns that the read-only mapping is not writable: intended
             warnings.simplefilter("ignore", UserWarning)
             for module_path in snapshot["tables"]:

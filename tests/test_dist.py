@@ -306,3 +306,15 @@ def _with(base: list[str], extra: list[str]) -> list[str]:
         else:
             out += extra[i : i + 2]
     return out
+
+
+def test_one_rank_exports_what_a_single_process_run_exports(shm_dir):
+    """`train --nproc-per-node 1` (no launcher: one rank in this process) and plain `train` with the
+    same options: the same plain state dict, key for key and bit for bit, which a single-process
+    `cxltrain import` then takes as it is."""
+    model = ["--steps", "3", "--batch-size", "96", "--num-tables", "2", "--rows", "500", "--dim", "8", "--no-progress"]
+    ok(cxltrain("train", "--nproc-per-node", "1", "--pool", shm_dir / "run", *model, "--sharding", "table-wise",
+                timeout=CHILD_TIMEOUT))
+    ok(cxltrain("train", "--pool", shm_dir / "one.pool", *model, timeout=CHILD_TIMEOUT))
+    ok(cxltrain("export", shm_dir / "one.pool", shm_dir / "one.pt", timeout=CHILD_TIMEOUT))
+    assert_same_export(export(shm_dir / "run"), torch.load(shm_dir / "one.pt"))

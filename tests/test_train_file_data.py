@@ -131,7 +131,7 @@ def test_per_table_rows_reach_the_model_and_the_data(files, shm_dir):
     rows = tuple(100 + t for t in range(26))
     config = dataclasses.replace(BASE, data=str(files["raw"]), table_rows=rows, rows=max(rows), steps=2)
     state = run(config, shm_dir / "rows.pool")
-    assert [state["model"][f"tables.{t}.weight"].shape[0] for t in range(26)] == list(rows)
+    assert [state["model"][f"embedding_bag_collection.embedding_bags.t{t}.weight"].shape[0] for t in range(26)] == list(rows)
 
 
 def test_plot_without_matplotlib_is_one_line(shm_dir, capsys):

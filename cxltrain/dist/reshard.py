@@ -25,15 +25,31 @@ import torch
 from ..checkpoint import dense
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..interop import DLRM_COLLECTION
 from ..pool import Pool, publish
 from ..tables import region_names
 from . import manifest as run_dir
+from .job_settings import check_config, plan_for, settings_for
 from .plan import DATA_PARALLEL, ShardingPlan
 from .recovery import recover_dir
-from .job_settings import check_config, plan_for, settings_for
 from .train import build, seed_everything
 
 DENSE_PREFIX = "dense."
+OLD_TABLE_PREFIX = "tables."   # exports made before the DLRM held its tables in a collection
+
+
+def table_key(t: int, what: str) -> str:
+    """The export key of table t's `what` ("weight", "optimizer_state"), as a single process names it."""
+    return f"{DLRM_COLLECTION}.embedding_bags.t{t}.{what}"
+
+
+def _table_tensor(model: dict, t: int, what: str):
+    found = model.get(table_key(t, what))
+    return found if found is not None else model.get(f"{OLD_TABLE_PREFIX}{t}.{what}")
+
+
+def _is_table_key(key: str) -> bool:
+    return key.startswith((OLD_TABLE_PREFIX, f"{DLRM_COLLECTION}.embedding_bags."))
 
 
 def export_dir(directory: str) -> dict:
@@ -47,7 +63,7 @@ def export_dir(directory: str) -> dict:
     for t, table in enumerate(plan.tables):
         weight_region, state_region = region_names(table.name)
         ranks = table.ranks[:1] if table.kind == DATA_PARALLEL else table.ranks
-        for key, region in ((f"tables.{t}.weight", weight_region), (f"tables.{t}.optimizer_state", state_region)):
+        for key, region in ((table_key(t, "weight"), weight_region), (table_key(t, "optimizer_state"), state_region)):
             parts = []
             for r in ranks:
                 with Pool.open(run_dir.pool_path(directory, r), writable=False) as pool:
@@ -55,8 +71,9 @@ def export_dir(directory: str) -> dict:
                         parts.append(np.array(pool.array(region)))
             if parts:
                 model[key] = torch.from_numpy(np.concatenate(parts))
+    tables = {f"{DLRM_COLLECTION}.embedding_bags.t{t}": f"t{t}" for t in range(len(plan.tables))}
     return {"batch": done[0].batch, "model": model, "optimizers": snapshot["optimizers"],
-            "schedulers": snapshot["schedulers"]}
+            "schedulers": snapshot["schedulers"], "tables": tables}
 
 
 def import_state(source: str, directory: str, config: TrainConfig, world_size: int, sharding: str) -> int:
@@ -87,12 +104,12 @@ def _check_fits(state, config: TrainConfig, plan: ShardingPlan, source: str) -> 
         raise ConfigError(f"{source}: not a cxltrain export (it needs batch, model, optimizers, schedulers)")
     model = state["model"]
     for t, table in enumerate(plan.tables):
-        weight = model.get(f"tables.{t}.weight")
+        weight = _table_tensor(model, t, "weight")
         if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (table.rows, config.dim):
             shape = None if weight is None else list(weight.shape)
             raise ConfigError(f"{source}: table {t} is {shape}, the settings make it [{table.rows}, {config.dim}] "
                               "(give import the options the run was trained with)")
-    if f"tables.{len(plan.tables)}.weight" in model:
+    if _table_tensor(model, len(plan.tables), "weight") is not None:
         raise ConfigError(f"{source}: holds more than the {len(plan.tables)} tables of --num-tables")
     batch = state["batch"]
     if not isinstance(batch, int) or not 0 <= batch <= config.steps:
@@ -105,7 +122,7 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
     seed_everything(config.seed)  # the global RNG states a start has
     model, dense_opt, rt = build(config, plan, rank, {"dir": directory, "run": run_id, "rank": rank})
     try:
-        model.dense.load_state_dict({k: v for k, v in state["model"].items() if not k.startswith("tables.")})
+        model.dense.load_state_dict({k: v for k, v in state["model"].items() if not _is_table_key(k)})
         dense_opt.load_state_dict(state["optimizers"][0])
     except (RuntimeError, ValueError, KeyError, IndexError) as e:
         raise ConfigError(f"the dense or optimizer state does not fit this model ({str(e).splitlines()[0][:160]})") \
@@ -119,9 +136,9 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
             lo, hi = plan.rows_of(t, rank)
             weights, opt_state = shard.storage()
             with torch.no_grad():
-                weights[:, : config.dim].copy_(state["model"][f"tables.{t}.weight"][lo:hi])
+                weights[:, : config.dim].copy_(_table_tensor(state["model"], t, "weight")[lo:hi])
                 if opt_state is not None:
-                    opt_state.copy_(state["model"][f"tables.{t}.optimizer_state"][lo:hi])
+                    opt_state.copy_(_table_tensor(state["model"], t, "optimizer_state")[lo:hi])
             shard.persist()
         rt._state.metadata["agreed"] = batch
         dense.write_snapshot(pool, 1, batch, rt._state.capture(batch))
