@@ -98,6 +98,11 @@ def _add_train(sub) -> None:
     p.add_argument("--capacity-pool", metavar="PATH",
                    help="a pool set: the tables live in this capacity pool on block storage (SSD, disk), "
                         "everything else in --pool, the fast tier (docs/tiers.md)")
+    p.add_argument("--fast-bytes", type=parse_size, metavar="SIZE",
+                   help="with --capacity-pool: the fast tier's room for whole tables and cached hot rows, "
+                        "given to the planner (docs/planner.md; default 0: every table in the capacity pool)")
+    p.add_argument("--profile-batches", type=_positive_int, metavar="N",
+                   help="with --capacity-pool: batches of the data the planner profiles (default 16)")
     p.add_argument("--data", metavar="FILE", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N) instead of synthetic data; "
                                                  "--rows is then the hash buckets per categorical feature")
@@ -134,6 +139,7 @@ def _add_train(sub) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=_run_train)
+    return p
 
 
 def _add_emulation_options(p) -> None:
@@ -230,19 +236,26 @@ def _check_pool_space(path: str, pool_size: int) -> None:
                           f"{free:,} are free in {folder}")
 
 
+def train_config(args):
+    """The TrainConfig of `train`'s (and `plan`'s) options."""
+    from .config import TrainConfig
+
+    return TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
+                       rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
+                       zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
+                       mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
+                       discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
+                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches)
+
+
 def _run_train(args) -> int:
     from .checkpoint.stats import summary_line
-    from .config import TrainConfig
     from .devices import resolve_backend
     from .emulation import default_pool_path
     from .emulation.cxl import SHM, memory_dir
     from .trainer import pool_bytes, train
 
-    config = TrainConfig(pool=args.pool, data=args.data, steps=args.steps, batch_size=args.batch_size, num_tables=args.num_tables,
-                         rows=args.rows, dim=args.dim, seed=args.seed, pooling=args.pooling,
-                         zipf_exponent=args.zipf_exponent, checkpoint=args.checkpoint, dense_every=args.dense_every,
-                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
-                         discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool)
+    config = train_config(args)
     config.validate()
     _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)
@@ -635,6 +648,50 @@ def _run_bench(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+PLAN_OPTIONS = ("pool", "capacity_pool", "fast_bytes", "profile_batches", "data", "steps", "batch_size",
+                "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent", "json")
+
+
+def add_plan(sub, train) -> None:
+    p = sub.add_parser("plan", help="print where a pool set's tables would go, without training",
+                       description="Print the placement plan `train` would use with the same options (docs/"
+                                   "planner.md): per table its tier, the hot rows cached in the fast tier and "
+                                   "the expected hit rate; for an existing pool set, the plan it stores. "
+                                   "Never writes a pool.")
+    for action in train._actions:  # the same options as train, spelled and checked once
+        if action.dest in PLAN_OPTIONS:
+            p._add_action(action)
+    p.add_argument("--no-measure", action="store_false", dest="measure",
+                   help="do not measure the tiers' free space and read speed")
+    p.set_defaults(run=_run_plan, checkpoint=UNDO, dense_every=1, mode=STRICT, pipeline=True,
+                   background_capture=False, discard_checkpoint=False)
+
+
+def _run_plan(args) -> int:
+    from .emulation import default_pool_path
+    from .planner import format_plan
+    from .planning import measure_tiers, plan_for
+    from .trainer import build_model, build_source
+
+    config = train_config(args)
+    config.validate()
+    if config.capacity_pool is None:
+        raise ConfigError("plan places tables in a pool set: give --capacity-pool (and --fast-bytes)")
+    path = args.pool or default_pool_path(0)
+    plan = plan_for(config, build_model(config), build_source(config), path)
+    if plan is None:
+        raise ConfigError(f"{path}: this pool set was made without a placement plan: every table is in its "
+                          "capacity pool")
+    tiers = measure_tiers(path, config.capacity_pool) if args.measure else None
+    print(format_plan(plan, tiers))
+    if args.json:
+        print(json.dumps({"pool": path, "plan": plan.to_json(), "tiers": tiers}))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -643,7 +700,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cxltrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    _add_train(sub)
+    train = _add_train(sub)
+    add_plan(sub, train)
     _add_recover_export(sub)
     _add_pool(sub)
     _add_devices(sub)

@@ -37,6 +37,9 @@ class TrainConfig:
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
     discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
     capacity_pool: str | None = None   # a pool set's capacity pool on block storage: the tables live there
+    fast_bytes: int | None = None      # with a capacity pool: the fast tier's budget for whole tables and
+                                       # cached rows (planner.py); None: 0 for a new set, the stored plan's on a restart
+    profile_batches: int | None = None # batches profiled to plan a new set (None: planning.PROFILE_BATCHES)
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

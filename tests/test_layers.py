@@ -34,10 +34,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
     ("model", ("cxltrain.models", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics")),
-    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md).
-    ("runtime", ("cxltrain.runtime", "cxltrain.tiering")),
+    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md); planner decides where
+    # (docs/planner.md).
+    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.planner")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
-    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config")),
+    # planning profiles a job's data for the planner and measures the tiers.
+    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.planning")),
     # The package's own __init__ re-exports public names from several layers (lazily), and
     # __main__ runs the command line: both sit at the top with it.
     ("cli", ("cxltrain.cli", "cxltrain.__main__", "cxltrain")),
