@@ -137,8 +137,12 @@ def _cache_rows(profiles: list[TableProfile], budget: int) -> dict[str, int]:
         return {}
     value = np.concatenate([p.counts / p.row_bytes for p in profiles])
     size = np.concatenate([np.full(p.counts.size, p.row_bytes, np.int64) for p in profiles])
+    by_name = sorted(range(len(profiles)), key=lambda i: profiles[i].name)
     owner = np.concatenate([np.full(p.counts.size, i, np.int64) for i, p in enumerate(profiles)])
-    order = np.lexsort((owner, -value))  # stable: equal values keep the tables' order
+    name_rank = np.argsort(by_name)[owner]
+    rank = np.concatenate([np.arange(p.counts.size) for p in profiles])
+    # most lookups per byte first; ties by table name, then by the rows' rank: never by input order
+    order = np.lexsort((rank, name_rank, -value))
     taken = order[np.cumsum(size[order]) <= budget]
     counts = np.bincount(owner[taken], minlength=len(profiles))
     return {p.name: int(counts[i]) for i, p in enumerate(profiles) if counts[i]}
