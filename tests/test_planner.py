@@ -23,7 +23,7 @@ from cxltrain.errors import ConfigError, PoolError
 from cxltrain.planner import CAPACITY, FAST, make_plan, profile_ids
 from cxltrain.runtime import Runtime
 from cxltrain.trainer import build_model, train
-from helpers import cxltrain, shm_tempdir
+from helpers import shm_tempdir
 from test_pool_set import digest
 
 
@@ -150,7 +150,7 @@ def test_bad_planning_input_is_refused_in_one_line(args, says, capsys):
     assert code not in (0, None) and says in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_a_set_keeps_its_plan(folders):
+def test_a_set_keeps_its_plan(folders, capsys):
     """Made with one table in the fast tier; a restart with another --fast-bytes is refused and
     writes nothing; one without resumes on the stored plan; a Runtime given another plan is refused."""
     fast, disk = folders
@@ -158,9 +158,9 @@ def test_a_set_keeps_its_plan(folders):
     config = TrainConfig(steps=2, batch_size=64, num_tables=3, rows=3000, dim=16, capacity_pool=cap)
     train(dataclasses.replace(config, fast_bytes=TABLE_BYTES), pool_path=pool, progress=False)
     before = digest(pool, cap)
-    refused = cxltrain("train", "--pool", pool, "--capacity-pool", cap, *ARGS, "--fast-bytes", "1M", timeout=60)
-    assert refused.returncode == 1 and "stored plan was made with --fast-bytes" in refused.stderr, refused.stderr
-    assert len(refused.stderr.strip().splitlines()) == 1 and digest(pool, cap) == before
+    code, _, err = run_cli(capsys, "train", "--pool", pool, "--capacity-pool", cap, *ARGS, "--fast-bytes", "1M")
+    assert code == 1 and "stored plan was made with --fast-bytes" in err, err
+    assert len(err.strip().splitlines()) == 1 and digest(pool, cap) == before
 
     result = train(dataclasses.replace(config, steps=3), pool_path=pool, progress=False)  # no --fast-bytes: the stored plan
     assert (result.progress.start_batch, result.progress.batch) == (2, 3)
@@ -176,3 +176,21 @@ def test_a_set_keeps_its_plan(folders):
         with Runtime(pool, model, torch.optim.Adam(model.dense_parameters()), capacity_pool=cap, plan=other):
             pass
     assert digest(pool, cap) == after
+
+
+def test_bench_tiers_runs_side_by_side_at_a_tiny_size(capsys):
+    code, out, err = run_cli(capsys, "bench", "--tiers", "--quick", "--json")
+    assert code == 0, err
+    result = json.loads(out.splitlines()[-1])
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == ["fast", "capacity", "capacity-off"] and rows["fast"]["ratio"] == 1.0
+    assert all(row["ms_per_step"] > 0 for row in rows.values())
+    # the fast tier (/dev/shm) does no block I/O and reads nothing ahead; the durable tiered set
+    # writes its dirty pages every batch
+    assert rows["fast"]["written_bytes_per_batch"] == 0 and rows["fast"]["pages_prefetched_per_batch"] == 0
+    assert rows["capacity"]["written_bytes_per_batch"] > 0 and rows["capacity"]["pages_prefetched_per_batch"] > 0
+    assert result["checkpoint_ratio"] > 0 and result["peak_rss_bytes"] > 0
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith(f"cxltrain-tiers-{os.getpid()}")]
+    assert not [name for name in os.listdir(result["capacity_dir"]) if name.startswith(f"cxltrain-tiers-{os.getpid()}")]
+    code, _, err = run_cli(capsys, "bench", "--tiers", "--capacity-dir", "/nonexistent/folder")
+    assert code == 1 and "--capacity-dir" in err and len(err.strip().splitlines()) == 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -24,18 +25,20 @@ from ..config import TrainConfig
 from .records import PairedTiming
 
 
-def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str], *, warmup: int, blocks: int,
-                 block_steps: int) -> PairedTiming:
-    """Mean ms per step of `base` and `method` over `blocks` alternating blocks of `block_steps`
-    steps each (after `warmup` steps each), their ratio, and each block pair's ratio."""
+def interleaved_blocks(configs: list[TrainConfig], pools: list[str], *, warmup: int, blocks: int, block_steps: int,
+                       probe: Callable | None = None) -> tuple[list[list[float]], list[dict]]:
+    """Runs `configs` (each in its pool, the first one's data source shared) taking turns in blocks:
+    (seconds of each run's blocks, each run's summed probe deltas). probe(rt) -> {name: counter} is
+    read before and after every timed block; who goes first rotates from block to block."""
     from ..trainer import build_model, build_source, make_runtime, train_step
 
-    source = build_source(base)
+    source = build_source(configs[0])
     stop = warmup + blocks * block_steps
-    seconds: tuple[list[float], list[float]] = ([], [])
+    seconds: list[list[float]] = [[] for _ in configs]
+    totals: list[dict] = [{} for _ in configs]
     with contextlib.ExitStack() as stack:
         runs = []
-        for config, pool in zip((base, method), pools):
+        for config, pool in zip(configs, pools):
             model = build_model(config)
             dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
             rt = stack.enter_context(make_runtime(config, model, dense_opt, pool))
@@ -53,10 +56,22 @@ def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str],
         for run in runs:
             block(run, warmup)
         for i in range(blocks):
-            for j in ((0, 1) if i % 2 == 0 else (1, 0)):  # who goes first alternates too
+            for j in (k % len(runs) for k in range(i, i + len(runs))):  # who goes first rotates too
+                before = probe(runs[j][1]) if probe else {}
                 seconds[j].append(block(runs[j], block_steps))
+                for name, value in (probe(runs[j][1]) if probe else {}).items():
+                    totals[j][name] = totals[j].get(name, 0) + value - before[name]
         for _, _, batches in runs:
             next(batches, None)  # ends (commits) the last batch
+    return seconds, totals
+
+
+def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str], *, warmup: int, blocks: int,
+                 block_steps: int) -> PairedTiming:
+    """Mean ms per step of `base` and `method` over `blocks` alternating blocks of `block_steps`
+    steps each (after `warmup` steps each), their ratio, and each block pair's ratio."""
+    seconds, _ = interleaved_blocks([base, method], list(pools), warmup=warmup, blocks=blocks,
+                                    block_steps=block_steps)
     base_ms, method_ms = (1000.0 * sum(s) / (blocks * block_steps) for s in seconds)
     block_ratios = [b / a for a, b in zip(*seconds)]
     return PairedTiming(base_ms=base_ms, method_ms=method_ms, ratio=method_ms / base_ms,
