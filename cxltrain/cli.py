@@ -671,23 +671,19 @@ def _run_bench_tiers(args) -> int:
 # ---------------------------------------------------------------------------------------------
 # plan
 # ---------------------------------------------------------------------------------------------
-PLAN_OPTIONS = ("pool", "capacity_pool", "fast_bytes", "profile_batches", "data", "steps", "batch_size",
-                "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent", "json")
-
-
 def add_plan(sub, train) -> None:
     p = sub.add_parser("plan", help="print where a pool set's tables would go, without training",
                        description="Print the placement plan `train` would use with the same options (docs/"
                                    "planner.md): per table its tier, the hot rows cached in the fast tier and "
                                    "the expected hit rate; for an existing pool set, the plan it stores. "
-                                   "Never writes a pool.")
+                                   "Takes train's options (a train command line with plan in place of train); "
+                                   "those that do not decide the plan are ignored. Never writes a pool.")
     for action in train._actions:  # the same options as train, spelled and checked once
-        if action.dest in PLAN_OPTIONS:
+        if action.dest != "help":
             p._add_action(action)
     p.add_argument("--no-measure", action="store_false", dest="measure",
                    help="do not measure the tiers' free space and read speed")
-    p.set_defaults(run=_run_plan, checkpoint=UNDO, dense_every=1, mode=STRICT, pipeline=True,
-                   background_capture=False, discard_checkpoint=False)
+    p.set_defaults(run=_run_plan)
 
 
 def _run_plan(args) -> int:
