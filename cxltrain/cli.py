@@ -102,6 +102,11 @@ def _add_train(sub) -> None:
     p.add_argument("--capacity-pool", metavar="PATH",
                    help="a pool set: the tables live in this capacity pool on block storage (SSD, disk), "
                         "everything else in --pool, the fast tier (docs/tiers.md)")
+    p.add_argument("--fast-bytes", type=parse_size, metavar="SIZE",
+                   help="with --capacity-pool: the fast tier's room for whole tables and cached hot rows, "
+                        "given to the planner (docs/planner.md; default 0: every table in the capacity pool)")
+    p.add_argument("--profile-batches", type=_positive_int, metavar="N",
+                   help="with --capacity-pool: batches of the data the planner profiles (default 16)")
     p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
                                                  "made by `cxltrain data convert`, instead of synthetic data; "
@@ -149,6 +154,7 @@ def _add_train(sub) -> None:
     from .dist.cli import add_train_options
 
     add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
+    return p
 
 
 def _add_emulation_options(p) -> None:
@@ -245,22 +251,28 @@ def _check_pool_space(path: str, pool_size: int) -> None:
                           f"{free:,} are free in {folder}")
 
 
+def train_config(args):
+    """The TrainConfig of `train`'s (and `plan`'s) options."""
+    from .config import TrainConfig
+
+    return TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
+                       checkpoint=args.checkpoint, dense_every=args.dense_every,
+                       mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
+                       discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
+                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, **resolve_train_data(args))
+
+
 def _run_train(args) -> int:
     if dist_cli.distributed(args):  # several ranks: docs/distributed.md
         with knobs.override(**_emulation_knobs(args)):
             return dist_cli.run_train(args, args.argv)
     from .checkpoint.stats import summary_line
-    from .config import TrainConfig
     from .devices import resolve_backend
     from .emulation import default_pool_path
     from .emulation.cxl import SHM, memory_dir
     from .trainer import pool_bytes, train
 
-    config = TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
-                         checkpoint=args.checkpoint, dense_every=args.dense_every,
-                         mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
-                         discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
-                         **resolve_train_data(args))
+    config = train_config(args)
     config.validate()
     _check_memory(config)  # first: a model too big for memory must not even be built
     emulation = _emulation_knobs(args)
@@ -682,6 +694,11 @@ def _add_bench(sub) -> None:
     b.add_argument("--dist", action="store_true", help="distributed runs instead: step time strict vs off, bytes "
                                                        "exchanged per batch at 1, 2 and 4 ranks, and the group's "
                                                        "recovery after a kill (docs/distributed.md)")
+    b.add_argument("--tiers", action="store_true",
+                   help="only the tiers, side by side: all tables in the fast tier, in the capacity tier, and "
+                        "the capacity tier with checkpoint off (docs/planner.md)")
+    b.add_argument("--capacity-dir", metavar="DIR",
+                   help="with --tiers: the folder on block storage for the capacity pools (default /var/tmp)")
     b.set_defaults(run=_run_bench)
 
 
@@ -692,6 +709,8 @@ def _run_bench(args) -> int:
     from .bench.report import format_text
     from .bench.suite import full_plan, quick_plan, run_bench
 
+    if args.tiers:
+        return _run_bench_tiers(args)
     if args.plot is not None:
         require_matplotlib()  # before minutes of measuring, not after
         folder = os.path.dirname(os.path.abspath(args.plot))
@@ -708,6 +727,60 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _run_bench_tiers(args) -> int:
+    from .bench.suite import scratch_dir
+    from .bench.tiers import DEFAULT_CAPACITY_DIR, default_plan, format_tiers, quick_plan, run_tiers
+
+    capacity_dir = args.capacity_dir or DEFAULT_CAPACITY_DIR
+    if not os.path.isdir(capacity_dir) or not os.access(capacity_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"{capacity_dir}: not a folder this user may write (--capacity-dir)")
+    result = run_tiers(quick_plan() if args.quick else default_plan(), scratch_dir(), capacity_dir)
+    print(format_tiers(result))
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+def add_plan(sub, train) -> None:
+    p = sub.add_parser("plan", help="print where a pool set's tables would go, without training",
+                       description="Print the placement plan `train` would use with the same options (docs/"
+                                   "planner.md): per table its tier, the hot rows cached in the fast tier and "
+                                   "the expected hit rate; for an existing pool set, the plan it stores. "
+                                   "Takes train's options (a train command line with plan in place of train); "
+                                   "those that do not decide the plan are ignored. Never writes a pool.")
+    for action in train._actions:  # the same options as train, spelled and checked once
+        if action.dest != "help":
+            p._add_action(action)
+    p.add_argument("--no-measure", action="store_false", dest="measure",
+                   help="do not measure the tiers' free space and read speed")
+    p.set_defaults(run=_run_plan, default_num_tables=train.get_default("default_num_tables"))
+
+
+def _run_plan(args) -> int:
+    from .emulation import default_pool_path
+    from .planner import format_plan
+    from .planning import measure_tiers, plan_for
+    from .trainer import build_model, build_source
+
+    config = train_config(args)
+    config.validate()
+    if config.capacity_pool is None:
+        raise ConfigError("plan places tables in a pool set: give --capacity-pool (and --fast-bytes)")
+    path = args.pool or default_pool_path(0)
+    plan = plan_for(config, build_model(config), build_source(config), path)
+    if plan is None:
+        raise ConfigError(f"{path}: this pool set was made without a placement plan: every table is in its "
+                          "capacity pool")
+    tiers = measure_tiers(path, config.capacity_pool) if args.measure else None
+    print(format_plan(plan, tiers))
+    if args.json:
+        print(json.dumps({"pool": path, "plan": plan.to_json(), "tiers": tiers}))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
@@ -717,7 +790,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cxltrain {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    _add_train(sub)
+    train = _add_train(sub)
+    add_plan(sub, train)
     _add_recover_export(sub)
     _add_import(sub)
     _add_pool(sub)

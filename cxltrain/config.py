@@ -44,6 +44,9 @@ class TrainConfig:
     metrics: str | None = None         # JSONL file: a line of metrics every eval_every (else 10) steps
     prefetch: int = 2                  # batches made ahead on a background thread (0: on the training thread)
     capacity_pool: str | None = None   # a pool set's capacity pool on block storage: the tables live there
+    fast_bytes: int | None = None      # with a capacity pool: the fast tier's budget for whole tables and
+                                       # cached rows (planner.py); None: 0 for a new set, the stored plan's on a restart
+    profile_batches: int | None = None # batches profiled to plan a new set (None: planning.PROFILE_BATCHES)
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import tiering
+from . import planner, tiering
 from .checkpoint import (
     BatchGuard,
     Checkpointer,
@@ -93,6 +93,10 @@ class Runtime:
             set's primary. Created with the primary; an existing set must name this path.
         prefetch_ids: with a capacity pool, batch -> {table name: row ids [N]}: `batches` then
             fetches batch b+1 while b computes and reads its cold rows ahead (tiering.ColdRowPrefetcher).
+        plan: with a capacity pool, a planner.Plan (docs/planner.md): its capacity tables go to the
+            capacity pool (unless capacity_tables says otherwise), and it is stored in a new set;
+            an existing set whose stored plan differs is refused. `rt.plan` is the set's plan
+            once open (the stored one when none is given; None for a set made without one).
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -105,7 +109,8 @@ class Runtime:
                  metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None,
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
-                 capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None) -> None:
+                 capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
+                 plan: planner.Plan | None = None) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -130,6 +135,9 @@ class Runtime:
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
         self.tables = _persistent_tables(model)
+        if plan is not None and capacity_tables is None:
+            capacity_tables = plan.capacity_tables
+        self.plan = plan
         self.tiers = tiering.Tiers.of(self.tables, capacity_pool, capacity_tables)
         self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
         self.prefetcher: tiering.ColdRowPrefetcher | None = None
@@ -166,8 +174,13 @@ class Runtime:
                     else Pool.open(self.path, backend=self.backend))
             if created:
                 self.tiers.create_members(pool, self._table_specs(fast=False))
+                if self.tiers.capacity_path:  # a new set holds all its tables, in both tiers, at once
+                    pool.add_regions(self._table_specs(fast=True))
+                if self.plan is not None and self.tiers.capacity_path:
+                    planner.store_plan(pool, self.plan)
             else:
                 self.tiers.check_open(pool)
+                self._check_plan(pool)
             self._set_up_or_clean_up(pool, created)
         except CxlTrainError as e:  # the user asked for self.path: never show the side name
             raise type(e)(str(e).replace(building, self.path)) from None
@@ -176,6 +189,17 @@ class Runtime:
             cold = [t for t in self.tables.values() if not self.tiers.is_fast(t)]
             self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, KNOBS.prefetch_threads)
         return self
+
+    def _check_plan(self, pool: Pool) -> None:
+        """Before anything is written: an existing set keeps the plan it was made with."""
+        try:
+            stored = planner.stored_plan(pool) if pool.members else None
+            if self.plan is not None and pool.members:
+                planner.check_same(stored, self.plan, self.path)
+        except BaseException:
+            pool.close()
+            raise
+        self.plan = stored if pool.members else None
 
     def _set_up_or_clean_up(self, pool: Pool, created: bool) -> None:
         try:
@@ -212,6 +236,8 @@ class Runtime:
             return size
         sizes = [spec.nbytes(KNOBS.row_align) for spec in self._table_specs(fast=True) + self._specs()]
         sizes += self.tiers.primary_extra_bytes()
+        if self.plan is not None and self.tiers.capacity_path:
+            sizes.append(planner.PLAN_BYTES)
         return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align)
 
     def _setup(self, pool: Pool) -> None:

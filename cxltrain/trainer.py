@@ -30,6 +30,7 @@ from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
 from .optim import RowWiseAdagrad
+from .planning import plan_for
 from .run_metrics import MetricsLog
 from .runtime import Runtime
 from .training_data import TrainingData, training_data
@@ -155,12 +156,15 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                  source: BatchSource | None = None) -> Runtime:
     metadata = config.run_metadata(getattr(source, "fingerprint", None))
+    if source is None and config.capacity_pool is not None:
+        source = build_source(config)  # profiled to plan a new pool set
+    plan = plan_for(config, model, source, pool_path)
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
                    undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
-                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)})
+                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan)
 
 
 def pool_bytes(config: TrainConfig) -> int:

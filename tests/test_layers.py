@@ -37,13 +37,15 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # runtime and recovery the training loop's, the rest (the rank's job, export/import) jobs.
     ("model", ("cxltrain.models", "cxltrain.collection", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics",
                "cxltrain.dist.plan", "cxltrain.dist.shards", "cxltrain.dist.exchange")),
-    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md); interop converts exports
+    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md), as the planner decides
+    # (docs/planner.md); interop converts exports
     # to and from TorchRec's key names; pool_import builds a pool from one.
-    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.interop", "cxltrain.pool_import",
+    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.planner", "cxltrain.interop", "cxltrain.pool_import",
                  "cxltrain.dist.runtime", "cxltrain.dist.recovery", "cxltrain.dist.manifest")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
     ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
-              "cxltrain.run_metrics", "cxltrain.evaluation", "cxltrain.dist")),
+              "cxltrain.run_metrics", "cxltrain.evaluation", "cxltrain.dist",
+              "cxltrain.planning")),
     # The package's own __init__ re-exports public names from several layers (lazily), and
     # __main__ runs the command line: both sit at the top with it.
     ("cli", ("cxltrain.cli", "cxltrain.cli_data", "cxltrain.__main__", "cxltrain", "cxltrain.dist.cli")),

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -32,6 +33,7 @@ class SideBySide:
     block_seconds: list[float]
     stats: dict | None     # CheckpointStats.to_json() at the end (None: checkpoints off)
     block_steps: int
+    probe_totals: dict = dataclasses.field(default_factory=dict)  # summed probe deltas over the timed blocks
 
     @property
     def mean_ms(self) -> float:
@@ -56,16 +58,18 @@ def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str],
                         blocks=blocks, block_steps=block_steps)
 
 
-def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, blocks: int,
-                block_steps: int) -> list[SideBySide]:
+def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, blocks: int, block_steps: int,
+                probe: Callable | None = None) -> list[SideBySide]:
     """Several runs in one process, taking turns in blocks of `block_steps` steps (after `warmup`
     steps each); who goes first rotates from block to block. They share the data source of the
-    first config, so every config must have the same data settings (pooling included)."""
+    first config, so every config must have the same data settings (pooling included).
+    probe(rt) -> {name: counter} is read before and after every timed block (SideBySide.probe_totals)."""
     from ..trainer import build_model, build_source, make_runtime, train_step
 
     source = build_source(configs[0])
     stop = warmup + blocks * block_steps
     seconds: list[list[float]] = [[] for _ in configs]
+    totals: list[dict] = [{} for _ in configs]
     with contextlib.ExitStack() as stack:
         runs = []
         for config, pool in zip(configs, pools):
@@ -88,8 +92,11 @@ def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, bl
         order = list(range(len(runs)))
         for i in range(blocks):
             for j in order[i % len(order):] + order[: i % len(order)]:  # who goes first rotates too
+                before = probe(runs[j][1]) if probe else {}
                 seconds[j].append(block(runs[j], block_steps))
+                for name, value in (probe(runs[j][1]) if probe else {}).items():
+                    totals[j][name] = totals[j].get(name, 0) + value - before[name]
         for _, _, batches in runs:
             next(batches, None)  # ends (commits) the last batch
-    return [SideBySide(s, None if rt.stats is None else rt.stats.to_json(), block_steps)
-            for s, (_, rt, _) in zip(seconds, runs)]
+    return [SideBySide(s, None if rt.stats is None else rt.stats.to_json(), block_steps, t)
+            for s, t, (_, rt, _) in zip(seconds, totals, runs)]

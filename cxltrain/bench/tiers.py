@@ -1,0 +1,142 @@
+"""`cxltrain bench --tiers`: the tiers side by side in one process (docs/planner.md, issue 18).
+
+Every configuration trains the same model on the same data in its own pool (or pool set), taking
+turns in blocks of a few steps (paired.paired_runs), so the load of a shared machine falls
+on all of them alike:
+
+    fast          all tables in the fast tier (one pool: the baseline)
+    capacity      every table in the capacity pool on the disk, no cache, every batch durable
+    capacity-off  the same with checkpoint off: what per-batch durability costs on the tiered set
+
+The hot-row cache adds its configurations to SETUPS (a cache size each); a setup's `overrides`
+are TrainConfig fields, so a `cache_rows` field slots in without changing the rest.
+
+The capacity tier's traffic is the process's storage I/O (/proc/self/io: bytes read from and
+written to block storage; the fast tier's /dev/shm does none), counted around each timed block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import shutil
+import tempfile
+
+from ..config import TrainConfig
+from ..modes import OFF
+from .records import Record
+
+DEFAULT_CAPACITY_DIR = "/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    name: str
+    label: str
+    capacity: bool                         # the tables in a capacity pool on the disk
+    overrides: dict = dataclasses.field(default_factory=dict)   # TrainConfig fields
+
+
+SETUPS = (
+    Setup("fast", "all tables in the fast tier", capacity=False),
+    Setup("capacity", "capacity tier only, no cache", capacity=True),
+    Setup("capacity-off", "capacity tier only, checkpoint off", capacity=True, overrides={"checkpoint": OFF}),
+)
+BASELINE, TIERED, TIERED_OFF = "fast", "capacity", "capacity-off"
+
+
+@dataclasses.dataclass(frozen=True)
+class TiersPlan:
+    config: TrainConfig
+    warmup: int
+    blocks: int
+    block_steps: int
+
+
+def default_plan() -> TiersPlan:
+    """A minute or two here: 8 tables of 250k rows (0.5 GB of weights per configuration)."""
+    return TiersPlan(TrainConfig(rows=250_000), warmup=5, blocks=6, block_steps=5)
+
+
+def quick_plan() -> TiersPlan:
+    """Seconds, for tests: the figures mean nothing."""
+    return TiersPlan(TrainConfig(batch_size=64, num_tables=2, rows=2000, dim=8, bottom_mlp=(16,), top_mlp=(16,)),
+                     warmup=1, blocks=2, block_steps=2)
+
+
+@dataclasses.dataclass
+class TierRow(Record):
+    name: str
+    label: str
+    ms_per_step: float
+    ratio: float                           # ms per step / the baseline's
+    read_bytes_per_batch: float            # from block storage: the capacity tier
+    written_bytes_per_batch: float
+    pages_prefetched_per_batch: float      # cold rows' pages read ahead (0 without a capacity pool)
+
+
+@dataclasses.dataclass
+class TiersResult(Record):
+    rows: list
+    checkpoint_ratio: float                # capacity / capacity-off: per-batch durability on the tiered set
+    peak_rss_bytes: int                    # of the whole process: every configuration, torch included
+    blocks: int
+    block_steps: int
+    capacity_dir: str
+    config: dict
+
+
+def _io_counters(rt) -> dict[str, float]:
+    counters = {"pages": float(rt.prefetcher.pages_read) if rt.prefetcher is not None else 0.0}
+    with open("/proc/self/io") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("read_bytes", "write_bytes"):
+                counters[name] = float(value)
+    return counters
+
+
+def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
+    """Train every setup side by side; their pools are removed afterwards, whatever happens."""
+    from .paired import paired_runs
+
+    prefix = f"cxltrain-tiers-{os.getpid()}"
+    disk = tempfile.mkdtemp(prefix=prefix, dir=capacity_dir)
+    configs, pools = [], []
+    for setup in SETUPS:
+        capacity = os.path.join(disk, f"{setup.name}.cap") if setup.capacity else None
+        configs.append(dataclasses.replace(plan.config, capacity_pool=capacity, **setup.overrides))
+        pools.append(os.path.join(fast_dir, f"{prefix}-{setup.name}.pool"))
+    try:
+        runs = paired_runs(configs, pools, warmup=plan.warmup, blocks=plan.blocks, block_steps=plan.block_steps,
+                           probe=_io_counters)
+        seconds, io = [run.block_seconds for run in runs], [run.probe_totals for run in runs]
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+        for pool in pools:
+            for path in (pool, pool + ".creating"):
+                if os.path.exists(path):
+                    os.unlink(path)
+    steps = plan.blocks * plan.block_steps
+    ms = {setup.name: 1000.0 * sum(s) / steps for setup, s in zip(SETUPS, seconds)}
+    rows = [TierRow(setup.name, setup.label, ms[setup.name], ms[setup.name] / ms[BASELINE],
+                    counters.get("read_bytes", 0.0) / steps, counters.get("write_bytes", 0.0) / steps,
+                    counters.get("pages", 0.0) / steps)
+            for setup, counters in zip(SETUPS, io)]
+    return TiersResult(rows, ms[TIERED] / ms[TIERED_OFF], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                       plan.blocks, plan.block_steps, capacity_dir, dataclasses.asdict(plan.config))
+
+
+def format_tiers(result: TiersResult) -> str:
+    c = result.config
+    head = f"{'configuration':<36} {'ms/step':>8} {'vs fast':>8} {'read B/batch':>13} {'written B/batch':>16} {'pages ahead':>12}"
+    lines = [f"tiers: {c['num_tables']} tables x {c['rows']:,} rows x {c['dim']}, batch {c['batch_size']}, "
+             f"{result.blocks} blocks of {result.block_steps} steps each, side by side; capacity tier in "
+             f"{result.capacity_dir}", head, "-" * len(head)]
+    for r in result.rows:
+        lines.append(f"{r.label:<36} {r.ms_per_step:>8.1f} {r.ratio:>7.2f}x {r.read_bytes_per_batch:>13,.0f} "
+                     f"{r.written_bytes_per_batch:>16,.0f} {r.pages_prefetched_per_batch:>12,.0f}")
+    lines.append(f"per-batch durability on the tiered set: {result.checkpoint_ratio:.2f}x the step time with "
+                 f"checkpoint off; peak RSS of the process {result.peak_rss_bytes / 2**20:,.0f} MiB")
+    return "\n".join(lines)

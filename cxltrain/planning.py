@@ -1,0 +1,99 @@
+"""The planner's job side (docs/planner.md): profile a `train` configuration's data, plan a new pool
+set, or read an existing set's stored plan back; measure the tiers for `cxltrain plan`.
+
+    plan = plan_for(config, model, source, pool_path)   # None without a capacity pool
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from . import planner
+from .config import TrainConfig
+from .emulation.cxl import free_bytes
+from .errors import ConfigError
+from .knobs import KNOBS
+from .pool import Pool
+
+PROFILE_BATCHES = 16
+PROBE_BYTES = 8 << 20     # the capacity tier's read probe: a file this big, read back at random
+PROBE_SECONDS = 0.2
+
+
+def table_profiles(config: TrainConfig, model, source) -> list[planner.TableProfile]:
+    """Each table's size and the ids of `source`'s first batches (config.profile_batches)."""
+    tables = []
+    for table in model.tables:
+        row_bytes = sum(spec.nbytes(KNOBS.row_align) for spec in table.region_specs()) // table.num_embeddings
+        tables.append((table.name, table.num_embeddings, row_bytes))
+    return planner.profile_source(source, tables, config.profile_batches or PROFILE_BATCHES)
+
+
+def plan_for(config: TrainConfig, model, source, pool_path: str) -> planner.Plan | None:
+    """The plan of the pool set `config` trains in: the one stored in an existing set (options
+    that would plan differently refused), or a new one. None without a capacity pool."""
+    if config.capacity_pool is None:
+        if config.fast_bytes is not None or config.profile_batches is not None:
+            raise ConfigError("--fast-bytes and --profile-batches plan a pool set: they need --capacity-pool")
+        return None
+    if pool_path and os.path.exists(pool_path):
+        with Pool.open(pool_path, writable=False) as pool:
+            stored = planner.stored_plan(pool) if pool.members else None
+        if stored is not None:
+            planner.check_options(stored, config.fast_bytes, config.profile_batches, pool_path)
+            return stored
+        if config.fast_bytes is not None:
+            raise ConfigError(f"{pool_path}: this pool set was made without a placement plan; resume without "
+                              "--fast-bytes, or use another pool")
+        return None
+    return planner.make_plan(table_profiles(config, model, source), config.fast_bytes or 0)
+
+
+def measure_tiers(pool_path: str, capacity_path: str) -> dict:
+    """Each tier's free space and read speed, measured quickly: the fast tier by a copy in memory,
+    the capacity tier by random page reads of a probe file beside the capacity pool, with the
+    page cache bypassed (O_DIRECT) where the file system allows it."""
+    fast_dir = os.path.dirname(os.path.abspath(pool_path))
+    cap_dir = os.path.dirname(os.path.abspath(capacity_path))
+    src = np.ones(PROBE_BYTES // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    started = time.perf_counter()
+    np.copyto(dst, src)
+    fast_mb_s = src.nbytes / (time.perf_counter() - started) / 1e6
+    return {planner.FAST: {"path": fast_dir, "free_bytes": free_bytes(fast_dir), "read_mb_s": fast_mb_s,
+                           "how": "a copy in memory"},
+            planner.CAPACITY: {"path": cap_dir, "free_bytes": free_bytes(cap_dir), **_probe_reads(cap_dir)}}
+
+
+def _probe_reads(folder: str) -> dict:
+    path = os.path.join(folder, f".cxltrain-probe-{os.getpid()}")
+    page = planner.PAGE_BYTES
+    try:
+        with open(path, "wb") as f:
+            f.write(os.urandom(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            fd, how = os.open(path, os.O_RDONLY | os.O_DIRECT), f"random {page}-byte reads, O_DIRECT"
+        except OSError:  # tmpfs and a few others have no O_DIRECT
+            fd, how = os.open(path, os.O_RDONLY), f"random {page}-byte reads, through the page cache"
+        try:
+            import mmap
+
+            buffer = mmap.mmap(-1, page)  # page-aligned, as O_DIRECT wants
+            offsets = np.random.default_rng(0).integers(0, PROBE_BYTES // page, 1 << 16) * page
+            reads, started = 0, time.perf_counter()
+            while time.perf_counter() - started < PROBE_SECONDS and reads < offsets.size:
+                os.preadv(fd, [buffer], int(offsets[reads]))
+                reads += 1
+            seconds = time.perf_counter() - started
+        finally:
+            os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return {"read_mb_s": reads * page / seconds / 1e6, "how": how}
