@@ -42,6 +42,9 @@ class CapacityDevice(MsyncDevice):
     def __init__(self, path: str, fd: int, size: int) -> None:
         super().__init__(path, fd, size, writable=True)
         self._fd = fd
+        # Random rows: without this the page cache may hold the file in large folios, and one row's
+        # store then dirties (and the commit's fdatasync writes back) a whole folio, not its page.
+        self._mmap.madvise(mmap.MADV_RANDOM)
 
     def _write_back(self, offset: int, length: int) -> None:
         pass  # the page is already in the page cache: the drain's fdatasync writes it
