@@ -22,10 +22,14 @@ import os
 import statistics
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from ..config import TrainConfig
 from ..modes import OFF, RELAXED, UNDO
-from .paired import SideBySide, paired_runs
+from .records import FloorRow, Floors
+
+if TYPE_CHECKING:
+    from .paired import SideBySide
 
 METHODS = {
     "off": {"checkpoint": OFF},
@@ -35,22 +39,14 @@ METHODS = {
 }
 
 
-@dataclasses.dataclass
-class FloorRow:
-    pooling: int
-    method: str
-    ms_per_step: float
-    ratio: float               # mean step / the off run's mean step
-    median_block_ratio: float  # median over blocks of (this block / the off run's block of that round)
-    durable_mb_per_batch: float
-    undo_mb_per_batch: float
-    floor_ms: float            # durable bytes per batch at the copy bandwidth
-    floor_ratio: float         # 1 + floor_ms / the off run's ms per step
+COPY_BYTES = 256 << 20  # enough to leave the caches behind
 
 
 def floor_rows(config: TrainConfig, methods: list[str], folder: str, *, warmup: int, blocks: int, block_steps: int,
                copy_gbps: float) -> list[FloorRow]:
     """One pooling's methods ("off" first, added when missing) side by side; one row each but off."""
+    from .paired import paired_runs  # torch: the report imports this module for format_rows only
+
     names = ["off", *(m for m in methods if m != "off")]
     configs = [dataclasses.replace(config, **METHODS[name]) for name in names]
     pools = [os.path.join(folder, f"{name}.pool") for name in names]
@@ -71,6 +67,18 @@ def _row(pooling: int, name: str, run: SideBySide, base: SideBySide, copy_gbps: 
     return FloorRow(pooling, name, run.mean_ms, run.mean_ms / base.mean_ms,
                     statistics.median(b / a for a, b in zip(base.block_seconds, run.block_seconds)),
                     durable / 1e6, undo / 1e6, floor_ms, 1.0 + floor_ms / base.mean_ms)
+
+
+def measure_floors(config: TrainConfig, methods: list[str], folder: str, *, warmup: int, blocks: int,
+                   block_steps: int, copy_bytes: int) -> Floors:
+    """The copy bandwidth of `copy_bytes` (numpy, one thread: the checkpointer's copies run on one),
+    then floor_rows at config's pooling, in this process."""
+    from .bandwidth import copy_bandwidth
+
+    copy_gbps = copy_bandwidth(copy_bytes, 1)[1]
+    rows = floor_rows(config, methods, folder, warmup=warmup, blocks=blocks, block_steps=block_steps,
+                      copy_gbps=copy_gbps)
+    return Floors(pooling=config.pooling, copy_gbps=copy_gbps, base_ms=rows[0].ms_per_step / rows[0].ratio, rows=rows)
 
 
 def format_rows(rows: list[FloorRow], base_ms: dict[int, float], copy_gbps: float) -> str:
@@ -98,22 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--folder", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    from .bandwidth import copy_bandwidth
-
-    copy_gbps = copy_bandwidth(256 << 20, 1)[1]
-    rows, base_ms = [], {}
+    measured = []
     with tempfile.TemporaryDirectory(prefix="cxltrain-floors-", dir=args.folder) as folder:
         for pooling in args.pooling:
-            config = TrainConfig(rows=args.rows, pooling=pooling)
-            got = floor_rows(config, args.methods, folder, warmup=args.warmup, blocks=args.blocks,
-                             block_steps=args.block_steps, copy_gbps=copy_gbps)
-            base_ms[pooling] = got[0].ms_per_step / got[0].ratio
-            rows += got
-            print(format_rows(got, {pooling: base_ms[pooling]}, copy_gbps), flush=True)
+            floors = measure_floors(TrainConfig(rows=args.rows, pooling=pooling), args.methods, folder,
+                                    warmup=args.warmup, blocks=args.blocks, block_steps=args.block_steps,
+                                    copy_bytes=COPY_BYTES)
+            measured.append(floors)
+            print(format_rows(floors.rows, {pooling: floors.base_ms}, floors.copy_gbps), flush=True)
     if args.json:
-        print(json.dumps({"copy_gbps": copy_gbps, "base_ms": base_ms, "rows": [dataclasses.asdict(r) for r in rows]}))
+        print(json.dumps([floors.to_json() for floors in measured]))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
