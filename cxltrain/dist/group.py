@@ -100,7 +100,8 @@ class TorchrunRuntime(DistRuntime):
     """TorchrunRuntime(directory, model, optimizers, **Runtime kwargs): the Runtime of this rank of
     a torchrun job (see the module docstring). settings: a JSON-like dict describing the run,
     stored in the manifest; a restart with other settings, another world size or other tables is
-    refused on every rank before anything is written. After entering: `rank`, `world_size`,
+    refused on every rank before anything is written. Constructing and entering it are collective:
+    every rank together, in the same order as its other collectives. After entering: `rank`, `world_size`,
     `group_recovery` (recovery.RankRecovery, or None on a fresh run) besides the Runtime's own."""
 
     def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, optimizers=None, *,
