@@ -41,7 +41,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (docs/planner.md); interop converts exports
     # to and from TorchRec's key names; pool_import builds a pool from one.
     ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.planner", "cxltrain.interop", "cxltrain.pool_import",
-                 "cxltrain.dist.runtime", "cxltrain.dist.recovery", "cxltrain.dist.manifest")),
+                 "cxltrain.dist.runtime", "cxltrain.dist.recovery", "cxltrain.dist.manifest",
+                 "cxltrain.dist.group")),
     # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
     ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
               "cxltrain.run_metrics", "cxltrain.evaluation", "cxltrain.dist",

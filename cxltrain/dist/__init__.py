@@ -7,6 +7,7 @@ rank's shards in its own pool under one directory, one recovery point G for ever
     exchange.py   the step's all-to-alls: ids to their owners, pooled embeddings back, gradients back
     recovery.py   agreeing on G and rolling every rank back to it (online, and offline for `recover DIR`)
     runtime.py    DistRuntime: the Runtime of one rank, keeping undo records back to the agreed G
+    group.py      TorchrunRuntime: a user's own model under torchrun (joins the group, agrees per batch)
     train.py      the job of one rank under torchrun, and the `--nproc-per-node` launcher
     reshard.py    export of a directory to one state dict, import of one onto any world size
     bench.py      step time, strict vs off, bytes exchanged, group recovery time

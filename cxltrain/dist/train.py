@@ -12,7 +12,6 @@ own pool per batch, the G all-reduce riding on the step's first all-to-all.
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import sys
@@ -30,13 +29,13 @@ from ..knobs import KNOBS
 from ..trainer import build_source
 from . import manifest as run_dir
 from .exchange import Comm, SparseExchange, local_slice
+from .group import DEFAULT_TIMEOUT_S, join_group, open_run_dir
 from .job_settings import check_config, plan_for, settings_for
 from .plan import ShardingPlan
 from .recovery import recover_group
 from .runtime import DistRuntime
 from .shards import RankModel
 
-DEFAULT_TIMEOUT_S = 60.0
 WARMUP_STEPS = 3  # left out of the timed steps (first-touch page faults, DDP's bucket rebuild)
 MIN_RING_BYTES = 4 << 20
 
@@ -74,37 +73,10 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def _refuse_together(error: str | None, world_size: int) -> None:
-    """Every rank raises the first rank's error, or none does: one clear line on each."""
-    errors: list = [None] * world_size
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
-        raise CxlTrainError(first)
-
-
 def start_run_dir(directory: str, config: TrainConfig, sharding: str, rank: int, world_size: int) -> tuple[dict, bool]:
     """(the manifest, whether the pools are to be made): checked on every rank, written by rank 0."""
-    plan, settings = plan_for(config, world_size, sharding), settings_for(config, sharding)
-    error, found = None, None
-    try:
-        if run_dir.is_run_dir(directory):
-            found = run_dir.read(directory)
-            run_dir.check(directory, found, world_size, plan, settings)
-        elif os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
-            error = f"{directory}: exists and is not a distributed run's directory (no {run_dir.MANIFEST})"
-    except CxlTrainError as e:
-        error = str(e)
-    _refuse_together(error, world_size)
-    fresh = found is None or found["state"] == run_dir.CREATING
-    if found is None and rank == 0:
-        run_dir.write(directory, run_dir.new(world_size, plan, settings))
-    dist.barrier()
-    if fresh:  # a start that died while making the pools: none holds a commit, make them again
-        for leftover in (run_dir.pool_path(directory, rank), run_dir.pool_path(directory, rank) + ".creating"):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-    return run_dir.read(directory), fresh
+    return open_run_dir(directory, plan_for(config, world_size, sharding), settings_for(config, sharding), rank,
+                        world_size)
 
 
 def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -113,16 +85,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
     rank 0's summary (every rank returns its own)."""
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if "MASTER_ADDR" in os.environ:
-        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
-        # gloo may read a dead rank's address from the attempt before
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
-                                world_size=world_size, timeout=timeout)
-    else:  # one rank in this process: no rendezvous, no port
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    join_group(timeout_s)
     try:
         return _run(config, directory, sharding, rank, world_size, progress)
     except (RuntimeError, dist.DistBackendError) as e:
