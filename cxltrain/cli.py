@@ -372,7 +372,7 @@ def _add_recover_export(sub) -> None:
 
 def _add_import(sub) -> None:
     i = sub.add_parser("import", help="build a new pool from an export (ours, or a TorchRec EBC state dict)",
-                       description="Build POOL (which must not exist) from OUT.pt: an export of cxltrain (any "
+                       description="Build the pool PATH (which must not exist) from OUT.pt: an export of cxltrain (any "
                                    "format), or a TorchRec EmbeddingBagCollection state dict plus dense weights. "
                                    "The pool is committed at the export's batch; a Runtime or `cxltrain train` "
                                    "with the same options resumes it there (docs/torchrec.md). With --nproc-per-node N, "
