@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,21 @@ from helpers import shm_tempdir
 @pytest.fixture(autouse=True, scope="session")
 def _fixed_threads():
     torch.set_num_threads(2)
+
+
+# A test that hangs (a dead rank's collective, a child that never exits) must not hang the suite: past
+# its limit the process dumps every thread's stack and exits, which fails the test (xdist reports
+# the worker crashed and goes on with a new one). Subprocesses have their own timeouts as well.
+TEST_TIMEOUT_S = float(os.environ.get("CXLTRAIN_TEST_TIMEOUT", "300"))
+SLOW_TEST_TIMEOUT_S = 4 * TEST_TIMEOUT_S
+
+
+@pytest.fixture(autouse=True)
+def _test_timeout(request):
+    limit = SLOW_TEST_TIMEOUT_S if request.node.get_closest_marker("slow") else TEST_TIMEOUT_S
+    faulthandler.dump_traceback_later(limit, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture
