@@ -30,7 +30,8 @@ class CrashPoint:
     CREATE_BEFORE_SUPERBLOCK = "create:before-superblock"  # pool.py: Pool.create, root written
     ADD_REGIONS_BETWEEN = "add-regions:between"            # pool.py: between directory entries and root
     COMMIT_TORN_ROOT = "commit:torn-root"                  # pool.py: half a root slot written
-    UNDO_BETWEEN_PAYLOAD_AND_HEADER = "undo:between-payload-and-header"  # checkpoint/ring.py
+    UNDO_BETWEEN_PAYLOAD_AND_HEADER = "undo:between-payload-and-header"  # checkpoint/ring.py, or a chunk of kernels/ops.py's fused update
+    UNDO_BETWEEN_HEADER_AND_UPDATE = "undo:between-header-and-update"    # record durable, no row stored yet (ditto)
     UPDATE_MID = "update:mid"                              # kernels/ops.py: a table half-updated in place
     UPDATE_ROWS_FLUSHED = "update:rows-flushed"            # checkpoint/checkpointer.py: rows flushed at update
     COMMIT_MID_ROWS = "commit:mid-rows"                    # checkpoint/commit.py: one table's rows flushed
@@ -51,6 +52,7 @@ class CrashPoint:
 
     REACHED_PER = {
         UNDO_BETWEEN_PAYLOAD_AND_HEADER: "tables",
+        UNDO_BETWEEN_HEADER_AND_UPDATE: "tables",
         UPDATE_MID: "tables",
         UPDATE_ROWS_FLUSHED: "tables",    # rows flushed at their update (the default on emulated devices)
         COMMIT_MID_ROWS: "commits",       # ... or by the commit (capture and flushes on the worker)
@@ -77,6 +79,8 @@ class Planted:
     ROOT_BEFORE_ENTRIES = "root-before-entries"      # pool: a root naming directory entries not yet durable
     WINDOW_NEVER_CLEARED = "window-never-cleared"    # U1: a row recorded in one commit window gets no record in later ones
     SKIP_CAPACITY_SYNC = "skip-capacity-sync"        # U2 across pools: the root names cold pages never synced
+    HEADER_BEFORE_PAYLOAD = "header-before-payload"  # U1 (fused update): a chunk's header durable before its payload
+    UPDATE_BEFORE_HEADER = "update-before-header"    # U1 (fused update): a chunk's rows stored before its header
 
 
 class PlantedDist:

@@ -33,11 +33,12 @@ class SGD:
 
     def update(self, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
-               per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
+               per_sample_weights: torch.Tensor | None = None, mode: str = "sum", undo=None) -> torch.Tensor:
         """The fused update from a batch's lookups (kernels.ops.sparse_update); returns rows [U].
-        weight [R, P], indices [N], grad_out [B, D] (D <= P), offsets [B] or None (B = N)."""
+        weight [R, P], indices [N], grad_out [B, D] (D <= P), offsets [B] or None (B = N); undo:
+        the undo records the kernel writes as it goes (ops.UndoChunks), or None."""
         return row_ops.sparse_update("sgd", weight, None, indices, grad_out, offsets, per_sample_weights, mode,
-                                     lr=self.lr)
+                                     lr=self.lr, undo=undo)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +61,10 @@ class RowWiseAdagrad:
 
     def update(self, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
-               per_sample_weights: torch.Tensor | None = None, mode: str = "sum") -> torch.Tensor:
+               per_sample_weights: torch.Tensor | None = None, mode: str = "sum", undo=None) -> torch.Tensor:
         """As SGD.update, with state [R, 1]."""
         return row_ops.sparse_update("rowwise_adagrad", weight, state, indices, grad_out, offsets,
-                                     per_sample_weights, mode, lr=self.lr, eps=self.eps)
+                                     per_sample_weights, mode, lr=self.lr, eps=self.eps, undo=undo)
 
 
 SparseOptimizer = SGD | RowWiseAdagrad

@@ -386,16 +386,17 @@ class PersistentEmbeddingBag(nn.Module):
         return indices, offsets.to(torch.int64), per_sample_weights
 
     def update_from_lookups(self, indices: torch.Tensor, offsets: torch.Tensor,
-                            per_sample_weights: torch.Tensor | None, grad_out: torch.Tensor) -> torch.Tensor:
+                            per_sample_weights: torch.Tensor | None, grad_out: torch.Tensor,
+                            undo: row_ops.UndoChunks | None = None) -> torch.Tensor:
         """The batch's fused sparse update in place, straight from its lookups (indices [N], offsets [B],
         grad_out [B, D]): one kernel call reduces duplicates and updates each unique row once.
         Returns the rows it updated [U], sorted. (A crash test's update:mid kill lands inside that
-        kernel: kernels/ops.py.)"""
+        kernel: kernels/ops.py.) undo: the undo records the kernel writes as it goes (the checkpointer's)."""
         storage = self._require_storage()
         weights = None if per_sample_weights is None else per_sample_weights.contiguous()
         with torch.no_grad():
             return self.optimizer.update(storage, self._state, indices.contiguous(), grad_out.float().contiguous(),
-                                         offsets.contiguous(), weights, self.mode)
+                                         offsets.contiguous(), weights, self.mode, undo)
 
     def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
                       grad_out: torch.Tensor, last_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,19 +489,21 @@ class _BagLookup(torch.autograd.Function):
             if ctx.general:
                 # max, padding_idx, scale_grad_by_freq, include_last_offset: autograd's gradient of
                 # just the batch's unique rows [U, D], then the optimizer's rule once per row
-                def update():
+                def update(undo):  # never fused: undo is None
                     rows, grads = table.row_gradients(indices, offsets, per_sample_weights, grad_out, ctx.last_offset)
                     return table.update_from_row_gradients(rows, grads)
             else:
-                def update():
-                    return table.update_from_lookups(indices, offsets, per_sample_weights, grad_out)
-            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update)
+                def update(undo):
+                    return table.update_from_lookups(indices, offsets, per_sample_weights, grad_out, undo)
+            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update, not ctx.general)
         return None, None, None, None, None, None, None, None, None
 
 
-def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update) -> None:
-    """Run `update()` (which stores the batch's rows and returns them [U]) between the finiteness
-    check, the undo-log wait and the checkpointer's note of the rows; count it in table.stats."""
+def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update, fusable=False) -> None:
+    """Run `update(undo)` (which stores the batch's rows and returns them [U]) between the finiteness
+    check, the undo-log wait and the checkpointer's note of the rows; count it in table.stats.
+    fusable: update is the fused kernel over these lookups, which can write their undo records
+    itself (`undo`, from the checkpointer: each chunk's record durable before its rows' update)."""
     started = time.perf_counter()
     # per lookup, the gradient is grad_out's row (times a per-sample weight): all finite if these are
     finite = row_ops.all_finite(grad_out) and (
@@ -510,11 +513,13 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update)
         where = "" if batch is None else f" in batch {batch}"
         raise NonFiniteError(f"table {table.name!r}: gradient{where} is not finite (NaN or inf); stopped "
                              "before updating the table, and the batch is not committed")
+    undo = None
     if table.checkpointer is not None:
         # ORDERING U1c: the undo record of these rows is durable (before_update returns only
-        # then) before the update below issues the batch's first in-place store into them.
-        table.checkpointer.before_update(table, batch)
-    unique_rows = update()
+        # then) before the update below issues the batch's first in-place store into them, or
+        # the update writes it, chunk by chunk, each durable before its rows are stored (U1e).
+        undo = table.checkpointer.before_update(table, batch, fusable)
+    unique_rows = update(undo)
     if table.checkpointer is not None:
         table.checkpointer.after_update(table, batch, unique_rows)
     stats = table.stats

@@ -151,6 +151,13 @@ class EmulatedCXLDevice(_EmulatedDevice):
         self._account(rows.size * stride)  # the native walk calls no _write_back to account for it
         return super()._write_back_rows(offset, stride, rows)
 
+    def streamed_target(self, offset: int) -> int | None:
+        return None if self._pmem is None else 0  # as on a DAX device (_persist_streamed): a fence
+
+    def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
+        super().streamed_persisted(offset, length, fences)
+        self._account(length)
+
     def _persist_streamed(self, offset: int, length: int) -> None:
         if self._pmem is None:
             return super()._persist_streamed(offset, length)
@@ -250,6 +257,19 @@ class PowerLossCXLDevice(_EmulatedDevice):
             raise ValueError(f"{self.path}: device is closed")
         self._account(rows.size * stride)
         return self._file.copy_rows(offset, stride, rows)
+
+    def streamed_target(self, offset: int) -> int | None:
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        return self._media.ctypes.data + offset  # the kernel's persist: the same line copy, under persist_lock
+
+    def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
+        super().streamed_persisted(offset, length, fences)
+        self._account(length)
+
+    @property
+    def persist_lock(self):
+        return self.media_lock
 
     # persist = write-back + fence, and copy_persist = store into the private view + persist, are the
     # base class's: the media gets the bytes by the same line copy as any persisted store.

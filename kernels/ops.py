@@ -16,6 +16,9 @@ dim, K optimizer-state columns.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -65,10 +68,74 @@ def unique_rows(indices: torch.Tensor, table_rows: int) -> torch.Tensor:
     return out[:count]
 
 
+@dataclasses.dataclass
+class UndoChunks:
+    """The undo records a fused update writes (checkpoint/ring.py lays them out): the batch's U unique
+    rows in chunks of `chunk_rows`, chunk c's rows that need a record (recorded[rec_first[c] :
+    rec_first[c + 1]], V rows in all, sorted) in their own ring record at ring offset rec_offset[c]
+    (-1: none). headers uint8 [C, 64]: each record's header, both checksum fields zero (the kernel
+    fills them in); payload_seeds uint32 [C]; tails uint8 [C, 2, 64]: the tail mark copies that cover
+    chunk c's record; ring: the ring region's address in the process's mapping; media: the power-loss
+    emulator's address of the same bytes (0: a fence persists the kernel's streamed stores), whose
+    copies hold `lock`. order: 0, or a planted bug's (checkpoint/ordering.py)."""
+
+    ring: int
+    media: int
+    lock: contextlib.AbstractContextManager
+    rows: np.ndarray         # int64 [U]: the update's unique rows (unique_rows of its indices)
+    recorded: np.ndarray     # int64 [V]
+    chunk_rows: int
+    rec_offset: np.ndarray   # int64 [C]
+    rec_first: np.ndarray    # int64 [C + 1]
+    headers: np.ndarray      # uint8 [C, 64]
+    payload_seeds: np.ndarray  # uint32 [C]
+    header_seed: int
+    tails: np.ndarray        # uint8 [C, 2, 64]
+    tail_offset: int
+    order: int = 0
+
+    def stop_chunk(self) -> int:
+        """The chunk a crash test stops in: the one holding the middle recorded row (-1: no record)."""
+        if not self.recorded.size:
+            return -1
+        return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
+
+
+_PLAN_SIZE = 17  # kernels/rows.c enum fused_plan
+_STOPS = {1: CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2: CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}
+
+
+def fused_available() -> bool:
+    """Whether sparse_update can take an UndoChunks: the native kernels with streamed stores."""
+    lib = native.lib()
+    return lib is not None and bool(lib.STREAMS)
+
+
+def _fused_plan(undo: UndoChunks, table_rows: int) -> np.ndarray:
+    chunks = undo.rec_offset.size
+    for name, block, dtype, shape in (("recorded", undo.recorded, np.int64, (undo.recorded.size,)),
+                                      ("rec_offset", undo.rec_offset, np.int64, (chunks,)),
+                                      ("rec_first", undo.rec_first, np.int64, (chunks + 1,)),
+                                      ("headers", undo.headers, np.uint8, (chunks, 64)),
+                                      ("payload_seeds", undo.payload_seeds, np.uint32, (chunks,)),
+                                      ("tails", undo.tails, np.uint8, (chunks, 2, 64))):
+        _check_block(name, block, dtype, shape)
+    if undo.chunk_rows < 1 or -(-undo.rows.size // undo.chunk_rows) != chunks:
+        raise ValueError(f"{chunks} chunks of {undo.chunk_rows} rows cannot hold {undo.rows.size} unique rows")
+    stop_chunk, stop_phase = undo.stop_chunk(), 0
+    for phase, point in _STOPS.items():
+        if crash_due(point) and stop_chunk >= 0:
+            stop_phase = phase
+    return np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
+                     undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
+                     undo.payload_seeds.ctypes.data, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
+                     undo.order, stop_chunk, stop_phase, 0], dtype=np.int64)
+
+
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                   grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
                   per_sample_weights: torch.Tensor | None = None, mode: str = "sum", *, lr: float,
-                  eps: float = 0.0) -> torch.Tensor:
+                  eps: float = 0.0, undo: UndoChunks | None = None) -> torch.Tensor:
     """The fused sparse update of one table for one batch, in place; returns the rows [U] it updated,
     sorted ascending (U <= N).
 
@@ -81,6 +148,11 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     The C kernel is bit-identical to the torch kernels except in rowwise_adagrad's mean(g^2), where
     torch's vectorised sum adds in another order (a few float32 ulps; same bits at D = 1), and is
     deterministic run to run.
+
+    undo (fused_available() only): the batch's undo records are written in the same pass, chunk by
+    chunk of the unique rows, each durable right before its chunk's rows are updated (UndoChunks;
+    the updated values are the same bits as without). The crash points undo:between-payload-and-header
+    and undo:between-header-and-update stop that kernel in the chunk of the middle recorded row.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -117,11 +189,31 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         crash_point(CrashPoint.UPDATE_MID)
         return rows
     out = torch.empty(indices.numel(), dtype=torch.int64)
-    unique = lib.sparse_update(
-        RULES[rule], weight.data_ptr(), weight.shape[1], _address(state), state.shape[1] if state is not None else 0,
-        weight.shape[0], dim, indices.data_ptr(), indices.numel(), grad_out.data_ptr(), dim, bags,
-        _address(offsets), mode == "mean", _address(per_sample_weights), lr, eps, out.data_ptr(),
-        _stop_after(indices, weight.shape[0]))
+    arguments = (RULES[rule], weight.data_ptr(), weight.shape[1], _address(state),
+                 state.shape[1] if state is not None else 0, weight.shape[0], dim, indices.data_ptr(), indices.numel(),
+                 grad_out.data_ptr(), dim, bags, _address(offsets), mode == "mean", _address(per_sample_weights), lr,
+                 eps, out.data_ptr(), _stop_after(indices, weight.shape[0]))
+    if undo is None:
+        unique = lib.sparse_update(*arguments)
+    else:
+        if not lib.STREAMS:
+            raise RuntimeError("a fused undo capture needs the native kernels' streamed stores")
+        plan = _fused_plan(undo, weight.shape[0])
+        if not undo.recorded.size:  # no record to stop in (all rows recorded earlier in the window)
+            for point in _STOPS.values():
+                crash_point(point)
+        with undo.lock:
+            # ORDERING U1e: per chunk of the unique rows, the kernel persists the record's payload,
+            # then its header and the tail mark covering it, then stores into the chunk's rows
+            # (kernels/rows.c undo_chunk), so no row is stored before its record is durable.
+            unique = lib.fused_update(*arguments, plan.ctypes.data)
+        stopped = int(plan[16])
+        if stopped:
+            crash_point(_STOPS[stopped])  # a crash test's kill, with the kernel stopped in a chunk
+            raise RuntimeError(f"the fused update stopped at {_STOPS[stopped]}, which did not kill")
+        if undo.recorded.size:
+            for point in _STOPS.values():
+                crash_point(point)
     crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]
 

@@ -16,6 +16,8 @@
  *                                CLWB/CLFLUSHOPT), optionally followed by one drain; returns the runs
  *   copy_lines                   the power-loss emulator's flush: whole 64-byte lines of each run
  *                                of rows copied from the process's view to the media view; returns the runs
+ *   fused_update                 sparse_update with the undo capture folded in: chunk by chunk of the
+ *                                unique rows, their undo record durable, then their update in place
  *   crc32                        zlib's CRC-32, folded with carry-less multiply where the CPU has it
  *
  * Determinism: floats are added in a fixed order (a row's gradients in lookup order), the build
@@ -161,6 +163,42 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
  * ------------------------------------------------------------------------------------------- */
 enum rule { RULE_SGD = 0, RULE_ROWWISE_ADAGRAD = 1 };
 
+/* fused_update's undo side: the batch's unique rows U are taken in chunks of `chunk_rows`; before
+ * the update reaches a chunk's first row, the chunk's rows that need a record (`recorded`, a sorted
+ * subset of the unique rows: capture once per commit window) are written into that chunk's own
+ * undo record, an ordinary ring record whose place, header template and checksum seeds the caller
+ * laid out (checkpoint/ring.py). Per chunk (U1 per chunk, docs/architecture.md):
+ *   1. payload: old weights, old state, row ids, with non-temporal stores, its checksum taken from
+ *      the source rows as they are read; persisted (SFENCE, or copied to the media view)
+ *   2. header (checksums filled in) and then the ring's tail mark covering it (two copies, one after
+ *      the other), each stored and persisted
+ *   3. the chunk's rows updated in place (the update loop), from the cache the capture filled.
+ * Nothing here is allocated or checked after the first store: every index was checked before. */
+struct fused_undo {
+    char *ring;                   /* the ring region's first byte, in the process's mapping */
+    char *media;                  /* the power-loss emulator's media mapping of the same bytes, or NULL:
+                                     then a persist is SFENCE (streamed stores) */
+    const int64_t *recorded;      /* [V] the rows to record, sorted */
+    Py_ssize_t chunk_rows, chunks;
+    const int64_t *rec_offset;    /* [chunks] ring offset of the chunk's record; -1: none (no recorded row) */
+    const int64_t *rec_first;     /* [chunks + 1] the chunk's recorded rows are recorded[rec_first[c], rec_first[c+1]) */
+    unsigned char *headers;       /* [chunks, 64] header templates, checksum fields zero (filled in here) */
+    const uint32_t *payload_seed; /* [chunks] the payload checksum's seed (pool UUID, generation, seq) */
+    uint32_t header_seed;         /* the header checksum's (pool UUID, generation) */
+    const unsigned char *tails;   /* [chunks, 2, 64] the tail mark copies to write after chunk c's header */
+    Py_ssize_t tail_offset;       /* the tail mark's ring offset */
+    const char *weights, *state;  /* the table's rows (source of the capture) */
+    Py_ssize_t row_bytes, state_bytes;
+    int order;                    /* 0 as above; planted bugs: 1 header before payload, 2 update before header */
+    Py_ssize_t stop_chunk;        /* crash tests: stop in this chunk ... */
+    int stop_phase;               /* ... after step 1 (1) or step 2 (2); 0: never */
+    /* progress */
+    Py_ssize_t next, next_start;  /* the chunk to capture next, and the unique row it starts at (-1: none) */
+    int stopped;                  /* the phase a crash test stopped at (the update loop stops too) */
+};
+static int undo_chunk(struct fused_undo *u);
+static void undo_finish(struct fused_undo *u);
+
 struct update_args {
     int rule;
     float *weight;          /* [R, w_stride] floats, columns [0, dim) updated */
@@ -180,6 +218,7 @@ struct update_args {
     float lr, eps;
     int64_t *out_rows;      /* [N]: the sorted unique rows, U of them */
     Py_ssize_t stop_after;  /* update only the first this many unique rows (crash tests); -1: all */
+    struct fused_undo *undo; /* capture and update in one pass (fused_update), or NULL */
 };
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
@@ -231,6 +270,8 @@ static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, i
     Py_ssize_t unique = 0;                                                                        \
     const Py_ssize_t dim = a->dim;                                                                \
     for (Py_ssize_t j = 0; j < a->n && unique != a->stop_after;) {                                \
+        if (a->undo && unique == a->undo->next_start && undo_chunk(a->undo))                      \
+            break; /* fused_update: the next chunk's undo record first (a crash test may stop) */ \
         const int64_t row = a->indices[order[j]];                                                 \
         if (j + PREFETCH_ROWS < a->n) { /* a row some lookups ahead: its weights and state */     \
             const int64_t ahead = a->indices[order[j + PREFETCH_ROWS]];                           \
@@ -324,6 +365,8 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
     if (sort_lookups(a->indices, a->n, a->table_rows, order) != 0)
         goto out;
     *unique = update_rows(a, order, bag_of, scale_of, a->mean || a->psw, acc);
+    if (a->undo && !a->undo->stopped)
+        undo_finish(a->undo);
     status = 0;
 out:
     free(order);
@@ -422,6 +465,7 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     a.offsets = (const int64_t *)(uintptr_t)offsets;
     a.psw = (const float *)(uintptr_t)psw;
     a.out_rows = (int64_t *)(uintptr_t)out_rows;
+    a.undo = NULL;
     Py_ssize_t unique = 0, bad = -1;
     int status;
     Py_BEGIN_ALLOW_THREADS
@@ -839,6 +883,216 @@ static void detect_cpu(void)
     crc32_init();
 }
 
+
+/* ---------------------------------------------------------------------------------------------
+ * Capture and update in one pass (struct fused_undo above says what it writes, and in what order)
+ * ------------------------------------------------------------------------------------------- */
+enum { UNDO_HEADER_BYTES = 64, UNDO_PAYLOAD_CRC_AT = 44, UNDO_HEADER_CRC_AT = 60, TAIL_MARK_BYTES = 64 };
+enum { ORDER_PRODUCTION = 0, ORDER_HEADER_BEFORE_PAYLOAD = 1, ORDER_UPDATE_BEFORE_HEADER = 2 };
+
+/* Make [at, at + n) of the ring durable after it was written with non-temporal stores: a fence
+ * (they went around the caches), and on the power-loss emulator the lines copied to the media, as
+ * the device's persist would (CachedFile.copy_lines; the caller holds the media lock). */
+static void undo_persist(const struct fused_undo *u, const char *at, size_t n)
+{
+    store_fence();
+    if (u->media) {
+        size_t start = (size_t)(at - u->ring) & ~(size_t)(CACHE_LINE - 1);
+        size_t end = ((size_t)(at - u->ring) + n + CACHE_LINE - 1) & ~(size_t)(CACHE_LINE - 1);
+        memcpy(u->media + start, u->ring + start, end - start);
+    }
+}
+
+/* The chunk's payload checksum, from the source rows in payload order; with `store`, the payload
+ * too (non-temporal stores, not yet fenced). */
+static uint32_t undo_payload(const struct fused_undo *u, Py_ssize_t c, int store)
+{
+    const Py_ssize_t first = u->rec_first[c], count = u->rec_first[c + 1] - first;
+    const int64_t *rows = u->recorded + first;
+    char *out = u->ring + u->rec_offset[c] + UNDO_HEADER_BYTES;
+    uint32_t crc = u->payload_seed[c];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_ROWS < count) {
+            prefetch_row(u->weights + rows[i + PREFETCH_ROWS] * u->row_bytes, (size_t)u->row_bytes, 1);
+            if (u->state_bytes)
+                __builtin_prefetch(u->state + rows[i + PREFETCH_ROWS] * u->state_bytes, 1);
+        }
+        const char *src = u->weights + rows[i] * u->row_bytes;
+        if (store)
+            stream_copy(out + i * u->row_bytes, src, (size_t)u->row_bytes);
+        crc = crc32_update(crc, (const unsigned char *)src, (size_t)u->row_bytes);
+    }
+    out += count * u->row_bytes;
+    for (Py_ssize_t i = 0; u->state_bytes && i < count; i++) {
+        const char *src = u->state + rows[i] * u->state_bytes;
+        if (store)
+            stream_copy(out + i * u->state_bytes, src, (size_t)u->state_bytes);
+        crc = crc32_update(crc, (const unsigned char *)src, (size_t)u->state_bytes);
+    }
+    out += count * u->state_bytes;
+    if (store)
+        stream_copy(out, (const char *)rows, (size_t)count * sizeof *rows);
+    return crc32_update(crc, (const unsigned char *)rows, (size_t)count * sizeof *rows);
+}
+
+/* The chunk's header, sealed, stored and persisted; then the tail mark covering it, copy by copy
+ * (persist 0: stored only, the planted update-before-header bug's). */
+static void undo_header(const struct fused_undo *u, Py_ssize_t c, uint32_t payload_crc, int persist)
+{
+    unsigned char *h = u->headers + c * UNDO_HEADER_BYTES;
+    memcpy(h + UNDO_PAYLOAD_CRC_AT, &payload_crc, 4);
+    uint32_t sealed = crc32_update(u->header_seed, h, UNDO_HEADER_CRC_AT);
+    memcpy(h + UNDO_HEADER_CRC_AT, &sealed, 4);
+    char *at = u->ring + u->rec_offset[c];
+    stream_copy(at, (const char *)h, UNDO_HEADER_BYTES);
+    if (persist)
+        undo_persist(u, at, UNDO_HEADER_BYTES);
+    for (int copy = 0; copy < 2; copy++) {
+        char *tail = u->ring + u->tail_offset + copy * TAIL_MARK_BYTES;
+        stream_copy(tail, (const char *)u->tails + (c * 2 + copy) * TAIL_MARK_BYTES, TAIL_MARK_BYTES);
+        if (persist)
+            undo_persist(u, tail, TAIL_MARK_BYTES);
+    }
+}
+
+static int undo_stop(struct fused_undo *u, Py_ssize_t c, int phase)
+{
+    if (u->stop_phase != phase || u->stop_chunk != c)
+        return 0;
+    u->stopped = phase;
+    return 1;
+}
+
+/* Chunk u->next's record, durable, before the update loop stores into its rows; 1: a crash test
+ * stops here (the update loop stops too). */
+static int undo_chunk(struct fused_undo *u)
+{
+    const Py_ssize_t c = u->next++;
+    u->next_start = u->next < u->chunks ? u->next * u->chunk_rows : -1;
+    if (u->rec_offset[c] < 0)
+        return 0; /* every row of the chunk was recorded earlier in the commit window */
+    const Py_ssize_t count = u->rec_first[c + 1] - u->rec_first[c];
+    char *payload = u->ring + u->rec_offset[c] + UNDO_HEADER_BYTES;
+    const size_t payload_len = (size_t)(count * (u->row_bytes + u->state_bytes + 8));
+    if (u->order == ORDER_HEADER_BEFORE_PAYLOAD) { /* planted U1 bug: the header before the payload is stored */
+        undo_header(u, c, undo_payload(u, c, 0), 1);
+        if (undo_stop(u, c, 1))
+            return 1;
+        undo_payload(u, c, 1);
+        undo_persist(u, payload, payload_len);
+        return undo_stop(u, c, 2);
+    }
+    const uint32_t crc = undo_payload(u, c, 1);
+    undo_persist(u, payload, payload_len); /* U1: the payload durable before the header that vouches for it */
+    if (undo_stop(u, c, 1))
+        return 1;
+    if (u->order == ORDER_UPDATE_BEFORE_HEADER) { /* planted U1 bug: the headers after the update */
+        memcpy(u->headers + c * UNDO_HEADER_BYTES + UNDO_PAYLOAD_CRC_AT, &crc, 4);
+        return 0;
+    }
+    undo_header(u, c, crc, 1); /* U1: header and tail mark durable before the chunk's first in-place store */
+    return undo_stop(u, c, 2);
+}
+
+/* After the update loop: only the planted update-before-header order has headers left to write,
+ * and it only stores them (left to a write-back that never comes: a power loss after the rows'
+ * flush finds rows updated and no valid record; a SIGKILL at the stop, no header at all). */
+static void undo_finish(struct fused_undo *u)
+{
+    if (u->order != ORDER_UPDATE_BEFORE_HEADER)
+        return;
+    if (u->stop_phase == 2) {
+        u->stopped = 2; /* a crash test: the rows updated, their records' headers never written */
+        return;
+    }
+    for (Py_ssize_t c = 0; c < u->chunks; c++) {
+        if (u->rec_offset[c] >= 0) {
+            uint32_t crc;
+            memcpy(&crc, u->headers + c * UNDO_HEADER_BYTES + UNDO_PAYLOAD_CRC_AT, 4);
+            undo_header(u, c, crc, 0);
+        }
+    }
+}
+
+/* The plan fused_update reads (int64 [FUSED_PLAN_SIZE], kernels/ops.py lays it out). */
+enum fused_plan {
+    PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
+    PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
+    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, FUSED_PLAN_SIZE
+};
+
+static PyObject *fused_update(PyObject *self, PyObject *args)
+{
+    struct update_args a;
+    struct fused_undo u;
+    unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows, plan_address;
+    long long table_rows;
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKnK", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+                          &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
+                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &plan_address))
+        return NULL;
+    int64_t *plan = (int64_t *)(uintptr_t)plan_address;
+    if ((a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) || (a.mean && psw) || (!offsets && a.bags != a.n)
+        || (a.rule == RULE_SGD) != !state) {
+        PyErr_SetString(PyExc_ValueError, "fused_update: bad update arguments");
+        return NULL;
+    }
+    a.table_rows = table_rows;
+    a.weight = (float *)(uintptr_t)weight;
+    a.state = (float *)(uintptr_t)state;
+    a.indices = (const int64_t *)(uintptr_t)indices;
+    a.grad_out = (const float *)(uintptr_t)grad_out;
+    a.offsets = (const int64_t *)(uintptr_t)offsets;
+    a.psw = (const float *)(uintptr_t)psw;
+    a.out_rows = (int64_t *)(uintptr_t)out_rows;
+    u = (struct fused_undo){
+        .ring = (char *)(uintptr_t)plan[PLAN_RING],
+        .media = (char *)(uintptr_t)plan[PLAN_MEDIA],
+        .recorded = (const int64_t *)(uintptr_t)plan[PLAN_RECORDED],
+        .chunk_rows = (Py_ssize_t)plan[PLAN_CHUNK_ROWS],
+        .chunks = (Py_ssize_t)plan[PLAN_CHUNKS],
+        .rec_offset = (const int64_t *)(uintptr_t)plan[PLAN_REC_OFFSET],
+        .rec_first = (const int64_t *)(uintptr_t)plan[PLAN_REC_FIRST],
+        .headers = (unsigned char *)(uintptr_t)plan[PLAN_HEADERS],
+        .payload_seed = (const uint32_t *)(uintptr_t)plan[PLAN_PAYLOAD_SEED],
+        .header_seed = (uint32_t)plan[PLAN_HEADER_SEED],
+        .tails = (const unsigned char *)(uintptr_t)plan[PLAN_TAILS],
+        .tail_offset = (Py_ssize_t)plan[PLAN_TAIL_OFFSET],
+        .weights = (const char *)a.weight,
+        .state = (const char *)a.state,
+        .row_bytes = a.w_stride * 4,
+        .state_bytes = a.state ? a.s_stride * 4 : 0,
+        .order = (int)plan[PLAN_ORDER],
+        .stop_chunk = (Py_ssize_t)plan[PLAN_STOP_CHUNK],
+        .stop_phase = (int)plan[PLAN_STOP_PHASE],
+    };
+    u.next_start = u.chunks > 0 ? 0 : -1;
+    if (u.chunk_rows < 1 || u.chunks < 0 || u.rec_first[0] != 0 || u.rec_first[u.chunks] != plan[PLAN_RECORDED_COUNT]) {
+        PyErr_SetString(PyExc_ValueError, "fused_update: inconsistent plan");
+        return NULL;
+    }
+    a.undo = &u;
+    Py_ssize_t unique = 0, bad = -1;
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    bad = first_bad_row(u.recorded, (Py_ssize_t)plan[PLAN_RECORDED_COUNT], a.table_rows);
+    status = bad >= 0 ? 3 : sparse_update_nogil(&a, &unique, &bad);
+    Py_END_ALLOW_THREADS
+    if (status == 3)
+        return raise_bad_row(u.recorded, bad, a.table_rows);
+    if (status == 1)
+        return raise_bad_row(a.indices, bad, a.table_rows);
+    if (status == 2) {
+        PyErr_Format(PyExc_ValueError, "offsets must start at 0, be non-decreasing and at most %zd; nothing was written",
+                     a.n);
+        return NULL;
+    }
+    if (status < 0)
+        return PyErr_NoMemory();
+    plan[PLAN_STOPPED] = u.stopped;
+    return PyLong_FromSsize_t(unique);
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(dst, dst_stride, src, src_stride, row_bytes, scatter, table_rows, rows, count): gather "
@@ -847,6 +1101,9 @@ static PyMethodDef methods[] = {
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
      "bags, offsets, mean, psw, lr, eps, out_rows, stop_after) -> unique rows updated (all of them, or "
      "stop_after when that is fewer; -1: no stop)"},
+    {"fused_update", fused_update, METH_VARARGS,
+     "fused_update(sparse_update's arguments..., plan) -> unique rows updated: the update with each chunk's "
+     "undo record written and made durable right before the chunk's rows are updated (plan: int64 array's address)"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out) -> U: the sorted distinct row ids of keys [n] into out [U]"},

@@ -351,3 +351,49 @@ def test_capture_once_per_window_records_fewer_rows(shm_dir):
         skipped[k] = (stats["undo_rows"], stats["undo_rows_skipped"])
     assert skipped[1][1] == 0 and skipped[10][1] > 0 and skipped[10][0] < skipped[1][0]
     assert sum(skipped[10]) == skipped[1][0]  # every looked-up row: recorded, or recorded before in its window
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused capture (kernels/rows.c fused_update): each table's record of a batch written chunk by
+# chunk of its unique rows inside the update, each chunk's record durable before its rows are
+# stored. 16-row chunks make this config's ~100-row tables several chunks each, so the kills land
+# with earlier chunks recorded and updated, the chunk of the middle recorded row half-done, and the
+# later ones untouched; recovery takes the valid chunk records and stops at the first invalid one.
+# ---------------------------------------------------------------------------------------------
+CHUNKS = {"CXLTRAIN_UNDO_CHUNK_ROWS": "16"}
+FUSED_KILLS = [
+    (CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 3 * TABLES + 2),  # batch 3, second table: a payload, no header
+    (CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE, 4 * TABLES + 1),   # batch 4, first table: a record, no row stored
+    (CrashPoint.UPDATE_MID, 5 * TABLES + 2),                        # batch 5, second table: half its rows stored
+]
+
+
+@pytest.mark.parametrize("power_loss", ["0", "1"], ids=["sigkill", "power-loss"])
+@pytest.mark.parametrize("point,count", FUSED_KILLS, ids=[k[0] for k in FUSED_KILLS])
+def test_kill_inside_the_fused_capture_recovers_exactly(shm_dir, ref_dir, point, count, power_loss):
+    pool = str(shm_dir / "t.pool")
+    killed = run_child(pool, env={**CHUNKS, CRASH_ENV: f"{point}:{count}", "CXLTRAIN_POWER_LOSS": power_loss})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    batch, problems = exactness_problems(pool, ref_dir)
+    assert problems == [] and batch in range(count // TABLES - 1, count // TABLES + 1), (batch, problems)
+
+
+FUSED_PLANTED = [
+    # a chunk's header (and tail mark) durable before its payload is stored: the kill between them
+    # leaves a valid header over a payload that never came (SIGKILL and power loss alike)
+    (Planted.HEADER_BEFORE_PAYLOAD, f"{CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER}:{3 * TABLES + 2}", "0"),
+    (Planted.HEADER_BEFORE_PAYLOAD, f"{CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER}:{3 * TABLES + 2}", "1"),
+    # the rows updated before the headers: a SIGKILL there finds updated rows and no valid record;
+    # a power loss once the rows are flushed finds them on the media, the never-persisted headers not
+    (Planted.UPDATE_BEFORE_HEADER, f"{CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}:{4 * TABLES + 1}", "0"),
+    (Planted.UPDATE_BEFORE_HEADER, f"{CrashPoint.UPDATE_ROWS_FLUSHED}:{4 * TABLES + 1}", "1"),
+]
+
+
+@pytest.mark.parametrize("fault,crash,power_loss", FUSED_PLANTED, ids=[f"{f}-pl{p}" for f, _, p in FUSED_PLANTED])
+def test_planted_fused_capture_bug_is_caught(shm_dir, ref_dir, fault, crash, power_loss):
+    pool = str(shm_dir / "t.pool")
+    killed = run_child(pool, env={**CHUNKS, CRASH_ENV: crash, FAULT_ENV: fault, "CXLTRAIN_POWER_LOSS": power_loss})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    batch, problems = exactness_problems(pool, ref_dir)  # refused, or not the reference's state
+    assert problems, f"planted {fault} went unnoticed (recovered batch {batch})"

@@ -18,6 +18,7 @@ WHERE = {
     "U1b": "cxltrain/checkpoint/checkpointer.py",  # tail mark durable before the table's first store
     "U1c": "cxltrain/tables.py",                   # before_update (record durable) precedes the update
     "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
+    "U1e": "kernels/ops.py",                       # fused capture: each chunk's record durable before its rows' update
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
@@ -66,7 +67,7 @@ def test_u1_holds_for_the_tables_by_call_order():
     after = lines[number:]
     call = next(i for i, line in enumerate(after) if not line.strip().startswith("#"))
     assert "before_update(" in after[call]
-    update = next(i for i, line in enumerate(after) if "= update()" in line)
+    update = next(i for i, line in enumerate(after) if "= update(undo)" in line)
     assert call < update
 
 

@@ -75,6 +75,7 @@ import torch
 from ..errors import CheckpointError
 from ..faults import CrashPoint, crash_point, planted_faults
 from ..kernels import ops as row_ops
+from ..knobs import KNOBS
 from ..modes import MODES, RELAXED, STRICT
 from ..pool import Pool
 from . import codec, dense, ordering
@@ -135,6 +136,13 @@ class Checkpointer(BatchGuard):
         # the dense state keeps its shape from batch to batch: its manifest is reused (measured on
         # the default model: laying it out costs ~0.4 ms a batch, reusing it ~0.13 ms)
         self._layouts = codec.LayoutCache(counters=("batch",))
+        # Capture inside the update (kernels/rows.c fused_update), chunk by chunk of a table's
+        # unique rows, where the kernels and the device can persist the records without Python and
+        # the capture runs on this thread; else the whole record first, then the update.
+        self.fused = (bool(KNOBS.fused_capture) and not self.background_capture and row_ops.fused_available()
+                      and self._ordering.fused_capture and self.ring.streams())
+        self._chunk_rows = KNOBS.undo_chunk_rows
+        self._fused_records: dict[str, tuple[list, torch.Tensor, int]] = {}  # table -> laid out, not landed
 
     @property
     def durable(self) -> int:
@@ -162,27 +170,40 @@ class Checkpointer(BatchGuard):
         self.stats.training_lookup_seconds += time.perf_counter() - started
         return batch
 
-    def before_update(self, table: LoggedTable, batch: int | None) -> None:
+    def before_update(self, table: LoggedTable, batch: int | None,
+                      fusable: bool = False) -> row_ops.UndoChunks | None:
         """Called by a table's backward before it stores into its rows: captures this table's
         lookups of this batch, or waits until the worker has, so that their records are durable
-        first (U1)."""
+        first (U1). fusable: the update is kernels/ops.sparse_update over those very lookups; then
+        where self.fused, the capture is left to it: returns the records it is to write (U1 per
+        chunk, inside the kernel), which after_update takes into the ring."""
         super().before_update(table, batch)
         if not self.background_capture:
             mine = [indices for owner, indices in self._lookups if owner is table]
+            undo = None
             if mine:
                 started = time.perf_counter()
                 self._lookups = [entry for entry in self._lookups if entry[0] is not table]
-                for indices in mine:
-                    self._capture(batch, table, indices, self.committed)
+                if fusable and self.fused and len(mine) == 1:
+                    undo = self._plan_fused(batch, table, mine[0], self.committed)
+                else:
+                    for indices in mine:
+                        self._capture(batch, table, indices, self.committed)
                 self.stats.training_capture_seconds += time.perf_counter() - started
-            return
+            return undo
         for name, ticket in self._captures:
             if name == table.name:
                 self.stats.capture_wait_seconds += self._worker.wait(ticket)
+        return None
 
     def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
         """Called by a table's backward right after its update stored into `rows` [U] (sorted,
         unique): flush them now when flush_at_update (drained before the commit is handed over)."""
+        landing = self._fused_records.pop(table.name, None)
+        if landing is not None:  # the fused update wrote its records: into the ring's bookkeeping
+            records, recorded_rows, size = landing
+            self.ring.land(records)
+            self._count_capture(batch, table, rows, recorded_rows, size)
         if not self.flush_at_update or not rows.numel():
             return
         started = time.perf_counter()
@@ -284,6 +305,51 @@ class Checkpointer(BatchGuard):
         self._wait_for_commit()
         return True
 
+    def _plan_fused(self, batch: int, table: LoggedTable, indices: torch.Tensor,
+                    window: int) -> row_ops.UndoChunks:
+        """Lay out the records the fused update of `table` writes for the rows `indices` [N] look up
+        (as _capture would record them, one record per chunk of the unique rows)."""
+        started = time.perf_counter()
+        # Capture after the previous update (as in _capture): the kernel gathers each chunk from the
+        # live rows right before updating them, in b's backward, so after b-1's update.
+        weights, state = table.storage()
+        rows = row_ops.unique_rows(indices.contiguous(), weights.shape[0]).numpy()
+        # as in _capture (U1d): rows recorded earlier in the commit window are left out
+        recorded = rows if self._window is None else self._window.first_touches(window, table.name, rows,
+                                                                                 weights.shape[0])
+        weight_region = self.pool.region(table.weight_region)
+        state_region = self.pool.region(table.state_region) if state is not None else None
+        plan = lambda: self.ring.plan_chunks(batch, weight_region, state_region, rows, recorded,  # noqa: E731
+                                             self._chunk_rows, self._ordering.fused_order)
+        try:
+            try:
+                undo, records = plan()
+            except RingFull:
+                waited = time.perf_counter()
+                if not self._finish_commit_for_room():
+                    raise
+                self.stats.ring_full_waits += 1
+                self.stats.ring_full_seconds += time.perf_counter() - waited
+                undo, records = plan()
+        except RingFull as e:
+            raise CheckpointError(f"{e}: batch {batch} needs more undo space than the ring has left; "
+                                  "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
+                                  "dense snapshots more often (dense_every)") from None
+        self._fused_records[table.name] = (records, torch.from_numpy(recorded), sum(r.size for r in records))
+        self.stats.capture_seconds += time.perf_counter() - started
+        return undo
+
+    def _count_capture(self, batch: int, table: LoggedTable, rows: torch.Tensor, recorded: torch.Tensor,
+                       size: int) -> None:
+        """A table's records of `batch` are durable: `size` ring bytes of `recorded` [V] of its `rows` [U]."""
+        if not self.flush_at_update:  # else after_update flushes them
+            self._dirty.setdefault(batch, []).append((table, rows))
+        self._largest_record = max(self._largest_record, size)
+        self._batch_bytes += size
+        self.stats.undo_bytes += size
+        self.stats.undo_rows += recorded.numel()
+        self.stats.undo_rows_skipped += rows.numel() - recorded.numel()
+
     # -- the capture: training thread, or worker (background_capture) ------------------------
     def _capture(self, batch: int, table: LoggedTable, indices: torch.Tensor, window: int) -> None:
         """Record the rows `indices` [N] look up, as they are now; `window`: the batch count the
@@ -320,11 +386,6 @@ class Checkpointer(BatchGuard):
         # in-place store (before_update waits for this), so a record header damaged later is
         # refused instead of being taken for the end of the log.
         self.ring.mark_tail()
-        if not self.flush_at_update:  # else after_update flushes them
-            self._dirty.setdefault(batch, []).append((table, rows))
-        self._largest_record = max(self._largest_record, size)
-        self._batch_bytes += size
-        self.stats.undo_bytes += size
-        self.stats.undo_rows += recorded.numel()
-        self.stats.undo_rows_skipped += rows.numel() - recorded.numel()
+        crash_point(CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE)
+        self._count_capture(batch, table, rows, recorded, size)
         self.stats.capture_seconds += time.perf_counter() - started

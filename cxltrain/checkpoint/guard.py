@@ -110,8 +110,9 @@ class BatchGuard(abc.ABC):
     def capture(self, table: LoggedTable, indices: torch.Tensor) -> int:
         """A lookup with gradients of `indices` [N]; returns the batch (seam.TableGuard)."""
 
-    def before_update(self, table: LoggedTable, batch: int | None) -> None:
-        """Called by a table's backward before it stores into its rows; `batch` is what capture returned."""
+    def before_update(self, table: LoggedTable, batch: int | None, fusable: bool = False) -> None:
+        """Called by a table's backward before it stores into its rows; `batch` is what capture returned.
+        Returns the undo records a fusable update is to write (None here: no undo log)."""
         if batch != self._batch:
             raise CheckpointError(f"table {table.name!r}: backward of a lookup made in batch {batch} ran in "
                                   + (f"batch {self._batch}" if self._batch is not None else "no batch")

@@ -16,6 +16,14 @@ sequence number is the one the scan expects next (records are numbered 0, 1, 2, 
 generation, so a stale record left over in a reused place never carries the expected number). A
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
 
+A table's record of one batch may come as several records (chunks), each an ordinary record of a
+part of the batch's rows: the fused capture (kernels/rows.c fused_update) writes one per chunk of
+the batch's unique rows, each durable before the rows in it are updated, so a crash mid-batch leaves
+the valid records of the chunks it updated, followed by an invalid one (or none) that ends the
+scan: by U1 per chunk, no row of that chunk or any later one was stored. Nothing on the media tells
+a chunk from a whole record: recovery restores each the same way, and a pool written either way
+reads back with the same code (no format change, no feature bit).
+
 Record batch numbers are batch indices (0-based): the record of batch b holds the rows as they
 were after b batches. Recovery to target T (= root.batches_done, batches done) restores every live
 record with batch >= T; records with batch < T are reclaimable.
@@ -67,6 +75,10 @@ UNDO_HEADER = struct.Struct(
     "I"    # header checksum
 )
 assert UNDO_HEADER.size == 64
+# where the native fused capture (kernels/rows.c) fills in the two checksums of a header template
+UNDO_PAYLOAD_CRC_AT = 44
+UNDO_HEADER_CRC_AT = 60
+assert struct.calcsize("<IIQQqIII") == UNDO_PAYLOAD_CRC_AT and UNDO_HEADER.size - 4 == UNDO_HEADER_CRC_AT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +106,19 @@ class UndoHeader:
         body = UNDO_HEADER.pack(UNDO_MAGIC, self.weight_region, self.generation, self.seq, self.batch, self.count,
                                 self.row_bytes, self.state_bytes, self.payload_crc, self.payload_bytes, state, 0)
         return seal(body, uuid, self.generation)
+
+    def template(self) -> bytes:
+        """The header with both checksum fields zero (payload_crc ignored), for a kernel to complete:
+        the payload checksum at UNDO_PAYLOAD_CRC_AT, then the header's (seeded with
+        header_checksum_seed) over the bytes before UNDO_HEADER_CRC_AT. pack() gives the same bytes."""
+        state = 0 if self.state_region is None else self.state_region + 1
+        return UNDO_HEADER.pack(UNDO_MAGIC, self.weight_region, self.generation, self.seq, self.batch, self.count,
+                                self.row_bytes, self.state_bytes, 0, self.payload_bytes, state, 0)
+
+
+def header_checksum_seed(uuid: bytes, generation: int) -> int:
+    """What an undo header's checksum starts from (seal(body, uuid, generation))."""
+    return checksum_seed(uuid, generation)
 
 
 def unpack_undo_header(raw: bytes, uuid: bytes) -> UndoHeader | None:

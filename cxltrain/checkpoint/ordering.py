@@ -9,6 +9,8 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     CaptureBeforeUpdate  U4  the undo record holds the rows as they were before the previous update
     WindowNeverCleared   U1  (strict, k > 1) a row recorded in one commit window gets no record in later ones
     SkipCapacitySync     U2  (pool sets) the root names cold rows whose pages were never synced
+    HeaderBeforePayload  U1  (fused capture) a chunk's header is durable before its payload is stored
+    UpdateBeforeHeader   U1  (fused capture) a chunk's rows are updated before its header is written
 
 Several planted at once combine (one class deriving from each).
 """
@@ -43,6 +45,10 @@ class Ordering:
     # Rows may be flushed right after their update, on the training thread (their drain before the
     # commit is handed over keeps U2); a strategy that needs the commit to flush them says False.
     flush_at_update = True
+    # The fused capture (kernels/rows.c fused_update) may write the undo records inside the update,
+    # in this order (the kernel's ORDER_*: 0 = payload, header and tail mark, then the rows).
+    fused_capture = True
+    fused_order = 0
 
     def undo_device(self, device: Device) -> Device:
         """The device an undo record is stored and persisted through (U1): the pool's."""
@@ -106,6 +112,8 @@ class CaptureBeforeUpdate(Ordering):
     """Planted U4 bug: the record is gathered from the rows as they were at the table's previous
     capture, i.e. before the previous batch's update — what capturing too early records."""
 
+    fused_capture = False  # the record's source is not the live rows the fused kernel reads
+
     def __init__(self) -> None:
         self._stale: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
@@ -131,6 +139,22 @@ class _NeverCleared(WindowCaptures):
         pass
 
 
+class HeaderBeforePayload(Ordering):
+    """Planted U1 bug in the fused capture: each chunk's header (and the tail mark covering it) is
+    made durable before the chunk's payload is even stored."""
+
+    fused_order = 1
+
+
+class UpdateBeforeHeader(Ordering):
+    """Planted U1 bug in the fused capture: each chunk's payload is durable, but the rows are
+    updated in place before the headers that make the records valid are written, and those are
+    then only stored, never persisted (a SIGKILL before they are stored, or a power loss after the
+    rows' flush, finds updated rows and no valid record)."""
+
+    fused_order = 2
+
+
 class ReclaimAboveAgreed(Ordering):
     """Planted U3b bug: a rank reclaims up to its own commit, ignoring the agreed target G."""
 
@@ -144,6 +168,8 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
     Planted.WINDOW_NEVER_CLEARED: WindowNeverCleared,
     Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
+    Planted.HEADER_BEFORE_PAYLOAD: HeaderBeforePayload,
+    Planted.UPDATE_BEFORE_HEADER: UpdateBeforeHeader,
     PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }
 

@@ -121,6 +121,92 @@ class UndoRing:
             self.next_seq += 1
         return size
 
+    def streams(self) -> bool:
+        """Whether a native kernel can make records durable itself on this ring's device (plan_chunks);
+        a planted bug's view of the device says no (its persists are what it changes)."""
+        target = getattr(self._record_device, "streamed_target", None)
+        return target is not None and target(self.region.offset) is not None
+
+    def plan_chunks(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
+                    recorded: np.ndarray, chunk_rows: int, order: int = 0) -> tuple[object, list[LiveRecord]]:
+        """Lay out the records a fused update writes for `batch` and one table (kernels/ops.UndoChunks):
+        rows [U] int64, the update's unique rows, taken in chunks of `chunk_rows`; recorded [V], the
+        sorted subset that needs a record (capture once per window); one record per chunk that has a
+        recorded row, placed one after the other as append would place them. Writes nothing and
+        changes no bookkeeping: land() does, once the kernel has written them. Raises RingFull when
+        they do not all fit. Only where streams() holds."""
+        from ..kernels import ops as row_ops  # torch: the writer only
+
+        row_bytes = weights_region.row_stride
+        state_bytes = state_region.row_stride if state_region is not None else 0
+        chunks = -(-rows.size // chunk_rows)
+        rec_first = np.empty(chunks + 1, dtype=np.int64)
+        rec_first[:chunks] = np.searchsorted(recorded, rows[::chunk_rows])
+        rec_first[chunks] = recorded.size
+        counts = np.diff(rec_first)
+        sizes = [layout.record_bytes(int(n), row_bytes, state_bytes) if n else 0 for n in counts.tolist()]
+        total = sum(sizes)
+        fences = 4 * sum(1 for n in sizes if n)  # a chunk: payload, header, two tail mark copies
+        device = self._record_device
+        media = device.streamed_target(self.region.offset)
+        placed: list[LiveRecord] = []
+        with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
+            head, live_bytes, seq = self.head, self.live_bytes, self.next_seq
+            try:
+                for size in sizes:
+                    if size:
+                        offset = self._place(size)
+                        record = LiveRecord(offset, size, self.next_seq, batch)
+                        self._live.append(record)
+                        placed.append(record)
+                        self.head, self.live_bytes, self.next_seq = offset + size, self.live_bytes + size, \
+                            self.next_seq + 1
+            finally:
+                for _ in placed:
+                    self._live.pop()
+                self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
+        uuid = self.pool.superblock.uuid
+        rec_offset = np.full(chunks, -1, dtype=np.int64)
+        headers = np.zeros((chunks, layout.UNDO_HEADER.size), dtype=np.uint8)
+        seeds = np.zeros(chunks, dtype=np.uint32)
+        tails = np.zeros((chunks, layout.TAIL_COPIES, layout.TAIL_MARK.size), dtype=np.uint8)
+        state_index = None if state_region is None else state_region.index
+        records = iter(placed)
+        for chunk, count in enumerate(counts.tolist()):
+            if not count:
+                continue
+            record = next(records)
+            rec_offset[chunk] = record.offset
+            header = layout.UndoHeader(weights_region.index, self.generation, record.seq, batch, count, row_bytes,
+                                       state_bytes, 0, state_index)
+            headers[chunk] = np.frombuffer(header.template(), dtype=np.uint8)
+            seeds[chunk] = layout.payload_checksum_seed(uuid, self.generation, record.seq)
+            for copy in range(layout.TAIL_COPIES):
+                tails[chunk, copy] = np.frombuffer(layout.pack_tail_mark(self.generation, record.seq + 1, uuid, copy),
+                                                   dtype=np.uint8)
+        undo = row_ops.UndoChunks(
+            ring=device.array.ctypes.data + self.region.offset, media=media, lock=device.persist_lock,
+            rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset, rec_first=rec_first,
+            headers=headers, payload_seeds=seeds, header_seed=layout.header_checksum_seed(uuid, self.generation),
+            tails=tails, tail_offset=self.capacity, order=order)
+        device.streamed_persisted(self.region.offset, total, fences)
+        return undo, placed
+
+    def land(self, records: list[LiveRecord]) -> None:
+        """The records plan_chunks laid out are written and durable, and the tail mark covers them
+        (the kernel wrote it after each one's header): take them into the bookkeeping."""
+        if not records:
+            return
+        with self._lock:
+            for record in records:
+                if record.seq != self.next_seq:
+                    raise CheckpointError(f"undo record {record.seq} lands out of order (next is {self.next_seq})")
+                self._live.append(record)
+                self.live_bytes += record.size
+                self.head = record.offset + record.size
+                self.next_seq += 1
+            self.marked = self.next_seq
+
     def mark_tail(self) -> None:
         """Make the tail mark cover every record appended so far, durably. Call before the first
         in-place store a new record undoes. Both copies get the same values, one after the other,

@@ -4,7 +4,7 @@ imports the other's classes).
 What a table tells its guard (TableGuard), per lookup with gradients — shapes: N lookups, U rows:
 
     batch = guard.capture(table, indices)     forward: indices [N] int64 will be updated in backward
-    guard.before_update(table, batch)         backward, before the table's first in-place store
+    guard.before_update(table, batch, fusable) backward, before the table's first in-place store
     <the table's fused update, in place>      stores into its unique rows [U]
     guard.after_update(table, batch, rows)    backward, right after: rows [U] int64, sorted
 
@@ -58,8 +58,10 @@ class TableGuard(Protocol):
         """A lookup with gradients of rows `indices` [N]; returns the batch, handed back below."""
         ...
 
-    def before_update(self, table: LoggedTable, batch: int | None) -> None:
-        """Returns once the table may store into the rows it looked up in `batch` (U1)."""
+    def before_update(self, table: LoggedTable, batch: int | None, fusable: bool = False):
+        """Returns once the table may store into the rows it looked up in `batch` (U1); or, when
+        fusable (the update is the fused kernel over those lookups), the undo records that kernel is
+        to write itself, each durable before its rows are stored (kernels/ops.UndoChunks; None: none)."""
         ...
 
     def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ outlives its pool can never point at unmapped memory.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import os
 
@@ -160,6 +161,25 @@ class Device(abc.ABC):
         starts, counts = runs_of(rows)
         for start, count in zip(starts.tolist(), counts.tolist()):
             self.flush(offset + start * stride, count * stride)  # counted there
+
+    def streamed_target(self, offset: int) -> int | None:
+        """For a native kernel that makes its own non-temporal stores durable (kernels/rows.c
+        fused_update): 0 where a fence after them is the persist (as in persist_streamed), the
+        address of the media's copy of `offset` on the power-loss emulator (the kernel copies each
+        range it persists there, holding `persist_lock`), or None where a persist must go through
+        this object (the caller then persists through it). Changes nothing."""
+        return None
+
+    def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
+        """What such a kernel persists in [offset, offset+length), with `fences` fences: checked and
+        counted here as that many persist_streamed calls (call it before the kernel runs)."""
+        self._check_range(offset, length)
+        counters = self.counters
+        counters.drains += fences
+        counters.persisted_bytes += length
+
+    # held while a native kernel persists by itself (streamed_target): the emulator's media lock
+    persist_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def copy_persist(self, offset: int, data: np.ndarray | bytes) -> None:
         """Store `data` at `offset` and make it durable."""

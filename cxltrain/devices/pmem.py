@@ -76,5 +76,9 @@ class PmemDevice(Device):
         # non-temporal stores for large copies, then one fence
         self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
 
+    def streamed_target(self, offset: int) -> int | None:
+        # streamed stores go around the caches: a fence is all that is left (off DAX a persist is an msync)
+        return 0 if self.is_pmem else None
+
     def _native_row_flush(self) -> int | None:
         return self._pmem.flush_address if self.is_pmem else None  # off DAX a flush is an msync
