@@ -74,8 +74,9 @@ class UndoChunks:
     rows in chunks of `chunk_rows`, chunk c's rows that need a record (recorded[rec_first[c] :
     rec_first[c + 1]], V rows in all, sorted) in their own ring record at ring offset rec_offset[c]
     (-1: none). headers uint8 [C, 64]: each record's header, both checksum fields zero (the kernel
-    fills them in); payload_seeds uint32 [C]; tails uint8 [C, 2, 64]: the tail mark copies that cover
-    chunk c's record; ring: the ring region's address in the process's mapping; media: the power-loss
+    fills them in); payload_seed: the payload checksums' seed before the record's seq; tails uint8
+    [2, 64]: the tail mark's copies with seq_end and checksum zero, tail_seeds uint32 [2] their
+    checksum seeds (the kernel writes the mark covering each record after its header); ring: the ring region's address in the process's mapping; media: the power-loss
     emulator's address of the same bytes (0: a fence persists the kernel's streamed stores), whose
     copies hold `lock`. order: 0, or a planted bug's (checkpoint/ordering.py)."""
 
@@ -88,9 +89,10 @@ class UndoChunks:
     rec_offset: np.ndarray   # int64 [C]
     rec_first: np.ndarray    # int64 [C + 1]
     headers: np.ndarray      # uint8 [C, 64]
-    payload_seeds: np.ndarray  # uint32 [C]
+    payload_seed: int
     header_seed: int
-    tails: np.ndarray        # uint8 [C, 2, 64]
+    tails: np.ndarray        # uint8 [2, 64]
+    tail_seeds: np.ndarray   # uint32 [2]
     tail_offset: int
     order: int = 0
 
@@ -101,7 +103,7 @@ class UndoChunks:
         return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
 
 
-_PLAN_SIZE = 17  # kernels/rows.c enum fused_plan
+_PLAN_SIZE = 18  # kernels/rows.c enum fused_plan
 _STOPS = {1: CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2: CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}
 
 
@@ -117,8 +119,8 @@ def _fused_plan(undo: UndoChunks, table_rows: int) -> np.ndarray:
                                       ("rec_offset", undo.rec_offset, np.int64, (chunks,)),
                                       ("rec_first", undo.rec_first, np.int64, (chunks + 1,)),
                                       ("headers", undo.headers, np.uint8, (chunks, 64)),
-                                      ("payload_seeds", undo.payload_seeds, np.uint32, (chunks,)),
-                                      ("tails", undo.tails, np.uint8, (chunks, 2, 64))):
+                                      ("tails", undo.tails, np.uint8, (2, 64)),
+                                      ("tail_seeds", undo.tail_seeds, np.uint32, (2,))):
         _check_block(name, block, dtype, shape)
     if undo.chunk_rows < 1 or -(-undo.rows.size // undo.chunk_rows) != chunks:
         raise ValueError(f"{chunks} chunks of {undo.chunk_rows} rows cannot hold {undo.rows.size} unique rows")
@@ -126,10 +128,12 @@ def _fused_plan(undo: UndoChunks, table_rows: int) -> np.ndarray:
     for phase, point in _STOPS.items():
         if crash_due(point) and stop_chunk >= 0:
             stop_phase = phase
-    return np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
+    plan = np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
                      undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
-                     undo.payload_seeds.ctypes.data, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
-                     undo.order, stop_chunk, stop_phase, 0], dtype=np.int64)
+                     undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
+                     undo.order, stop_chunk, stop_phase, 0, undo.tail_seeds.ctypes.data], dtype=np.int64)
+    assert plan.size == _PLAN_SIZE
+    return plan
 
 
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,

@@ -183,9 +183,10 @@ struct fused_undo {
     const int64_t *rec_offset;    /* [chunks] ring offset of the chunk's record; -1: none (no recorded row) */
     const int64_t *rec_first;     /* [chunks + 1] the chunk's recorded rows are recorded[rec_first[c], rec_first[c+1]) */
     unsigned char *headers;       /* [chunks, 64] header templates, checksum fields zero (filled in here) */
-    const uint32_t *payload_seed; /* [chunks] the payload checksum's seed (pool UUID, generation, seq) */
+    uint32_t payload_seed;        /* the payload checksums' seed before the record's seq (pool UUID, generation) */
     uint32_t header_seed;         /* the header checksum's (pool UUID, generation) */
-    const unsigned char *tails;   /* [chunks, 2, 64] the tail mark copies to write after chunk c's header */
+    const unsigned char *tails;   /* [2, 64] the tail mark's two copies, seq_end and checksum zero */
+    const uint32_t *tail_seeds;   /* [2] each copy's checksum seed (pool UUID, copy) */
     Py_ssize_t tail_offset;       /* the tail mark's ring offset */
     const char *weights, *state;  /* the table's rows (source of the capture) */
     Py_ssize_t row_bytes, state_bytes;
@@ -887,7 +888,9 @@ static void detect_cpu(void)
 /* ---------------------------------------------------------------------------------------------
  * Capture and update in one pass (struct fused_undo above says what it writes, and in what order)
  * ------------------------------------------------------------------------------------------- */
-enum { UNDO_HEADER_BYTES = 64, UNDO_PAYLOAD_CRC_AT = 44, UNDO_HEADER_CRC_AT = 60, TAIL_MARK_BYTES = 64 };
+/* byte offsets in layout.UNDO_HEADER and layout.TAIL_MARK (little-endian, as the CPU) */
+enum { UNDO_HEADER_BYTES = 64, UNDO_SEQ_AT = 16, UNDO_PAYLOAD_CRC_AT = 44, UNDO_HEADER_CRC_AT = 60 };
+enum { TAIL_MARK_BYTES = 64, TAIL_SEQ_END_AT = 16, TAIL_CRC_AT = 60 };
 enum { ORDER_PRODUCTION = 0, ORDER_HEADER_BEFORE_PAYLOAD = 1, ORDER_UPDATE_BEFORE_HEADER = 2 };
 
 /* Make [at, at + n) of the ring durable after it was written with non-temporal stores: a fence
@@ -910,7 +913,9 @@ static uint32_t undo_payload(const struct fused_undo *u, Py_ssize_t c, int store
     const Py_ssize_t first = u->rec_first[c], count = u->rec_first[c + 1] - first;
     const int64_t *rows = u->recorded + first;
     char *out = u->ring + u->rec_offset[c] + UNDO_HEADER_BYTES;
-    uint32_t crc = u->payload_seed[c];
+    uint32_t seq32; /* the record's seq, low 32 bits (layout.payload_checksum_seed) */
+    memcpy(&seq32, u->headers + c * UNDO_HEADER_BYTES + UNDO_SEQ_AT, 4);
+    uint32_t crc = crc32_update(u->payload_seed, (const unsigned char *)&seq32, 4);
     for (Py_ssize_t i = 0; i < count; i++) {
         if (i + PREFETCH_ROWS < count) {
             prefetch_row(u->weights + rows[i + PREFETCH_ROWS] * u->row_bytes, (size_t)u->row_bytes, 1);
@@ -947,9 +952,17 @@ static void undo_header(const struct fused_undo *u, Py_ssize_t c, uint32_t paylo
     stream_copy(at, (const char *)h, UNDO_HEADER_BYTES);
     if (persist)
         undo_persist(u, at, UNDO_HEADER_BYTES);
+    uint64_t seq_end;
+    memcpy(&seq_end, h + UNDO_SEQ_AT, 8);
+    seq_end++; /* the tail mark: records [0, seq + 1) of this generation are complete */
     for (int copy = 0; copy < 2; copy++) {
+        unsigned char mark[TAIL_MARK_BYTES];
+        memcpy(mark, u->tails + copy * TAIL_MARK_BYTES, TAIL_MARK_BYTES);
+        memcpy(mark + TAIL_SEQ_END_AT, &seq_end, 8);
+        uint32_t mark_crc = crc32_update(u->tail_seeds[copy], mark, TAIL_CRC_AT);
+        memcpy(mark + TAIL_CRC_AT, &mark_crc, 4);
         char *tail = u->ring + u->tail_offset + copy * TAIL_MARK_BYTES;
-        stream_copy(tail, (const char *)u->tails + (c * 2 + copy) * TAIL_MARK_BYTES, TAIL_MARK_BYTES);
+        stream_copy(tail, (const char *)mark, TAIL_MARK_BYTES);
         if (persist)
             undo_persist(u, tail, TAIL_MARK_BYTES);
     }
@@ -1018,7 +1031,7 @@ static void undo_finish(struct fused_undo *u)
 enum fused_plan {
     PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
     PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
-    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, FUSED_PLAN_SIZE
+    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, FUSED_PLAN_SIZE
 };
 
 static PyObject *fused_update(PyObject *self, PyObject *args)
@@ -1054,9 +1067,10 @@ static PyObject *fused_update(PyObject *self, PyObject *args)
         .rec_offset = (const int64_t *)(uintptr_t)plan[PLAN_REC_OFFSET],
         .rec_first = (const int64_t *)(uintptr_t)plan[PLAN_REC_FIRST],
         .headers = (unsigned char *)(uintptr_t)plan[PLAN_HEADERS],
-        .payload_seed = (const uint32_t *)(uintptr_t)plan[PLAN_PAYLOAD_SEED],
+        .payload_seed = (uint32_t)plan[PLAN_PAYLOAD_SEED],
         .header_seed = (uint32_t)plan[PLAN_HEADER_SEED],
         .tails = (const unsigned char *)(uintptr_t)plan[PLAN_TAILS],
+        .tail_seeds = (const uint32_t *)(uintptr_t)plan[PLAN_TAIL_SEEDS],
         .tail_offset = (Py_ssize_t)plan[PLAN_TAIL_OFFSET],
         .weights = (const char *)a.weight,
         .state = (const char *)a.state,

@@ -122,3 +122,65 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
         [record] = ring.scan(pool, 1, 0, 0)
         ring.restore(pool, pool.region(layout.RING_REGION), record)
         assert torch.equal(weights, before[0]) and torch.equal(state, before[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused capture (kernels/rows.c fused_update): the records written inside the update.
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("window", [False, True], ids=["all-rows", "first-touches"])
+def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, window, power_loss):
+    """One chunk record per chunk of the unique rows that has a row to record, each holding those
+    rows' values from before the update; the table ends bit-identical to the plain kernel's; the
+    scan reads the chunk records back in order; on the power-loss model they are on the media."""
+    from cxltrain import knobs
+    from cxltrain.kernels import ops
+
+    if not ops.fused_available():
+        pytest.skip("the native kernels are not built")
+    rng = np.random.default_rng(7)
+    with knobs.override(power_loss=power_loss):
+        pool, table = _ring_pool(shm_dir / "f.pool", 256 << 10)
+    writer = ring.UndoRing(pool, 5, 0, 0)
+    assert writer.streams()
+    weights, state = table.storage()
+    state = state if rule == "rowwise_adagrad" else None
+    indices = torch.from_numpy(rng.integers(0, ROWS, 300))
+    grad = torch.from_numpy(rng.standard_normal((300, DIM)).astype(np.float32))
+    before_w, before_s = weights.clone(), None if state is None else state.clone()
+    expected_w, expected_s = weights.clone(), None if state is None else state.clone()
+    expected_rows = ops.sparse_update(rule, expected_w, expected_s, indices, grad, lr=0.1, eps=1e-8)
+
+    rows = ops.unique_rows(indices, ROWS).numpy()
+    recorded = rows[::3].copy() if window else rows
+    undo, records = writer.plan_chunks(0, pool.region("t.weight"), None if state is None else pool.region("t.optim"),
+                                       rows, recorded, 16)
+    updated = ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
+    writer.land(records)
+    assert torch.equal(updated, expected_rows) and torch.equal(weights, expected_w)
+    assert state is None or torch.equal(state, expected_s)
+
+    chunks = -(-rows.size // 16)
+    assert len(records) == sum(1 for c in range(chunks) if np.isin(rows[16 * c : 16 * (c + 1)], recorded).any())
+    scanned = ring.scan(pool, 5, 0, 0)
+    assert [r.header.seq for r in scanned] == list(range(len(records))) and writer.marked == len(records)
+    array = pool.device.array
+    base = pool.region(layout.RING_REGION).offset
+    got_rows = []
+    for record in scanned:
+        h = record.header
+        start = base + record.offset + layout.UNDO_HEADER.size
+        old_w, old_s, ids = layout.split_payload(array[start : start + h.payload_bytes], h.count, h.row_bytes,
+                                                 h.state_bytes)
+        ids = torch.from_numpy(ids.copy())
+        assert torch.equal(torch.from_numpy(old_w.copy()).view(torch.float32).view(h.count, -1), before_w[ids])
+        if state is not None:
+            assert torch.equal(torch.from_numpy(old_s.copy()).view(torch.float32).view(h.count, -1), before_s[ids])
+        got_rows.append(ids)
+    assert torch.equal(torch.cat(got_rows), torch.from_numpy(recorded))
+    if power_loss:  # every record and the tail mark reached the media
+        media = pool.device._file.media
+        region = pool.region(layout.RING_REGION)
+        assert np.array_equal(media[region.offset : region.end], array[region.offset : region.end])
+    pool.close()

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import zlib
 
 import numpy as np
 
@@ -76,9 +77,11 @@ UNDO_HEADER = struct.Struct(
 )
 assert UNDO_HEADER.size == 64
 # where the native fused capture (kernels/rows.c) fills in the two checksums of a header template
-UNDO_PAYLOAD_CRC_AT = 44
-UNDO_HEADER_CRC_AT = 60
-assert struct.calcsize("<IIQQqIII") == UNDO_PAYLOAD_CRC_AT and UNDO_HEADER.size - 4 == UNDO_HEADER_CRC_AT
+# (and sets seq, count and payload bytes of each record's copy of one template)
+UNDO_SEQ_AT, UNDO_COUNT_AT, UNDO_PAYLOAD_CRC_AT, UNDO_PAYLOAD_BYTES_AT, UNDO_HEADER_CRC_AT = 16, 32, 44, 48, 60
+assert [struct.calcsize(f) for f in ("<IIQ", "<IIQQq", "<IIQQqIII", "<IIQQqIIII")] == \
+    [UNDO_SEQ_AT, UNDO_COUNT_AT, UNDO_PAYLOAD_CRC_AT, UNDO_PAYLOAD_BYTES_AT]
+assert UNDO_HEADER.size - 4 == UNDO_HEADER_CRC_AT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +161,17 @@ def pack_tail_mark(generation: int, seq_end: int, uuid: bytes, copy: int) -> byt
     return seal(body, uuid, copy)
 
 
+def tail_mark_template(generation: int) -> bytes:
+    """The tail mark with seq_end and the checksum zero, for a kernel to complete (seq_end at byte
+    TAIL_SEQ_END_AT, then the checksum of the bytes before the last 4, seeded with checksum_seed(uuid,
+    copy)); pack_tail_mark gives the same bytes."""
+    return TAIL_MARK.pack(TAIL_MAGIC, 0, generation, 0, bytes(36), 0)
+
+
+TAIL_SEQ_END_AT = 16
+assert struct.calcsize("<IIQ") == TAIL_SEQ_END_AT
+
+
 def unpack_tail_mark(raw: bytes, uuid: bytes, copy: int) -> tuple[int, int] | None:
     """(generation, seq_end), or None when the copy is not a valid tail mark (torn or damaged)."""
     magic, zero, generation, seq_end, reserved, _ = TAIL_MARK.unpack(raw)
@@ -186,6 +200,12 @@ def split_payload(payload: np.ndarray, count: int, row_bytes: int, state_bytes: 
 
 def payload_checksum(payload, uuid: bytes, generation: int, seq: int) -> int:
     return checksum_more(payload, payload_checksum_seed(uuid, generation, seq))
+
+
+def payload_checksum_base(uuid: bytes, generation: int) -> int:
+    """payload_checksum_seed before the seq: that seed is the CRC continued over the seq's low 32
+    bits, little-endian (what the fused capture computes per record)."""
+    return zlib.crc32(uuid + generation.to_bytes(8, "little"))
 
 
 def payload_checksum_seed(uuid: bytes, generation: int, seq: int) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CheckpointError, PoolCorruptError
 from ..faults import CrashPoint, crash_point
 from ..pool import Pool
-from ..pool_format import Region, RegionKind
+from ..pool_format import Region, RegionKind, checksum_seed
 from . import layout
 
 if TYPE_CHECKING:  # the writer's tensors; the reading side (scan, restore) is recovery's, which needs no torch
@@ -166,29 +166,26 @@ class UndoRing:
                     self._live.pop()
                 self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
         uuid = self.pool.superblock.uuid
+        has = counts > 0
         rec_offset = np.full(chunks, -1, dtype=np.int64)
-        headers = np.zeros((chunks, layout.UNDO_HEADER.size), dtype=np.uint8)
-        seeds = np.zeros(chunks, dtype=np.uint32)
-        tails = np.zeros((chunks, layout.TAIL_COPIES, layout.TAIL_MARK.size), dtype=np.uint8)
-        state_index = None if state_region is None else state_region.index
-        records = iter(placed)
-        for chunk, count in enumerate(counts.tolist()):
-            if not count:
-                continue
-            record = next(records)
-            rec_offset[chunk] = record.offset
-            header = layout.UndoHeader(weights_region.index, self.generation, record.seq, batch, count, row_bytes,
-                                       state_bytes, 0, state_index)
-            headers[chunk] = np.frombuffer(header.template(), dtype=np.uint8)
-            seeds[chunk] = layout.payload_checksum_seed(uuid, self.generation, record.seq)
-            for copy in range(layout.TAIL_COPIES):
-                tails[chunk, copy] = np.frombuffer(layout.pack_tail_mark(self.generation, record.seq + 1, uuid, copy),
-                                                   dtype=np.uint8)
+        rec_offset[has] = [r.offset for r in placed]
+        # every header from one template: seq, count and payload bytes differ per record
+        template = layout.UndoHeader(weights_region.index, self.generation, 0, batch, 0, row_bytes, state_bytes, 0,
+                                     None if state_region is None else state_region.index).template()
+        headers = np.tile(np.frombuffer(template, dtype=np.uint8), (chunks, 1))
+        words, halves = headers.view(np.uint64), headers.view(np.uint32)
+        words[has, layout.UNDO_SEQ_AT // 8] = [r.seq for r in placed]
+        halves[:, layout.UNDO_COUNT_AT // 4] = counts
+        words[:, layout.UNDO_PAYLOAD_BYTES_AT // 8] = counts * (row_bytes + state_bytes + 8)
+        tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,
+                              dtype=np.uint8).reshape(layout.TAIL_COPIES, -1).copy()
         undo = row_ops.UndoChunks(
             ring=device.array.ctypes.data + self.region.offset, media=media, lock=device.persist_lock,
             rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset, rec_first=rec_first,
-            headers=headers, payload_seeds=seeds, header_seed=layout.header_checksum_seed(uuid, self.generation),
-            tails=tails, tail_offset=self.capacity, order=order)
+            headers=headers, payload_seed=layout.payload_checksum_base(uuid, self.generation),
+            header_seed=layout.header_checksum_seed(uuid, self.generation), tails=tails,
+            tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)], dtype=np.uint32),
+            tail_offset=self.capacity, order=order)
         device.streamed_persisted(self.region.offset, total, fences)
         return undo, placed
 
