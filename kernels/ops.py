@@ -210,7 +210,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             # ORDERING U1e: per chunk of the unique rows, the kernel persists the record's payload,
             # then its header and the tail mark covering it, then stores into the chunk's rows
             # (kernels/rows.c undo_chunk), so no row is stored before its record is durable.
-            unique = lib.fused_update(*arguments, plan.ctypes.data)
+            unique = lib.sparse_update(*arguments, plan.ctypes.data)
         stopped = int(plan[16])
         if stopped:
             crash_point(_STOPS[stopped])  # a crash test's kill, with the kernel stopped in a chunk

@@ -16,8 +16,8 @@
  *                                CLWB/CLFLUSHOPT), optionally followed by one drain; returns the runs
  *   copy_lines                   the power-loss emulator's flush: whole 64-byte lines of each run
  *                                of rows copied from the process's view to the media view; returns the runs
- *   fused_update                 sparse_update with the undo capture folded in: chunk by chunk of the
- *                                unique rows, their undo record durable, then their update in place
+ *                                (with an undo plan, the undo capture folded in: chunk by chunk of the
+ *                                unique rows, their undo record durable, then their update in place)
  *   crc32                        zlib's CRC-32, folded with carry-less multiply where the CPU has it
  *
  * Determinism: floats are added in a fixed order (a row's gradients in lookup order), the build
@@ -163,7 +163,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
  * ------------------------------------------------------------------------------------------- */
 enum rule { RULE_SGD = 0, RULE_ROWWISE_ADAGRAD = 1 };
 
-/* fused_update's undo side: the batch's unique rows U are taken in chunks of `chunk_rows`; before
+/* sparse_update's undo side, with an undo plan (the fused capture): the batch's unique rows U are taken in chunks of `chunk_rows`; before
  * the update reaches a chunk's first row, the chunk's rows that need a record (`recorded`, a sorted
  * subset of the unique rows: capture once per commit window) are written into that chunk's own
  * undo record, an ordinary ring record whose place, header template and checksum seeds the caller
@@ -200,6 +200,13 @@ struct fused_undo {
 static int undo_chunk(struct fused_undo *u);
 static void undo_finish(struct fused_undo *u);
 
+/* The undo plan sparse_update may take (int64 [FUSED_PLAN_SIZE], kernels/ops.py lays it out). */
+enum fused_plan {
+    PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
+    PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
+    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, FUSED_PLAN_SIZE
+};
+
 struct update_args {
     int rule;
     float *weight;          /* [R, w_stride] floats, columns [0, dim) updated */
@@ -219,7 +226,7 @@ struct update_args {
     float lr, eps;
     int64_t *out_rows;      /* [N]: the sorted unique rows, U of them */
     Py_ssize_t stop_after;  /* update only the first this many unique rows (crash tests); -1: all */
-    struct fused_undo *undo; /* capture and update in one pass (fused_update), or NULL */
+    struct fused_undo *undo; /* capture and update in one pass (an undo plan), or NULL */
 };
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
@@ -272,7 +279,7 @@ static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, i
     const Py_ssize_t dim = a->dim;                                                                \
     for (Py_ssize_t j = 0; j < a->n && unique != a->stop_after;) {                                \
         if (a->undo && unique == a->undo->next_start && undo_chunk(a->undo))                      \
-            break; /* fused_update: the next chunk's undo record first (a crash test may stop) */ \
+            break; /* undo plan: the next chunk's undo record first (a crash test may stop) */ \
         const int64_t row = a->indices[order[j]];                                                 \
         if (j + PREFETCH_ROWS < a->n) { /* a row some lookups ahead: its weights and state */     \
             const int64_t ahead = a->indices[order[j + PREFETCH_ROWS]];                           \
@@ -437,14 +444,18 @@ static PyObject *unique_rows(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(unique);
 }
 
+struct update_args;
+static int read_plan(const int64_t *plan, const struct update_args *a, struct fused_undo *u);
+
 static PyObject *sparse_update(PyObject *self, PyObject *args)
 {
     struct update_args a;
-    unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows;
+    struct fused_undo u;
+    unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows, plan = 0;
     long long table_rows;
-    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|K", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
                           &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
-                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after))
+                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &plan))
         return NULL;
     if (a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) {
         PyErr_Format(PyExc_ValueError, "unknown update rule %d", a.rule);
@@ -467,11 +478,21 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     a.psw = (const float *)(uintptr_t)psw;
     a.out_rows = (int64_t *)(uintptr_t)out_rows;
     a.undo = NULL;
+    int64_t *undo_plan = (int64_t *)(uintptr_t)plan;
+    if (undo_plan) {
+        if (read_plan(undo_plan, &a, &u) < 0)
+            return NULL;
+        a.undo = &u;
+    }
     Py_ssize_t unique = 0, bad = -1;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = sparse_update_nogil(&a, &unique, &bad);
+    /* the rows to record are checked too, before any store (they are the update's own rows) */
+    bad = a.undo ? first_bad_row(u.recorded, (Py_ssize_t)undo_plan[PLAN_RECORDED_COUNT], a.table_rows) : -1;
+    status = bad >= 0 ? 3 : sparse_update_nogil(&a, &unique, &bad);
     Py_END_ALLOW_THREADS
+    if (status == 3)
+        return raise_bad_row(u.recorded, bad, a.table_rows);
     if (status == 1)
         return raise_bad_row(a.indices, bad, a.table_rows);
     if (status == 2) {
@@ -481,6 +502,8 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     }
     if (status < 0)
         return PyErr_NoMemory();
+    if (a.undo)
+        undo_plan[PLAN_STOPPED] = u.stopped;
     return PyLong_FromSsize_t(unique);
 }
 
@@ -1027,38 +1050,11 @@ static void undo_finish(struct fused_undo *u)
     }
 }
 
-/* The plan fused_update reads (int64 [FUSED_PLAN_SIZE], kernels/ops.py lays it out). */
-enum fused_plan {
-    PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
-    PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
-    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, FUSED_PLAN_SIZE
-};
 
-static PyObject *fused_update(PyObject *self, PyObject *args)
+/* Fill u from a plan (sparse_update's optional last argument); 0, or -1 with an exception set. */
+static int read_plan(const int64_t *plan, const struct update_args *a, struct fused_undo *u)
 {
-    struct update_args a;
-    struct fused_undo u;
-    unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows, plan_address;
-    long long table_rows;
-    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKnK", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
-                          &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
-                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &plan_address))
-        return NULL;
-    int64_t *plan = (int64_t *)(uintptr_t)plan_address;
-    if ((a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) || (a.mean && psw) || (!offsets && a.bags != a.n)
-        || (a.rule == RULE_SGD) != !state) {
-        PyErr_SetString(PyExc_ValueError, "fused_update: bad update arguments");
-        return NULL;
-    }
-    a.table_rows = table_rows;
-    a.weight = (float *)(uintptr_t)weight;
-    a.state = (float *)(uintptr_t)state;
-    a.indices = (const int64_t *)(uintptr_t)indices;
-    a.grad_out = (const float *)(uintptr_t)grad_out;
-    a.offsets = (const int64_t *)(uintptr_t)offsets;
-    a.psw = (const float *)(uintptr_t)psw;
-    a.out_rows = (int64_t *)(uintptr_t)out_rows;
-    u = (struct fused_undo){
+    *u = (struct fused_undo){
         .ring = (char *)(uintptr_t)plan[PLAN_RING],
         .media = (char *)(uintptr_t)plan[PLAN_MEDIA],
         .recorded = (const int64_t *)(uintptr_t)plan[PLAN_RECORDED],
@@ -1072,39 +1068,21 @@ static PyObject *fused_update(PyObject *self, PyObject *args)
         .tails = (const unsigned char *)(uintptr_t)plan[PLAN_TAILS],
         .tail_seeds = (const uint32_t *)(uintptr_t)plan[PLAN_TAIL_SEEDS],
         .tail_offset = (Py_ssize_t)plan[PLAN_TAIL_OFFSET],
-        .weights = (const char *)a.weight,
-        .state = (const char *)a.state,
-        .row_bytes = a.w_stride * 4,
-        .state_bytes = a.state ? a.s_stride * 4 : 0,
+        .weights = (const char *)a->weight,
+        .state = (const char *)a->state,
+        .row_bytes = a->w_stride * 4,
+        .state_bytes = a->rule == RULE_SGD ? 0 : a->s_stride * 4,
         .order = (int)plan[PLAN_ORDER],
         .stop_chunk = (Py_ssize_t)plan[PLAN_STOP_CHUNK],
         .stop_phase = (int)plan[PLAN_STOP_PHASE],
     };
-    u.next_start = u.chunks > 0 ? 0 : -1;
-    if (u.chunk_rows < 1 || u.chunks < 0 || u.rec_first[0] != 0 || u.rec_first[u.chunks] != plan[PLAN_RECORDED_COUNT]) {
-        PyErr_SetString(PyExc_ValueError, "fused_update: inconsistent plan");
-        return NULL;
+    u->next_start = u->chunks > 0 ? 0 : -1;
+    if (u->chunk_rows < 1 || u->chunks < 0 || u->rec_first[0] != 0
+        || u->rec_first[u->chunks] != plan[PLAN_RECORDED_COUNT]) {
+        PyErr_SetString(PyExc_ValueError, "sparse_update: inconsistent undo plan");
+        return -1;
     }
-    a.undo = &u;
-    Py_ssize_t unique = 0, bad = -1;
-    int status;
-    Py_BEGIN_ALLOW_THREADS
-    bad = first_bad_row(u.recorded, (Py_ssize_t)plan[PLAN_RECORDED_COUNT], a.table_rows);
-    status = bad >= 0 ? 3 : sparse_update_nogil(&a, &unique, &bad);
-    Py_END_ALLOW_THREADS
-    if (status == 3)
-        return raise_bad_row(u.recorded, bad, a.table_rows);
-    if (status == 1)
-        return raise_bad_row(a.indices, bad, a.table_rows);
-    if (status == 2) {
-        PyErr_Format(PyExc_ValueError, "offsets must start at 0, be non-decreasing and at most %zd; nothing was written",
-                     a.n);
-        return NULL;
-    }
-    if (status < 0)
-        return PyErr_NoMemory();
-    plan[PLAN_STOPPED] = u.stopped;
-    return PyLong_FromSsize_t(unique);
+    return 0;
 }
 
 static PyMethodDef methods[] = {
@@ -1113,11 +1091,9 @@ static PyMethodDef methods[] = {
      "(scatter false: dst row i := src row rows[i]) or scatter (dst row rows[i] := src row i)"},
     {"sparse_update", sparse_update, METH_VARARGS,
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
-     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after) -> unique rows updated (all of them, or "
-     "stop_after when that is fewer; -1: no stop)"},
-    {"fused_update", fused_update, METH_VARARGS,
-     "fused_update(sparse_update's arguments..., plan) -> unique rows updated: the update with each chunk's "
-     "undo record written and made durable right before the chunk's rows are updated (plan: int64 array's address)"},
+     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after[, plan]) -> unique rows updated (all of them, or "
+     "stop_after when that is fewer; -1: no stop); plan: an undo plan's address (int64 array, kernels/ops.py): the "
+     "undo records written chunk by chunk, each durable right before its chunk's rows are updated"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out) -> U: the sorted distinct row ids of keys [n] into out [U]"},

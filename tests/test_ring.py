@@ -125,7 +125,7 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused capture (kernels/rows.c fused_update): the records written inside the update.
+# The fused capture (kernels/rows.c undo_chunk): the records written inside the update.
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])

@@ -136,7 +136,7 @@ class Checkpointer(BatchGuard):
         # the dense state keeps its shape from batch to batch: its manifest is reused (measured on
         # the default model: laying it out costs ~0.4 ms a batch, reusing it ~0.13 ms)
         self._layouts = codec.LayoutCache(counters=("batch",))
-        # Capture inside the update (kernels/rows.c fused_update), chunk by chunk of a table's
+        # Capture inside the update (kernels/rows.c undo_chunk), chunk by chunk of a table's
         # unique rows, where the kernels and the device can persist the records without Python and
         # the capture runs on this thread; else the whole record first, then the update.
         self.fused = (bool(KNOBS.fused_capture) and not self.background_capture and row_ops.fused_available()
@@ -319,25 +319,29 @@ class Checkpointer(BatchGuard):
                                                                                  weights.shape[0])
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
-        plan = lambda: self.ring.plan_chunks(batch, weight_region, state_region, rows, recorded,  # noqa: E731
-                                             self._chunk_rows, self._ordering.fused_order)
+        undo, records = self._with_room(batch, lambda: self.ring.plan_chunks(
+            batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_order))
+        self._fused_records[table.name] = (records, torch.from_numpy(recorded), sum(r.size for r in records))
+        self.stats.capture_seconds += time.perf_counter() - started
+        return undo
+
+    def _with_room(self, batch: int, write):
+        """write() (a ring append or layout); when the ring is full, once more after the commit in
+        flight has reclaimed (back-pressure, counted); CheckpointError when it is full still."""
         try:
             try:
-                undo, records = plan()
+                return write()
             except RingFull:
                 waited = time.perf_counter()
                 if not self._finish_commit_for_room():
                     raise
                 self.stats.ring_full_waits += 1
                 self.stats.ring_full_seconds += time.perf_counter() - waited
-                undo, records = plan()
+                return write()
         except RingFull as e:
             raise CheckpointError(f"{e}: batch {batch} needs more undo space than the ring has left; "
                                   "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
                                   "dense snapshots more often (dense_every)") from None
-        self._fused_records[table.name] = (records, torch.from_numpy(recorded), sum(r.size for r in records))
-        self.stats.capture_seconds += time.perf_counter() - started
-        return undo
 
     def _count_capture(self, batch: int, table: LoggedTable, rows: torch.Tensor, recorded: torch.Tensor,
                        size: int) -> None:
@@ -367,21 +371,8 @@ class Checkpointer(BatchGuard):
             self._window.first_touches(window, table.name, rows.numpy(), weights.shape[0]))
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
-        append = lambda: self.ring.append(batch, weight_region, state_region, recorded, weights, state)  # noqa: E731
-        try:
-            try:
-                size = append()
-            except RingFull:
-                waited = time.perf_counter()
-                if not self._finish_commit_for_room():
-                    raise
-                self.stats.ring_full_waits += 1
-                self.stats.ring_full_seconds += time.perf_counter() - waited
-                size = append()
-        except RingFull as e:
-            raise CheckpointError(f"{e}: batch {batch} needs more undo space than the ring has left; "
-                                  "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
-                                  "dense snapshots more often (dense_every)") from None
+        size = self._with_room(batch, lambda: self.ring.append(batch, weight_region, state_region, recorded, weights,
+                                                               state))
         # ORDERING U1b: the tail mark covering this record is durable before the table's first
         # in-place store (before_update waits for this), so a record header damaged later is
         # refused instead of being taken for the end of the log.

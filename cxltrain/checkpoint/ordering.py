@@ -45,7 +45,7 @@ class Ordering:
     # Rows may be flushed right after their update, on the training thread (their drain before the
     # commit is handed over keeps U2); a strategy that needs the commit to flush them says False.
     flush_at_update = True
-    # The fused capture (kernels/rows.c fused_update) may write the undo records inside the update,
+    # The fused capture (kernels/rows.c undo_chunk) may write the undo records inside the update,
     # in this order (the kernel's ORDER_*: 0 = payload, header and tail mark, then the rows).
     fused_capture = True
     fused_order = 0

@@ -164,7 +164,7 @@ class Device(abc.ABC):
 
     def streamed_target(self, offset: int) -> int | None:
         """For a native kernel that makes its own non-temporal stores durable (kernels/rows.c
-        fused_update): 0 where a fence after them is the persist (as in persist_streamed), the
+        undo_chunk): 0 where a fence after them is the persist (as in persist_streamed), the
         address of the media's copy of `offset` on the power-loss emulator (the kernel copies each
         range it persists there, holding `persist_lock`), or None where a persist must go through
         this object (the caller then persists through it). Changes nothing."""
