@@ -377,8 +377,11 @@ FUSED_KILLS = [
 ]
 
 
-@pytest.mark.parametrize("power_loss", ["0", "1"], ids=["sigkill", "power-loss"])
-@pytest.mark.parametrize("point,count", FUSED_KILLS, ids=[k[0] for k in FUSED_KILLS])
+@pytest.mark.parametrize("point,count,power_loss", [
+    pytest.param(point, count, power_loss, id=f"{point}-{name}",
+                 # update:mid under power loss is the named points' and the window tests' too
+                 marks=[pytest.mark.slow] if (point, power_loss) == (CrashPoint.UPDATE_MID, "1") else [])
+    for point, count in FUSED_KILLS for power_loss, name in (("0", "sigkill"), ("1", "power-loss"))])
 def test_kill_inside_the_fused_capture_recovers_exactly(shm_dir, ref_dir, point, count, power_loss):
     pool = str(shm_dir / "t.pool")
     killed = run_child(pool, env={**CHUNKS, CRASH_ENV: f"{point}:{count}", "CXLTRAIN_POWER_LOSS": power_loss})
@@ -387,7 +390,8 @@ def test_kill_inside_the_fused_capture_recovers_exactly(shm_dir, ref_dir, point,
     assert problems == [] and batch in range(count // TABLES - 1, count // TABLES + 1), (batch, problems)
 
 
-@pytest.mark.parametrize("fault", [Planted.HEADER_BEFORE_PAYLOAD, Planted.UPDATE_BEFORE_HEADER])
+@pytest.mark.parametrize("fault", [pytest.param(Planted.HEADER_BEFORE_PAYLOAD, marks=pytest.mark.slow),
+                                   Planted.UPDATE_BEFORE_HEADER])
 def test_fused_planted_bugs_are_inert_without_a_crash(shm_dir, ref_dir, fault):
     """As test_planted_bugs_are_inert_without_a_crash, for the fused capture's two (each its own
     run: planted together, one order would hide the other)."""
