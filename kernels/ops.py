@@ -76,9 +76,10 @@ class UndoChunks:
     (-1: none). headers uint8 [C, 64]: each record's header, both checksum fields zero (the kernel
     fills them in); payload_seed: the payload checksums' seed before the record's seq; tails uint8
     [2, 64]: the tail mark's copies with seq_end and checksum zero, tail_seeds uint32 [2] their
-    checksum seeds (the kernel writes the mark covering each record after its header); ring: the ring region's address in the process's mapping; media: the power-loss
-    emulator's address of the same bytes (0: a fence persists the kernel's streamed stores), whose
-    copies hold `lock`. order: 0, or a planted bug's (checkpoint/ordering.py)."""
+    checksum seeds (the kernel writes the mark covering each record after its header); ring: the
+    ring region's address in the process's mapping; media: the power-loss emulator's address of the
+    same bytes (0: a fence persists the kernel's streamed stores), whose copies hold `lock`. order:
+    0, or a planted bug's (checkpoint/ordering.py)."""
 
     ring: int
     media: int
@@ -113,7 +114,8 @@ def fused_available() -> bool:
     return lib is not None and bool(lib.STREAMS)
 
 
-def _fused_plan(undo: UndoChunks, table_rows: int) -> np.ndarray:
+def _fused_plan(undo: UndoChunks) -> np.ndarray:
+    """The int64 plan the kernel reads (kernels/rows.c enum fused_plan), after checking every array."""
     chunks = undo.rec_offset.size
     for name, block, dtype, shape in (("recorded", undo.recorded, np.int64, (undo.recorded.size,)),
                                       ("rec_offset", undo.rec_offset, np.int64, (chunks,)),
@@ -202,7 +204,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     else:
         if not lib.STREAMS:
             raise RuntimeError("a fused undo capture needs the native kernels' streamed stores")
-        plan = _fused_plan(undo, weight.shape[0])
+        plan = _fused_plan(undo)
         if not undo.recorded.size:  # no record to stop in (all rows recorded earlier in the window)
             for point in _STOPS.values():
                 crash_point(point)

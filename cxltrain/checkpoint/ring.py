@@ -22,6 +22,8 @@ from . import layout
 if TYPE_CHECKING:  # the writer's tensors; the reading side (scan, restore) is recovery's, which needs no torch
     import torch
 
+    from ..kernels.ops import UndoChunks
+
 
 @dataclasses.dataclass(frozen=True)
 class LiveRecord:
@@ -128,7 +130,7 @@ class UndoRing:
         return target is not None and target(self.region.offset) is not None
 
     def plan_chunks(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
-                    recorded: np.ndarray, chunk_rows: int, order: int = 0) -> tuple[object, list[LiveRecord]]:
+                    recorded: np.ndarray, chunk_rows: int, order: int = 0) -> tuple[UndoChunks, list[LiveRecord]]:
         """Lay out the records a fused update writes for `batch` and one table (kernels/ops.UndoChunks):
         rows [U] int64, the update's unique rows, taken in chunks of `chunk_rows`; recorded [V], the
         sorted subset that needs a record (capture once per window); one record per chunk that has a
