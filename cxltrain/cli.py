@@ -107,6 +107,9 @@ def _add_train(sub) -> None:
                         "given to the planner (docs/planner.md; default 0: every table in the capacity pool)")
     p.add_argument("--profile-batches", type=_positive_int, metavar="N",
                    help="with --capacity-pool: batches of the data the planner profiles (default 16)")
+    p.add_argument("--cache-rows", type=_positive_int, metavar="N",
+                   help="with --capacity-pool: hot rows of each table cached in the fast tier, persistently "
+                        "(docs/tiers.md; default: as the planner decides from --fast-bytes); kept by the set")
     p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
                                                  "made by `cxltrain data convert`, instead of synthetic data; "
@@ -259,7 +262,8 @@ def train_config(args):
                        checkpoint=args.checkpoint, dense_every=args.dense_every,
                        mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
                        discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
-                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, **resolve_train_data(args))
+                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, cache_rows=args.cache_rows,
+                       **resolve_train_data(args))
 
 
 def _run_train(args) -> int:

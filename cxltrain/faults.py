@@ -44,6 +44,7 @@ class CrashPoint:
     CAPACITY_PAGE_WRITE = "capacity:page-write"            # devices/capacity.py: every page write / sync
     COMMIT_BEFORE_CAPACITY_SYNC = "commit:before-capacity-sync"  # checkpoint/commit.py: cold pages written, unsynced
     COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
+    CACHE_MID_ADMISSION = "cache:mid-admission"            # cache.py: half a table's hot rows admitted
     # distributed runs (cxltrain/dist/), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # dist/step.py: this rank's commit durable, peers' maybe not
     DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # dist/step.py: a step done, G not yet agreed
@@ -77,6 +78,7 @@ class Planted:
     ROOT_BEFORE_ENTRIES = "root-before-entries"      # pool: a root naming directory entries not yet durable
     WINDOW_NEVER_CLEARED = "window-never-cleared"    # U1: a row recorded in one commit window gets no record in later ones
     SKIP_CAPACITY_SYNC = "skip-capacity-sync"        # U2 across pools: the root names cold pages never synced
+    UNLOGGED_ADMISSION = "unlogged-admission"        # U1: cache slots filled with no undo record of them first
 
 
 class PlantedDist:

@@ -30,7 +30,7 @@ from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
 from .optim import RowWiseAdagrad
-from .planning import plan_for
+from .planning import plan_and_hot_rows
 from .run_metrics import MetricsLog
 from .runtime import Runtime
 from .training_data import TrainingData, training_data
@@ -158,13 +158,14 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
     metadata = config.run_metadata(getattr(source, "fingerprint", None))
     if source is None and config.capacity_pool is not None:
         source = build_source(config)  # profiled to plan a new pool set
-    plan = plan_for(config, model, source, pool_path)
+    plan, hot_rows = plan_and_hot_rows(config, model, source, pool_path)
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
                    undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
-                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan)
+                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
+                   hot_rows=hot_rows)
 
 
 def pool_bytes(config: TrainConfig) -> int:

@@ -44,6 +44,9 @@ class Ordering:
     # commit is handed over keeps U2); a strategy that needs the commit to flush them says False.
     flush_at_update = True
 
+    # Stores outside the fused update (the hot-row cache's admission) are undo-logged first (U1).
+    logs_cache_writes = True
+
     def undo_device(self, device: Device) -> Device:
         """The device an undo record is stored and persisted through (U1): the pool's."""
         return device
@@ -90,6 +93,12 @@ class SkipCapacitySync(Ordering):
 
     def sync_capacity(self, pool) -> None:
         pass
+
+
+class UnloggedAdmission(Ordering):
+    """Planted U1 bug for the hot-row cache: slots are filled with no undo record of them first."""
+
+    logs_cache_writes = False
 
 
 class CommitBeforeRows(Ordering):
@@ -144,6 +153,7 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.CAPTURE_BEFORE_UPDATE: CaptureBeforeUpdate,
     Planted.WINDOW_NEVER_CLEARED: WindowNeverCleared,
     Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
+    Planted.UNLOGGED_ADMISSION: UnloggedAdmission,
     PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }
 

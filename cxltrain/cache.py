@@ -1,0 +1,280 @@
+"""The persistent hot-row cache (DESIGN §7, docs/tiers.md): a capacity table's hottest rows live in
+the fast tier, and are looked up and updated there only.
+
+For a capacity table T with C cache slots, three regions of the set's primary pool (the fast tier):
+
+    T.cache.weight  [C, D] float32, rows aligned as T's own (kind table_weights)
+    T.cache.optim   [C, K + 1] float32 (kind table_optim_state): columns :K a cached row's optimizer
+                    state, column K the slot's entry of the row map: the row id held there, an int32
+                    stored as its bit pattern (-1: the slot is empty)
+    T.cache.hot     [C] int64 (blob): the rows the cache admits, hottest first; written once, when
+                    the set is made, never changed after
+
+The row map sits in the slots' state region on purpose: every undo record of a slot holds the
+slot's weights, optimizer state and map entry together, so the existing protocol (U1-U4, the undo
+ring, recovery) covers the cache with nothing new — recovery restores rows and map at once.
+
+A cached row's authoritative copy is its slot: its capacity row is stale while it is cached. So
+lookups consult the map first (`slot_of`, a DRAM index [R] rebuilt from the map when the pool is
+opened or recovered), hits read and update the slot, misses the capacity row; everything that
+reads a whole table reads through the map (`merged`).
+
+Admission: the set is made with every slot empty and the hot list written; the first batch that
+looks the table up with gradients admits the list before its lookups, inside that batch: the
+slots' undo record is made durable first (ORDERING U1e, through the guard), then each slot gets
+its capacity row's weights and state and its map entry, flushed as an update's rows are, and the
+batch's commit makes them durable (U2) with the batch's updates. A crash before that commit rolls
+the slots back to empty; the next run admits again. Eviction and re-placement are not built: the
+hot set is the planner's profile, fixed for the life of the set.
+
+Exactness: a batch's update is split into hits (slots) and misses (capacity rows), each lookup
+keeping its bag's gradient and scale, in lookup order: each row's update is the same arithmetic
+whether it is cached or not, so a cached run ends bit-identical to an uncached one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from .errors import ConfigError, PoolError
+from .faults import CrashPoint, crash_point
+from .kernels import ops as row_ops
+from .pool import Pool, RegionSpec
+from .pool_format import RegionKind
+
+MAP_COLUMNS = 1   # the row map's column in a slot's state row (an int32 row id)
+EMPTY = -1
+MAX_ROWS = (1 << 31) - 1
+
+
+def region_names(table_name: str) -> tuple[str, str, str]:
+    """The cache regions of table `table_name`: (slot weights, slot state and map, hot list)."""
+    return f"{table_name}.cache.weight", f"{table_name}.cache.optim", f"{table_name}.cache.hot"
+
+
+def region_specs(table, slots: int) -> list[RegionSpec]:
+    weight, state, hot = region_names(table.name)
+    return [RegionSpec(weight, RegionKind.TABLE_WEIGHTS, "float32", (slots, table.embedding_dim), aligned_rows=True),
+            RegionSpec(state, RegionKind.TABLE_OPTIM_STATE, "float32",
+                       (slots, table.optimizer.state_columns + MAP_COLUMNS)),
+            RegionSpec(hot, RegionKind.BLOB, "int64", (slots,))]
+
+
+def cached_slots(pool: Pool, table_name: str) -> int:
+    """Slots of the table's cache in `pool`, 0 without one."""
+    weight = region_names(table_name)[0]
+    return pool.region(weight).shape[0] if weight in pool.regions else 0
+
+
+def check_table(table, slots: int) -> None:
+    """Refuse (ConfigError) a cache this table cannot have."""
+    where = f"table {table.name!r}"
+    if not table._fused:
+        raise ConfigError(f"{where}: the hot-row cache needs a plain sum/mean table (no max mode, padding_idx "
+                          "or scale_grad_by_freq)")
+    if table.num_embeddings > MAX_ROWS:
+        raise ConfigError(f"{where}: the hot-row cache maps at most {MAX_ROWS:,} rows")
+    if not 1 <= slots <= table.num_embeddings:
+        raise ConfigError(f"{where}: cache rows must be between 1 and its {table.num_embeddings:,} rows, got {slots}")
+
+
+def checked_hot_rows(table, rows) -> np.ndarray:
+    """The hot list `rows` (hottest first) as int64 [C], or ConfigError."""
+    hot = np.asarray(rows, dtype=np.int64).reshape(-1)
+    check_table(table, hot.size)
+    if hot.min() < 0 or hot.max() >= table.num_embeddings or np.unique(hot).size != hot.size:
+        raise ConfigError(f"table {table.name!r}: hot rows must be distinct row ids in [0, {table.num_embeddings})")
+    return hot
+
+
+def initialise(pool: Pool, table, hot: np.ndarray | None) -> None:
+    """Every slot empty (weights and state zero, map -1), and the hot list `hot` when given (else
+    the one the pool holds); all durable. For a new set, before its first commit."""
+    weight, state, hot_region = region_names(table.name)
+    pool.array(weight, padded=True)[:] = 0
+    slots = pool.array(state)
+    slots[:] = 0
+    slots[:, table.optimizer.state_columns:].view(np.int32)[:] = EMPTY
+    if hot is not None:
+        pool.array(hot_region)[:] = hot
+    for name in (weight, state, hot_region):
+        pool.persist_region(name)
+
+
+@dataclasses.dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    admitted: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class _SlotColumns:
+    """What the checkpointer asks of a logged table's optimizer: its state columns (map included)."""
+
+    def __init__(self, columns: int) -> None:
+        self.state_columns = columns
+
+
+class CacheSlots:
+    """The cache's slots as the checkpointer sees them (seam.LoggedTable): a table of C rows, named
+    `<table>.cache`, whose state rows carry the map entries."""
+
+    def __init__(self, table, pool: Pool) -> None:
+        self.name = f"{table.name}.cache"
+        self.checkpointer = None
+        weight, state, _ = region_names(table.name)
+        self._regions = weight, state
+        self.optimizer = _SlotColumns(table.optimizer.state_columns + MAP_COLUMNS)
+        self.pool = pool
+        self.rows = torch.from_numpy(pool.array(weight, padded=True))
+        self.state = torch.from_numpy(pool.array(state))
+
+    @property
+    def weight_region(self) -> str:
+        return self._regions[0]
+
+    @property
+    def state_region(self) -> str:
+        return self._regions[1]
+
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows, self.state
+
+    def persist(self) -> None:
+        for name in self._regions:
+            self.pool.persist_region(name)
+
+
+class HotRowCache:
+    """A table's cache, mapped from the pool it is open in (after recovery: the map is read here)."""
+
+    def __init__(self, table, pool: Pool) -> None:
+        self.table = table
+        self.slots = CacheSlots(table, pool)
+        k = table.optimizer.state_columns
+        self._k = k
+        self.map = self.slots.state[:, k:].view(torch.int32)[:, 0]   # [C] row id per slot, -1 empty
+        self.size = self.map.numel()
+        self._hot = pool.array(region_names(table.name)[2])
+        self.stats = CacheStats()
+        self.slot_of = torch.full((table.num_embeddings,), EMPTY, dtype=torch.int32)
+        self._index()
+
+    def _index(self) -> None:
+        held = torch.nonzero(self.map >= 0).reshape(-1)
+        rows = self.map[held].to(torch.int64)
+        if rows.numel() and (int(rows.max()) >= self.table.num_embeddings or rows.unique().numel() != rows.numel()):
+            raise PoolError(f"{self.slots.pool.path}: the row map of table {self.table.name!r}'s cache is damaged")
+        self.slot_of.fill_(EMPTY)
+        self.slot_of[rows] = held.to(torch.int32)
+        self.admitted = held.numel()
+
+    @property
+    def pending(self) -> bool:
+        """Whether the hot list is still to be admitted (every slot empty)."""
+        return self.admitted == 0
+
+    def misses(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of `rows` [N] that are not cached."""
+        return rows[self.slot_of[rows] < 0]
+
+    # -- admission ------------------------------------------------------------------------------
+    def admit(self, guard) -> None:
+        """Fill every slot from the hot list, inside the batch in flight (see the module docstring)."""
+        slots = torch.arange(self.size, dtype=torch.int64)
+        # ORDERING U1e: the slots' undo record (old weights, state and map entries) is durable
+        # (log_before_write returns only then) before the admission's first store into them.
+        batch = guard.log_before_write(self.slots, slots)
+        hot = torch.from_numpy(np.array(self._hot))
+        rows, state = self.table.storage()
+        half = (self.size + 1) // 2
+        for chunk in (slots[:half], slots[half:]):
+            if not chunk.numel():
+                continue
+            wanted = hot[chunk]
+            self.slots.rows[chunk] = row_ops.gather_rows(rows, wanted)
+            if self._k:
+                self.slots.state[chunk, : self._k] = state[wanted]
+            self.map[chunk] = wanted.to(torch.int32)
+            guard.after_update(self.slots, batch, chunk)  # flushed as updated rows are
+            crash_point(CrashPoint.CACHE_MID_ADMISSION)
+        self._index()
+        self.stats.admitted += self.size
+
+    # -- lookups and updates --------------------------------------------------------------------
+    def split(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [N] int64, -1 for a miss; hit mask [N]) of the lookups `indices` [N]."""
+        slots = self.slot_of[indices].to(torch.int64)
+        hit = slots >= 0
+        self.stats.lookups += indices.numel()
+        self.stats.hits += int(hit.sum())
+        return slots, hit
+
+    def gather(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [U, P]: the batch's unique rows, each from its slot or its capacity row; the lookups
+        as positions in them [N])."""
+        unique = row_ops.unique_rows(indices, self.table.num_embeddings)
+        slots = self.slot_of[unique].to(torch.int64)
+        hit = slots >= 0
+        rows, _ = self.table.storage()
+        local = torch.empty(unique.numel(), rows.shape[1], dtype=rows.dtype)
+        local[~hit] = row_ops.gather_rows(rows, unique[~hit])
+        local[hit] = row_ops.gather_rows(self.slots.rows, slots[hit])
+        return local, torch.searchsorted(unique, indices)
+
+    def update(self, guard, batch, indices: torch.Tensor, offsets: torch.Tensor,
+               per_sample_weights: torch.Tensor | None, grad_out: torch.Tensor, mode: str,
+               slots: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+        """The batch's fused update split between the slots (hits) and the capacity rows (misses);
+        returns the capacity rows updated [U'] (sorted). Each lookup keeps its own gradient (its
+        bag's, times 1/len in mode mean or its per-sample weight), in lookup order, so each row gets
+        the arithmetic the unsplit kernel would give it."""
+        table = self.table
+        n = indices.numel()
+        lengths = torch.diff(offsets, append=torch.tensor([n], dtype=torch.int64))
+        bag_of = torch.repeat_interleave(torch.arange(offsets.numel()), lengths)
+        grads = grad_out.float()[bag_of].contiguous()
+        scale = None
+        if mode == "mean":
+            scale = (1.0 / lengths.to(torch.float32))[bag_of]
+        elif per_sample_weights is not None:
+            scale = per_sample_weights.to(torch.float32)
+        rows, state = table.storage()
+        with torch.no_grad():
+            if bool(hit.any()):
+                if guard is not None:
+                    # ORDERING U1f: the slots' undo record is durable (before_update returns only
+                    # then) before the update below issues the first store into the cached rows.
+                    guard.before_update(self.slots, batch)
+                updated = table.optimizer.update(
+                    self.slots.rows, self.slots.state if self._k else None, slots[hit].contiguous(),
+                    grads[hit].contiguous(), None, None if scale is None else scale[hit].contiguous(), "sum")
+                if guard is not None:
+                    guard.after_update(self.slots, batch, updated)
+            miss = ~hit
+            if not bool(miss.any()):
+                return torch.empty(0, dtype=torch.int64)
+            return table.optimizer.update(rows, state, indices[miss].contiguous(), grads[miss].contiguous(), None,
+                                          None if scale is None else scale[miss].contiguous(), "sum")
+
+
+def merged(pool: Pool, table_name: str, weights: np.ndarray, state: np.ndarray | None) -> None:
+    """Write the cached rows of `table_name` (its slots' weights and state) over `weights` [R, D] and
+    `state` [R, K], copies of its capacity rows: the table as training sees it."""
+    weight_region, state_region, _ = region_names(table_name)
+    if weight_region not in pool.regions:
+        return
+    slots = pool.array(state_region)
+    k = slots.shape[1] - MAP_COLUMNS
+    rows = np.ascontiguousarray(slots[:, k:]).view(np.int32)[:, 0]
+    held = np.nonzero(rows >= 0)[0]
+    weights[rows[held]] = pool.array(weight_region)[held, : weights.shape[1]]
+    if state is not None and k:
+        state[rows[held]] = slots[held, :k]
