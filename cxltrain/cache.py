@@ -278,3 +278,22 @@ def merged(pool: Pool, table_name: str, weights: np.ndarray, state: np.ndarray |
     weights[rows[held]] = pool.array(weight_region)[held, : weights.shape[1]]
     if state is not None and k:
         state[rows[held]] = slots[held, :k]
+
+
+def describe(path: str, regions) -> list[dict]:
+    """The hot-row caches a pool's `regions` (pool_inspect's) hold: per table its slots and the
+    rows its map holds on the media (`pool info`); reads the file, writes nothing."""
+    by_name = {r.name: r for r in regions}
+    found = []
+    for r in regions:
+        if not r.name.endswith(".cache.weight"):
+            continue
+        table = r.name[: -len(".cache.weight")]
+        state = by_name.get(region_names(table)[1])
+        held = None
+        if state is not None and state.shape[1] >= MAP_COLUMNS:
+            raw = np.fromfile(path, dtype=np.uint8, count=state.size, offset=state.offset)
+            column = raw.reshape(state.shape[0], state.row_stride)[:, (state.shape[1] - MAP_COLUMNS) * 4:][:, :4]
+            held = int((np.ascontiguousarray(column).view(np.int32)[:, 0] >= 0).sum())
+        found.append({"table": table, "rows": r.shape[0], "held": held})
+    return found

@@ -554,7 +554,14 @@ def _report_json(report) -> dict:
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
                      "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
         **({"members": [_report_json(m) for m in report.members]} if report.members else {}),
+        **({"caches": caches} if (caches := _caches(report)) else {}),
     }
+
+
+def _caches(report) -> list[dict]:
+    from .cache import describe
+
+    return describe(report.path, report.regions)
 
 
 def _inspect_or_fail(path: str):
@@ -593,6 +600,9 @@ def _print_pool_info(report) -> None:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
+    for cache in _caches(report):  # a pool set's hot-row caches (docs/tiers.md)
+        held = "?" if cache["held"] is None else f"{cache['held']:,}"
+        print(f"hot-row cache of table {cache['table']}: {cache['rows']:,} rows, {held} held")
     for member in report.members:  # a pool set's capacity pools (docs/tiers.md)
         print("capacity pool of this set:")
         _print_pool_info(member)
