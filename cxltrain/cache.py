@@ -258,6 +258,7 @@ class HotRowCache:
                     grads[hit].contiguous(), None, None if scale is None else scale[hit].contiguous(), "sum")
                 if guard is not None:
                     guard.after_update(self.slots, batch, updated)
+                table.stats.rows_updated += updated.numel()  # the capacity rows' count is the caller's
             miss = ~hit
             if not bool(miss.any()):
                 return torch.empty(0, dtype=torch.int64)

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from . import cache as hot_cache
 from .checkpoint.layout import record_bytes
 from .config import TrainConfig
 from .data.batch import BatchSource
@@ -140,9 +141,10 @@ def build_source(config: TrainConfig) -> BatchSource:
     return training_data(config).train
 
 
-def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
+def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = None) -> int:
     """Ring room for a few of the largest batches this config can make (each table's rows: at most
-    batch_size x pooling, at most the table): a commit reclaims them every dense_every batches.
+    batch_size x pooling, at most the table; a cached table's slots twice more: the admission's
+    record and the hits' in the first batch): a commit reclaims them every dense_every batches.
     The `undo_ring_bytes` knob, when set, decides instead."""
     if KNOBS.undo_ring_bytes:
         return KNOBS.undo_ring_bytes
@@ -150,6 +152,12 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
     largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
                                table.optimizer.state_columns * 4)
                   for table in model.tables for spec in table.region_specs()[:1])
+    for table in model.tables:
+        if table.name in (hot_rows or {}):
+            slots = len(hot_rows[table.name])
+            spec = hot_cache.region_specs(table, slots)[0]
+            largest += 2 * record_bytes(slots, spec.row_stride(KNOBS.row_align),
+                                        (table.optimizer.state_columns + hot_cache.MAP_COLUMNS) * 4)
     return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
 
 
@@ -162,7 +170,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
-                   undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint,
+                   undo_ring_bytes=undo_ring_bytes(config, model, hot_rows), discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
                    prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
                    hot_rows=hot_rows)
