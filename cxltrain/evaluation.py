@@ -15,6 +15,7 @@ from .checkpoint.seam import dense_only
 from .config import TrainConfig
 from .data.files import open_criteo
 from .errors import ConfigError
+from . import cache as hot_cache
 from .pool import Pool
 from .trainer import build_model, evaluate
 
@@ -35,7 +36,10 @@ def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) ->
         with warnings.catch_warnings():   # torch warns that the read-only mapping is not writable: intended
             warnings.simplefilter("ignore", UserWarning)
             for module_path in snapshot["tables"]:
-                model.get_submodule(module_path).attach(pool)   # existing regions: viewed, nothing written
+                table = model.get_submodule(module_path)
+                table.attach(pool)   # existing regions: viewed, nothing written
+                if hot_cache.cached_slots(pool, table.name):  # its cached rows are read from the cache
+                    table.cache = hot_cache.HotRowCache(table, pool)
         source = open_criteo(data_path, batch_size=config.batch_size, rows=config.rows_per_table(),
                              num_tables=config.num_tables, seed=config.seed)
         n = source.num_batches

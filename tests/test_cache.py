@@ -190,3 +190,16 @@ def test_a_cached_table_reads_through_the_cache(folders):
         assert torch.equal(table.weight, exported[KEY])
         stale = table.storage()[0][:, : CONFIG.dim]
         assert not torch.equal(stale, exported[KEY])  # the capacity rows of cached rows are stale
+
+
+def test_eval_reads_the_cached_rows(folders, tmp_path):
+    """`cxltrain eval` of a cached set scores the model as training left it: as an uncached set's."""
+    from cxltrain.evaluation import evaluate_pool
+    from helpers import write_criteo
+
+    data = str(write_criteo(tmp_path / "day_0", lines=400))
+    config = dict(data=data, batch_size=32, rows=500, dim=8, steps=6, seed=2)
+    cached, _ = run(folders, "eval-cached", cache_rows=50, num_tables=26, **config)
+    uncached, _ = run(folders, "eval-uncached", num_tables=26, **config)
+    scores = [evaluate_pool(pool, data, batches=4) for pool in (cached, uncached)]
+    assert scores[0]["logloss"] == scores[1]["logloss"] and scores[0]["auc"] == scores[1]["auc"]
