@@ -39,20 +39,14 @@ import dataclasses
 import numpy as np
 import torch
 
+from .cache_format import EMPTY, MAP_COLUMNS, region_names
 from .errors import ConfigError, PoolError
 from .faults import CrashPoint, crash_point
 from .kernels import ops as row_ops
 from .pool import Pool, RegionSpec
 from .pool_format import RegionKind
 
-MAP_COLUMNS = 1   # the row map's column in a slot's state row (an int32 row id)
-EMPTY = -1
 MAX_ROWS = (1 << 31) - 1
-
-
-def region_names(table_name: str) -> tuple[str, str, str]:
-    """The cache regions of table `table_name`: (slot weights, slot state and map, hot list)."""
-    return f"{table_name}.cache.weight", f"{table_name}.cache.optim", f"{table_name}.cache.hot"
 
 
 def region_specs(table, slots: int) -> list[RegionSpec]:
@@ -280,21 +274,3 @@ def merged(pool: Pool, table_name: str, weights: np.ndarray, state: np.ndarray |
     if state is not None and k:
         state[rows[held]] = slots[held, :k]
 
-
-def describe(path: str, regions) -> list[dict]:
-    """The hot-row caches a pool's `regions` (pool_inspect's) hold: per table its slots and the
-    rows its map holds on the media (`pool info`); reads the file, writes nothing."""
-    by_name = {r.name: r for r in regions}
-    found = []
-    for r in regions:
-        if not r.name.endswith(".cache.weight"):
-            continue
-        table = r.name[: -len(".cache.weight")]
-        state = by_name.get(region_names(table)[1])
-        held = None
-        if state is not None and state.shape[1] >= MAP_COLUMNS:
-            raw = np.fromfile(path, dtype=np.uint8, count=state.size, offset=state.offset)
-            column = raw.reshape(state.shape[0], state.row_stride)[:, (state.shape[1] - MAP_COLUMNS) * 4:][:, :4]
-            held = int((np.ascontiguousarray(column).view(np.int32)[:, 0] >= 0).sum())
-        found.append({"table": table, "rows": r.shape[0], "held": held})
-    return found

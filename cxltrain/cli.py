@@ -559,7 +559,7 @@ def _report_json(report) -> dict:
 
 
 def _caches(report) -> list[dict]:
-    from .cache import describe
+    from .cache_format import describe
 
     return describe(report.path, report.regions)
 

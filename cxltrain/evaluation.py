@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import warnings
 
+from . import cache as hot_cache
 from .checkpoint import verify
 from .checkpoint.seam import dense_only
 from .config import TrainConfig
 from .data.files import open_criteo
 from .errors import ConfigError
-from . import cache as hot_cache
 from .pool import Pool
 from .trainer import build_model, evaluate
 

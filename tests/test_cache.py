@@ -12,22 +12,20 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 
 from cxltrain import knobs
-from cxltrain.cache import region_names
+from cxltrain.cache_format import region_names
 from cxltrain.config import TrainConfig
 from cxltrain.errors import ConfigError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.pool import Pool
 from cxltrain.runtime import export_state, recover_pool
 from cxltrain.trainer import train
-from helpers import assert_same_export, cxltrain, shm_tempdir
+from helpers import assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
 CACHE_ROWS = 300  # 10% of each table's rows
@@ -36,10 +34,8 @@ KEY = "embedding_bag_collection.embedding_bags.t0.weight"
 
 @pytest.fixture(scope="module")
 def folders():
-    disk = tempfile.mkdtemp(prefix="cxltrain-cache-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
-    with shm_tempdir("cxltrain-cache-") as fast:
-        yield fast, disk
-    shutil.rmtree(disk, ignore_errors=True)
+    with tier_folders("cxltrain-cache-") as found:
+        yield found
 
 
 def paths(folders, name: str) -> tuple[str, str]:
@@ -145,9 +141,11 @@ def test_the_crash_test_catches_an_admission_not_logged_first(folders):
     assert not empty_cache(primary, "0")
 
 
-# batch 0 reaches update:rows-flushed 8 times (2 tables x (2 admission halves + slots + capacity rows)):
-# the 9th is batch 1's first table's slots, flushed after their update, before the commit of batch 1
-CACHED_ROWS_FLUSHED = f"{CrashPoint.UPDATE_ROWS_FLUSHED}:9"
+# batch 0 reaches update:rows-flushed 8 times (2 tables x (2 admission halves + slots + capacity rows)),
+# later batches 4 times: the 13th is batch 2's first table's slots, flushed after their update, not
+# committed; the commit of batch 0 is durable by then (end of batch 1 waits for it), so recovery
+# restores batch 1's and 2's records
+CACHED_ROWS_FLUSHED = f"{CrashPoint.UPDATE_ROWS_FLUSHED}:13"
 
 
 def test_killed_after_cached_rows_were_updated_resumes_bit_exactly(folders, reference):

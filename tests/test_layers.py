@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("devices", ("cxltrain.devices", "cxltrain.emulation")),
     # The pool handle, and beside it what opens, locks, checks and inspects a pool file.
     ("pool", ("cxltrain.pool", "cxltrain.pool_files", "cxltrain.pool_check", "cxltrain.pool_inspect",
-              "cxltrain.pool_set")),
+              "cxltrain.pool_set", "cxltrain.cache_format")),
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
