@@ -378,7 +378,7 @@ class PersistentEmbeddingBag(nn.Module):
                 batch = guard.capture(self, indices[~hit])
             if bool(hit.any()):
                 batch = guard.capture(cache.slots, slots[hit])
-        local, positions = cache.gather(indices)
+        local, positions = cache.gather(indices, slots, hit)
         anchor = torch.empty(0, requires_grad=learns)
         return _CachedLookup.apply(anchor, self, local, positions, indices, offsets, per_sample_weights, batch,
                                    slots, hit)
