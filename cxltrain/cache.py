@@ -103,6 +103,8 @@ class CacheStats:
     lookups: int = 0
     hits: int = 0
     admitted: int = 0
+    evicted: int = 0          # written back to the capacity tier by re-placement
+    replacements: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -149,8 +151,11 @@ class CacheSlots:
 class HotRowCache:
     """A table's cache, mapped from the pool it is open in (after recovery: the map is read here)."""
 
-    def __init__(self, table, pool: Pool) -> None:
+    def __init__(self, table, pool: Pool, replace_every: int = 0) -> None:
         self.table = table
+        self.replace_every = replace_every
+        self.counts = torch.zeros(table.num_embeddings, dtype=torch.int32) if replace_every else None
+        self.replaced_in: int | None = None  # the batch that re-placed last
         self.slots = CacheSlots(table, pool)
         k = table.optimizer.state_columns
         self._k = k
@@ -186,21 +191,70 @@ class HotRowCache:
         # ORDERING U1e: the slots' undo record (old weights, state and map entries) is durable
         # (log_before_write returns only then) before the admission's first store into them.
         batch = guard.log_before_write(self.slots, slots)
-        hot = torch.from_numpy(np.array(self._hot))
+        self._fill(guard, batch, slots, torch.from_numpy(np.array(self._hot)))
+
+    def _fill(self, guard, batch: int, slots: torch.Tensor, wanted: torch.Tensor) -> None:
+        """Slots `slots` [M] (sorted) get the capacity rows `wanted` [M] and their map entries, in two
+        halves, each flushed as updated rows are (their undo record is durable already)."""
         rows, state = self.table.storage()
-        half = (self.size + 1) // 2
-        for chunk in (slots[:half], slots[half:]):
+        half = (slots.numel() + 1) // 2
+        for chunk, rows_of in ((slots[:half], wanted[:half]), (slots[half:], wanted[half:])):
             if not chunk.numel():
                 continue
-            wanted = hot[chunk]
-            self.slots.rows[chunk] = row_ops.gather_rows(rows, wanted)
+            self.slots.rows[chunk] = row_ops.gather_rows(rows, rows_of)
             if self._k:
-                self.slots.state[chunk, : self._k] = state[wanted]
-            self.map[chunk] = wanted.to(torch.int32)
+                self.slots.state[chunk, : self._k] = state[rows_of]
+            self.map[chunk] = rows_of.to(torch.int32)
             guard.after_update(self.slots, batch, chunk)  # flushed as updated rows are
             crash_point(CrashPoint.CACHE_MID_ADMISSION)
         self._index()
-        self.stats.admitted += self.size
+        self.stats.admitted += slots.numel()
+
+    # -- re-placement ---------------------------------------------------------------------------
+    def count(self, indices: torch.Tensor) -> None:
+        """Count a batch's lookups with gradients, for re-placement (running counts, in DRAM)."""
+        if self.counts is not None:
+            self.counts.index_add_(0, indices, torch.ones(indices.numel(), dtype=torch.int32))
+
+    def replace(self, guard) -> None:
+        """Re-place the cache inside the batch in flight: the rows counted most since the last time
+        take the slots of the cached rows counted least. Each evicted row is written back to its
+        capacity row first; then its slot is filled with the admitted row. Both are logged first,
+        so recovery restores the map, the slots and the capacity rows together. The counts are
+        halved, so the hot set follows drift. Counts live in DRAM: a resumed run starts them over,
+        which changes where rows are cached, never a value (the update is the same either way)."""
+        order = torch.sort(self.counts, descending=True, stable=True).indices[: self.size]
+        order = order[self.counts[order] > 0]  # rows never looked up since are not worth a slot
+        self.counts >>= 1
+        admit = order[self.slot_of[order] < 0]
+        if not admit.numel():
+            return
+        hot = torch.zeros(self.table.num_embeddings, dtype=torch.bool)
+        hot[order] = True
+        held = self.map.to(torch.int64)
+        cold = torch.nonzero(~hot[held.clamp(min=0)] | (held < 0)).reshape(-1)  # slots to give up
+        slots = cold[: admit.numel()]
+        admit = admit[: slots.numel()]
+        slots, by_slot = torch.sort(slots)
+        admit = admit[by_slot]
+        evicted = held[slots]
+        evicted = torch.sort(evicted[evicted >= 0]).values
+        rows, state = self.table.storage()
+        # ORDERING U1g: the evicted rows' capacity records, then the slots' (weights, state, map
+        # entries), are durable (log_before_write returns only then) before the write-back's first
+        # store into a capacity row and the refill's first store into a slot.
+        batch = guard.log_before_write(self.table, evicted) if evicted.numel() else None
+        batch = guard.log_before_write(self.slots, slots)
+        if evicted.numel():  # write-back: the cached value becomes the capacity row's again
+            from_slots = self.slot_of[evicted].to(torch.int64)
+            rows[evicted] = self.slots.rows[from_slots]
+            if self._k:
+                state[evicted] = self.slots.state[from_slots, : self._k]
+            guard.after_update(self.table, batch, evicted)
+            crash_point(CrashPoint.CACHE_AFTER_WRITE_BACK)
+        self._fill(guard, batch, slots, admit)
+        self.stats.evicted += evicted.numel()
+        self.stats.replacements += 1
 
     # -- lookups and updates --------------------------------------------------------------------
     def split(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -110,6 +110,9 @@ def _add_train(sub) -> None:
     p.add_argument("--cache-rows", type=_positive_int, metavar="N",
                    help="with --capacity-pool: hot rows of each table cached in the fast tier, persistently "
                         "(docs/tiers.md; default: as the planner decides from --fast-bytes); kept by the set")
+    p.add_argument("--cache-replace-every", type=_positive_int, default=0, metavar="N",
+                   help="re-place the hot-row caches every N batches from the lookups counted since "
+                        "(evicted rows written back; default: never)")
     p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
                                                  "made by `cxltrain data convert`, instead of synthetic data; "
@@ -263,6 +266,7 @@ def train_config(args):
                        mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
                        discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
                        fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, cache_rows=args.cache_rows,
+                       cache_replace_every=args.cache_replace_every,
                        **resolve_train_data(args))
 
 

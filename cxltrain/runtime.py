@@ -102,6 +102,9 @@ class Runtime:
             those tables a persistent hot-row cache of that many rows in the primary (cache.py,
             docs/tiers.md), filled by the first batch. An existing set keeps its cache: hot rows given
             for it must be as many as it caches, per table, or it is refused.
+        cache_replace_every: re-place the hot-row caches every this many batches from the lookups
+            counted since (cache.HotRowCache.replace; 0: the hot list stays). Not stored: a run may
+            change it; where rows are cached never changes a value.
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -115,7 +118,8 @@ class Runtime:
                  dense_slot_bytes: int | None = None, backend: str | None = None,
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
                  capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
-                 plan: planner.Plan | None = None, hot_rows: dict | None = None) -> None:
+                 plan: planner.Plan | None = None, hot_rows: dict | None = None,
+                 cache_replace_every: int = 0) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -145,6 +149,9 @@ class Runtime:
         self.plan = plan
         self.tiers = tiering.Tiers.of(self.tables, capacity_pool, capacity_tables)
         self._hot = self._checked_hot_rows(hot_rows or {})
+        if type(cache_replace_every) is not int or cache_replace_every < 0:
+            raise ConfigError(f"cache_replace_every must be an integer >= 0, got {cache_replace_every!r}")
+        self.cache_replace_every = cache_replace_every
         self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
         self.prefetcher: tiering.ColdRowPrefetcher | None = None
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
@@ -305,7 +312,7 @@ class Runtime:
         for table in self.tables.values():
             if hot_cache.cached_slots(pool, table.name):
                 hot_cache.check_table(table, hot_cache.cached_slots(pool, table.name))
-                table.cache = self._caches[table.name] = hot_cache.HotRowCache(table, pool)
+                table.cache = self._caches[table.name] = hot_cache.HotRowCache(table, pool, self.cache_replace_every)
         return [cache.slots for cache in self._caches.values()]
 
     @property

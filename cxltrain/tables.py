@@ -368,8 +368,15 @@ class PersistentEmbeddingBag(nn.Module):
     def _cached_forward(self, indices, offsets, per_sample_weights, learns):
         """forward through the hot-row cache (cache.py): the lookups of cached rows read their slots."""
         cache, guard = self.cache, self.checkpointer
-        if guard is not None and learns and cache.pending and indices.numel():
-            cache.admit(guard)  # the first batch with gradients fills the cache, logged (cache.py)
+        if guard is not None and learns and indices.numel():
+            batch = guard.in_flight
+            if cache.pending:
+                cache.admit(guard)  # the first batch with gradients fills the cache, logged (cache.py)
+            elif cache.replace_every and batch is not None and batch % cache.replace_every == 0 \
+                    and cache.replaced_in != batch:
+                cache.replace(guard)  # every replace_every batches, logged (cache.py)
+            cache.replaced_in = batch
+            cache.count(indices)
         slots, hit = cache.split(indices)
         batch = None
         if guard is not None and learns and indices.numel():

@@ -173,7 +173,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                    undo_ring_bytes=undo_ring_bytes(config, model, hot_rows), discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
                    prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
-                   hot_rows=hot_rows)
+                   hot_rows=hot_rows, cache_replace_every=config.cache_replace_every)
 
 
 def pool_bytes(config: TrainConfig) -> int:

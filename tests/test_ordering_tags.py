@@ -20,6 +20,7 @@ WHERE = {
     "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
     "U1e": "cxltrain/cache.py",                    # hot-row cache: the slots' record durable before admission fills them
     "U1f": "cxltrain/cache.py",                    # hot-row cache: the slots' record durable before the hits' update
+    "U1g": "cxltrain/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
