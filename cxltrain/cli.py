@@ -110,7 +110,7 @@ def _add_train(sub) -> None:
     p.add_argument("--cache-rows", type=_positive_int, metavar="N",
                    help="with --capacity-pool: hot rows of each table cached in the fast tier, persistently "
                         "(docs/tiers.md; default: as the planner decides from --fast-bytes); kept by the set")
-    p.add_argument("--cache-replace-every", type=_positive_int, default=0, metavar="N",
+    p.add_argument("--cache-replace-every", type=_non_negative_int, default=0, metavar="N",
                    help="re-place the hot-row caches every N batches from the lookups counted since "
                         "(evicted rows written back; default: never)")
     p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
