@@ -24,8 +24,8 @@ looks the table up with gradients admits the list before its lookups, inside tha
 slots' undo record is made durable first (ORDERING U1e, through the guard), then each slot gets
 its capacity row's weights and state and its map entry, flushed as an update's rows are, and the
 batch's commit makes them durable (U2) with the batch's updates. A crash before that commit rolls
-the slots back to empty; the next run admits again. Eviction and re-placement are not built: the
-hot set is the planner's profile, fixed for the life of the set.
+the slots back to empty; the next run admits again. Re-placement (every `replace_every` batches,
+from running counts) evicts with write-back and refills the same way, logged first (U1g).
 
 Exactness: a batch's update is split into hits (slots) and misses (capacity rows), each lookup
 keeping its bag's gradient and scale, in lookup order: each row's update is the same arithmetic
