@@ -144,7 +144,8 @@ def build_source(config: TrainConfig) -> BatchSource:
 def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = None) -> int:
     """Ring room for a few of the largest batches this config can make (each table's rows: at most
     batch_size x pooling, at most the table; a cached table's slots twice more: the admission's
-    record and the hits' in the first batch): a commit reclaims them every dense_every batches.
+    record and the hits' in the first batch, and its evicted rows once more when it re-places): a
+    commit reclaims them every dense_every batches.
     The `undo_ring_bytes` knob, when set, decides instead."""
     if KNOBS.undo_ring_bytes:
         return KNOBS.undo_ring_bytes
@@ -158,6 +159,8 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = No
             spec = hot_cache.region_specs(table, slots)[0]
             largest += 2 * record_bytes(slots, spec.row_stride(KNOBS.row_align),
                                         (table.optimizer.state_columns + hot_cache.MAP_COLUMNS) * 4)
+            if config.cache_replace_every:  # and a re-placing batch's evicted capacity rows
+                largest += record_bytes(slots, spec.row_stride(KNOBS.row_align), table.optimizer.state_columns * 4)
     return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
 
 

@@ -192,6 +192,7 @@ def test_a_cached_table_reads_through_the_cache(folders):
         assert not torch.equal(stale, exported[KEY])  # the capacity rows of cached rows are stale
 
 
+@pytest.mark.slow
 def test_eval_reads_the_cached_rows(folders, tmp_path):
     """`cxltrain eval` of a cached set scores the model as training left it: as an uncached set's."""
     from cxltrain.evaluation import evaluate_pool
