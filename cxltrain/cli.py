@@ -107,6 +107,12 @@ def _add_train(sub) -> None:
                         "given to the planner (docs/planner.md; default 0: every table in the capacity pool)")
     p.add_argument("--profile-batches", type=_positive_int, metavar="N",
                    help="with --capacity-pool: batches of the data the planner profiles (default 16)")
+    p.add_argument("--cache-rows", type=_positive_int, metavar="N",
+                   help="with --capacity-pool: hot rows of each table cached in the fast tier, persistently "
+                        "(docs/tiers.md; default: as the planner decides from --fast-bytes); kept by the set")
+    p.add_argument("--cache-replace-every", type=_non_negative_int, default=0, metavar="N",
+                   help="re-place the hot-row caches every N batches from the lookups counted since "
+                        "(evicted rows written back; default: never)")
     p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
                                                  "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
                                                  "made by `cxltrain data convert`, instead of synthetic data; "
@@ -259,7 +265,9 @@ def train_config(args):
                        checkpoint=args.checkpoint, dense_every=args.dense_every,
                        mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
                        discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
-                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, **resolve_train_data(args))
+                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, cache_rows=args.cache_rows,
+                       cache_replace_every=args.cache_replace_every,
+                       **resolve_train_data(args))
 
 
 def _run_train(args) -> int:
@@ -550,7 +558,14 @@ def _report_json(report) -> dict:
         "regions": [{"name": r.name, "kind": r.kind.name.lower(), "dtype": r.dtype.numpy.name, "shape": list(r.shape),
                      "offset": r.offset, "size": r.size, "row_stride": r.row_stride} for r in report.regions],
         **({"members": [_report_json(m) for m in report.members]} if report.members else {}),
+        **({"caches": caches} if (caches := _caches(report)) else {}),
     }
+
+
+def _caches(report) -> list[dict]:
+    from .cache_format import describe
+
+    return describe(report.path, report.regions)
 
 
 def _inspect_or_fail(path: str):
@@ -589,6 +604,9 @@ def _print_pool_info(report) -> None:
     for r in report.regions:
         shape = "x".join(str(d) for d in r.shape)
         print(f"{r.name:<24} {r.kind.name.lower():<18} {r.dtype.numpy.name:<8} {shape:<18} {r.offset:>14,} {r.size:>14,}")
+    for cache in _caches(report):  # a pool set's hot-row caches (docs/tiers.md)
+        held = "?" if cache["held"] is None else f"{cache['held']:,}"
+        print(f"hot-row cache of table {cache['table']}: {cache['rows']:,} rows, {held} held")
     for member in report.members:  # a pool set's capacity pools (docs/tiers.md)
         print("capacity pool of this set:")
         _print_pool_info(member)

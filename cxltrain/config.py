@@ -47,6 +47,9 @@ class TrainConfig:
     fast_bytes: int | None = None      # with a capacity pool: the fast tier's budget for whole tables and
                                        # cached rows (planner.py); None: 0 for a new set, the stored plan's on a restart
     profile_batches: int | None = None # batches profiled to plan a new set (None: planning.PROFILE_BATCHES)
+    cache_rows: int | None = None      # with a capacity pool: hot rows each capacity table caches in the fast
+                                       # tier (cache.py); None: as the planner decides (the stored plan's on a restart)
+    cache_replace_every: int = 0       # re-place the hot-row caches every N batches from running counts (0: never)
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
@@ -97,6 +100,14 @@ class TrainConfig:
         if self.checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {', '.join(CHECKPOINTS)}, got {self.checkpoint!r}")
         self._validate_file_data()
+        if self.cache_rows is not None:
+            if self.capacity_pool is None:
+                raise ConfigError("--cache-rows caches a capacity pool's hot rows: it needs --capacity-pool")
+            if not isinstance(self.cache_rows, int) or not 1 <= self.cache_rows <= min(self.rows_per_table()):
+                raise ConfigError(f"--cache-rows must be an integer from 1 to the rows of a table "
+                                  f"({min(self.rows_per_table()):,}), got {self.cache_rows!r}")
+        if not isinstance(self.cache_replace_every, int) or self.cache_replace_every < 0:
+            raise ConfigError(f"--cache-replace-every must be an integer >= 0, got {self.cache_replace_every!r}")
         for name in ("sparse_lr", "dense_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 
+from . import cache as hot_cache
 from .checkpoint import verify
 from .checkpoint.seam import dense_only
 from .config import TrainConfig
@@ -35,7 +36,10 @@ def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) ->
         with warnings.catch_warnings():   # torch warns that the read-only mapping is not writable: intended
             warnings.simplefilter("ignore", UserWarning)
             for module_path in snapshot["tables"]:
-                model.get_submodule(module_path).attach(pool)   # existing regions: viewed, nothing written
+                table = model.get_submodule(module_path)
+                table.attach(pool)   # existing regions: viewed, nothing written
+                if hot_cache.cached_slots(pool, table.name):  # its cached rows are read from the cache
+                    table.cache = hot_cache.HotRowCache(table, pool)
         source = open_criteo(data_path, batch_size=config.batch_size, rows=config.rows_per_table(),
                              num_tables=config.num_tables, seed=config.seed)
         n = source.num_batches

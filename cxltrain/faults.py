@@ -45,6 +45,8 @@ class CrashPoint:
     CAPACITY_PAGE_WRITE = "capacity:page-write"            # devices/capacity.py: every page write / sync
     COMMIT_BEFORE_CAPACITY_SYNC = "commit:before-capacity-sync"  # checkpoint/commit.py: cold pages written, unsynced
     COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
+    CACHE_MID_ADMISSION = "cache:mid-admission"            # cache.py: half a table's slots filled (admission, re-placement)
+    CACHE_AFTER_WRITE_BACK = "cache:after-write-back"      # cache.py: re-placement's evicted rows written back, slots not refilled
     # distributed runs (cxltrain/dist/), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # dist/step.py: this rank's commit durable, peers' maybe not
     DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # dist/step.py: a step done, G not yet agreed
@@ -81,6 +83,7 @@ class Planted:
     SKIP_CAPACITY_SYNC = "skip-capacity-sync"        # U2 across pools: the root names cold pages never synced
     HEADER_BEFORE_PAYLOAD = "header-before-payload"  # U1 (fused update): a chunk's header durable before its payload
     UPDATE_BEFORE_HEADER = "update-before-header"    # U1 (fused update): a chunk's rows stored before its header
+    UNLOGGED_ADMISSION = "unlogged-admission"        # U1: cache slots filled with no undo record of them first
 
 
 class PlantedDist:

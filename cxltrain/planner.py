@@ -51,6 +51,16 @@ class TableProfile:
     held_out: np.ndarray                   # [U] lookups of the same ids (same order) in the odd batches
     held_out_lookups: int                  # every lookup of the odd batches
     batches: int                           # batches profiled, even and odd
+    ids: np.ndarray | None = None          # [U] the distinct ids `counts` counts, most looked up first
+
+    def hot_rows(self, n: int) -> np.ndarray:
+        """The n rows a cache of n rows holds: the most looked-up first, then (when the profile saw
+        fewer) the unseen rows in id order."""
+        seen = self.ids[:n]
+        if seen.size == n:
+            return seen
+        rest = np.setdiff1d(np.arange(self.rows, dtype=np.int64), seen, assume_unique=True)
+        return np.concatenate([seen, rest[: n - seen.size]])
 
     @property
     def bytes(self) -> int:
@@ -83,6 +93,7 @@ class Plan:
     fast_bytes: int                        # the fast tier's budget for tables and cached rows
     profile_batches: int
     tables: tuple[TablePlan, ...]
+    cache_rows: int | None = None          # `--cache-rows`: every capacity table caches this many (None: planned)
 
     @property
     def capacity_tables(self) -> list[str]:
@@ -99,16 +110,19 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"fast_bytes": self.fast_bytes, "profile_batches": self.profile_batches,
-                "tables": [dataclasses.asdict(t) for t in self.tables]}
+                "tables": [dataclasses.asdict(t) for t in self.tables],
+                **({} if self.cache_rows is None else {"cache_rows": self.cache_rows})}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
+        cache_rows = data.get("cache_rows")  # absent from plans made before the cache
         return cls(int(data["fast_bytes"]), int(data["profile_batches"]),
-                   tuple(TablePlan(**t) for t in data["tables"]))
+                   tuple(TablePlan(**t) for t in data["tables"]), None if cache_rows is None else int(cache_rows))
 
 
-def make_plan(profiles: list[TableProfile], fast_bytes: int) -> Plan:
-    """The plan for `profiles` within `fast_bytes` of fast tier (see the module docstring)."""
+def make_plan(profiles: list[TableProfile], fast_bytes: int, cache_rows: int | None = None) -> Plan:
+    """The plan for `profiles` within `fast_bytes` of fast tier (see the module docstring);
+    `cache_rows` (the `--cache-rows` override) caches that many rows of every capacity table."""
     if fast_bytes < 0:
         raise ConfigError(f"the fast tier's budget must be >= 0 bytes, got {fast_bytes}")
     left = fast_bytes
@@ -119,6 +133,8 @@ def make_plan(profiles: list[TableProfile], fast_bytes: int) -> Plan:
             fast.add(p.name)
             left -= p.bytes
     cached = _cache_rows([p for p in profiles if p.name not in fast], left)
+    if cache_rows is not None:
+        cached = {p.name: min(cache_rows, p.rows) for p in profiles if p.name not in fast}
     plans = []
     for p in profiles:
         per_batch = p.lookups / p.batches if p.batches else 0.0
@@ -128,7 +144,7 @@ def make_plan(profiles: list[TableProfile], fast_bytes: int) -> Plan:
         n = cached.get(p.name, 0)
         plans.append(TablePlan(p.name, p.rows, p.bytes, CAPACITY, n, p.hit_rate(n), per_batch))
     batches = max((p.batches for p in profiles), default=0)
-    return Plan(fast_bytes, batches, tuple(plans))
+    return Plan(fast_bytes, batches, tuple(plans), cache_rows)
 
 
 def _cache_rows(profiles: list[TableProfile], budget: int) -> dict[str, int]:
@@ -173,7 +189,7 @@ def profile_ids(name: str, rows: int, row_bytes: int, ranked_by: np.ndarray, hel
     if held_ids.size:
         where = np.minimum(np.searchsorted(held_ids, ids), held_ids.size - 1)
         again = np.where(held_ids[where] == ids, held_counts[where], 0)
-    return TableProfile(name, rows, row_bytes, counts, again, int(held_out.size), batches)
+    return TableProfile(name, rows, row_bytes, counts, again, int(held_out.size), batches, ids)
 
 
 def _joined(parts: list) -> np.ndarray:
@@ -242,11 +258,16 @@ def stored_plan(pool) -> Plan | None:
     return unpack_plan(pool.array(PLAN_REGION).tobytes(), pool.superblock.uuid, pool.path)
 
 
-def check_options(stored: Plan, fast_bytes: int | None, profile_batches: int | None, where: str) -> None:
+def check_options(stored: Plan, fast_bytes: int | None, profile_batches: int | None, where: str,
+                  cache_rows: int | None = None) -> None:
     """A restart uses the stored plan; options given that would plan differently are refused."""
     for option, given, had in (("--fast-bytes", fast_bytes, stored.fast_bytes),
-                               ("--profile-batches", profile_batches, stored.profile_batches)):
+                               ("--profile-batches", profile_batches, stored.profile_batches),
+                               ("--cache-rows", cache_rows, stored.cache_rows)):
         if given is not None and given != had:
+            if had is None:
+                raise ConfigError(f"{where}: its stored plan was made without {option}, this run gives {option} "
+                                  f"{given}; a pool set keeps its plan: resume without it, or use another pool")
             raise ConfigError(f"{where}: its stored plan was made with {option} {had}, not {given}; a pool set "
                               f"keeps its plan: resume with {option} {had} (or without it), or use another pool")
 

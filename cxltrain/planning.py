@@ -19,37 +19,56 @@ from .knobs import KNOBS
 from .pool import Pool
 
 PROFILE_BATCHES = 16
+# The hot-row caches' hot lists rank the rows of this many batches (or of the plan's profile, when it
+# has more): a 16-batch profile sees too few distinct rows to fill a large cache with hot ones
+# (measured, docs/tiers.md: 25,000 of 250,000 rows cached serve 71.7% of held-out lookups ranked
+# on 16 batches, 81.0% on 128).
+HOT_LIST_BATCHES = 128
 PROBE_BYTES = 8 << 20     # the capacity tier's read probe: a file this big, read back at random
 PROBE_SECONDS = 0.2
 
 
-def table_profiles(config: TrainConfig, model, source) -> list[planner.TableProfile]:
-    """Each table's size and the ids of `source`'s first batches (config.profile_batches)."""
+def table_profiles(config: TrainConfig, model, source, batches: int | None = None) -> list[planner.TableProfile]:
+    """Each table's size and the ids of `source`'s first batches (`batches`, else config.profile_batches)."""
     tables = []
     for table in model.tables:
         row_bytes = sum(spec.nbytes(KNOBS.row_align) for spec in table.region_specs()) // table.num_embeddings
         tables.append((table.name, table.num_embeddings, row_bytes))
-    return planner.profile_source(source, tables, config.profile_batches or PROFILE_BATCHES)
+    return planner.profile_source(source, tables, batches or config.profile_batches or PROFILE_BATCHES)
 
 
 def plan_for(config: TrainConfig, model, source, pool_path: str) -> planner.Plan | None:
     """The plan of the pool set `config` trains in: the one stored in an existing set (options
     that would plan differently refused), or a new one. None without a capacity pool."""
+    return plan_and_hot_rows(config, model, source, pool_path)[0]
+
+
+def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str) -> tuple[planner.Plan | None, dict]:
+    """plan_for's plan, and for a new set the rows each capacity table's hot-row cache admits
+    ({table: row ids, hottest first}, as many as the plan's cached_rows; empty for an existing set,
+    which holds its own)."""
     if config.capacity_pool is None:
-        if config.fast_bytes is not None or config.profile_batches is not None:
-            raise ConfigError("--fast-bytes and --profile-batches plan a pool set: they need --capacity-pool")
-        return None
+        if config.fast_bytes is not None or config.profile_batches is not None or config.cache_rows is not None:
+            raise ConfigError("--fast-bytes, --profile-batches and --cache-rows plan a pool set: they need "
+                              "--capacity-pool")
+        return None, {}
     if pool_path and os.path.exists(pool_path):
         with Pool.open(pool_path, writable=False) as pool:
             stored = planner.stored_plan(pool) if pool.members else None
         if stored is not None:
-            planner.check_options(stored, config.fast_bytes, config.profile_batches, pool_path)
-            return stored
-        if config.fast_bytes is not None:
+            planner.check_options(stored, config.fast_bytes, config.profile_batches, pool_path, config.cache_rows)
+            return stored, {}
+        if config.fast_bytes is not None or config.cache_rows is not None:
             raise ConfigError(f"{pool_path}: this pool set was made without a placement plan; resume without "
-                              "--fast-bytes, or use another pool")
-        return None
-    return planner.make_plan(table_profiles(config, model, source), config.fast_bytes or 0)
+                              "--fast-bytes and --cache-rows, or use another pool")
+        return None, {}
+    profiles = table_profiles(config, model, source)
+    plan = planner.make_plan(profiles, config.fast_bytes or 0, config.cache_rows)
+    cached = plan.cached_rows
+    if any(cached.values()) and plan.profile_batches < HOT_LIST_BATCHES:
+        profiles = table_profiles(config, model, source, HOT_LIST_BATCHES)
+    hot = {p.name: p.hot_rows(cached[p.name]) for p in profiles if cached.get(p.name)}
+    return plan, hot
 
 
 def measure_tiers(pool_path: str, capacity_path: str) -> dict:

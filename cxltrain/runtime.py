@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import cache as hot_cache
 from . import planner, tiering
 from .checkpoint import (
     BatchGuard,
@@ -97,6 +98,13 @@ class Runtime:
             capacity pool (unless capacity_tables says otherwise), and it is stored in a new set;
             an existing set whose stored plan differs is refused. `rt.plan` is the set's plan
             once open (the stored one when none is given; None for a set made without one).
+        hot_rows: with a capacity pool, {capacity table: row ids, hottest first}: a new set gives
+            those tables a persistent hot-row cache of that many rows in the primary (cache.py,
+            docs/tiers.md), filled by the first batch. An existing set keeps its cache: hot rows given
+            for it must be as many as it caches, per table, or it is refused.
+        cache_replace_every: re-place the hot-row caches every this many batches from the lookups
+            counted since (cache.HotRowCache.replace; 0: the hot list stays). Not stored: a run may
+            change it; where rows are cached never changes a value.
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
     `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
@@ -110,7 +118,8 @@ class Runtime:
                  dense_slot_bytes: int | None = None, backend: str | None = None,
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
                  capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
-                 plan: planner.Plan | None = None) -> None:
+                 plan: planner.Plan | None = None, hot_rows: dict | None = None,
+                 cache_replace_every: int = 0) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -139,6 +148,10 @@ class Runtime:
             capacity_tables = plan.capacity_tables
         self.plan = plan
         self.tiers = tiering.Tiers.of(self.tables, capacity_pool, capacity_tables)
+        self._hot = self._checked_hot_rows(hot_rows or {})
+        if type(cache_replace_every) is not int or cache_replace_every < 0:
+            raise ConfigError(f"cache_replace_every must be an integer >= 0, got {cache_replace_every!r}")
+        self.cache_replace_every = cache_replace_every
         self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
         self.prefetcher: tiering.ColdRowPrefetcher | None = None
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
@@ -148,6 +161,22 @@ class Runtime:
                                        {path: t.name for path, t in self.tables.items()}, metadata)
         self._reset()
 
+    def _checked_hot_rows(self, hot_rows: dict) -> dict:
+        """{table name: hot rows int64 [C]}, checked against the model and its tiers."""
+        by_name = {t.name: t for t in self.tables.values()}
+        if hot_rows and self.tiers.capacity_path is None:
+            raise ConfigError("a hot-row cache caches a capacity pool's rows: it needs capacity_pool (--capacity-pool)")
+        checked = {}
+        for name, rows in hot_rows.items():
+            if name not in by_name or self.tiers.is_fast(by_name[name]):
+                raise ConfigError(f"hot_rows names {name!r}, which is not a table of the capacity pool")
+            checked[name] = hot_cache.checked_hot_rows(by_name[name], rows)
+        return checked
+
+    def _cache_specs(self) -> list[RegionSpec]:
+        return [spec for t in self.tables.values() if t.name in self._hot
+                for spec in hot_cache.region_specs(t, self._hot[t.name].size)]
+
     def _reset(self) -> None:
         """What one `with` block learns about the pool and where it is in it."""
         self._guard: BatchGuard | None = None  # the Checkpointer, or NoCheckpoint with checkpoint "off"
@@ -156,6 +185,7 @@ class Runtime:
         self.recovery = None                # the RecoveryReport, when the pool was recovered
         self.recovery_seconds = 0.0
         self.restarted = False
+        self._caches: dict[str, hot_cache.HotRowCache] = {}
 
     # -- entering ---------------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -175,12 +205,13 @@ class Runtime:
             if created:
                 self.tiers.create_members(pool, self._table_specs(fast=False))
                 if self.tiers.capacity_path:  # a new set holds all its tables, in both tiers, at once
-                    pool.add_regions(self._table_specs(fast=True))
+                    pool.add_regions(self._table_specs(fast=True) + self._cache_specs())
                 if self.plan is not None and self.tiers.capacity_path:
                     planner.store_plan(pool, self.plan)
             else:
                 self.tiers.check_open(pool)
                 self._check_plan(pool)
+                self._check_cache(pool)
             self._set_up_or_clean_up(pool, created)
         except CxlTrainError as e:  # the user asked for self.path: never show the side name
             raise type(e)(str(e).replace(building, self.path)) from None
@@ -200,6 +231,16 @@ class Runtime:
             pool.close()
             raise
         self.plan = stored if pool.members else None
+
+    def _check_cache(self, pool: Pool) -> None:
+        """Before anything is written: an existing set keeps the cache it was made with."""
+        for name, hot in self._hot.items():
+            have = hot_cache.cached_slots(pool, name)
+            if have != hot.size:
+                pool.close()
+                raise ConfigError(f"{self.path}: table {name!r} caches {have:,} hot rows in this pool set, not "
+                                  f"{hot.size:,}; a set keeps its cache size: resume with --cache-rows {have} (or "
+                                  "without it), or use another pool")
 
     def _set_up_or_clean_up(self, pool: Pool, created: bool) -> None:
         try:
@@ -236,13 +277,14 @@ class Runtime:
             return size
         sizes = [spec.nbytes(KNOBS.row_align) for spec in self._table_specs(fast=True) + self._specs()]
         sizes += self.tiers.primary_extra_bytes()
+        sizes += [spec.nbytes(KNOBS.row_align) for spec in self._cache_specs()]
         if self.plan is not None and self.tiers.capacity_path:
             sizes.append(planner.PLAN_BYTES)
         return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align)
 
     def _setup(self, pool: Pool) -> None:
         tables = list(self.tables.values())
-        ours = {t.weight_region for t in tables}
+        ours = {t.weight_region for t in tables} | {hot_cache.region_names(t.name)[0] for t in tables}
         foreign = sorted(r.name for r in pool.regions.values() if r.kind == RegionKind.TABLE_WEIGHTS and r.name not in ours)
         try:
             if foreign:
@@ -259,9 +301,24 @@ class Runtime:
         else:
             self.restarted = present
             self._start_fresh(pool, tables_present=present)
-        self._guard = (Checkpointer(pool, tables, self._state, dense_every=self.dense_every, mode=self.mode,
+        logged = tables + self._attach_caches(pool)
+        self._guard = (Checkpointer(pool, logged, self._state, dense_every=self.dense_every, mode=self.mode,
                                     pipeline=self.pipeline, background_capture=self.background_capture)
-                       if self.checkpoint == UNDO else NoCheckpoint(pool, tables, self._state))
+                       if self.checkpoint == UNDO else NoCheckpoint(pool, logged, self._state))
+
+    def _attach_caches(self, pool: Pool) -> list:
+        """The hot-row caches of the tables that have one, read from the (recovered) pool; their
+        slots, which the guard logs as tables of their own."""
+        for table in self.tables.values():
+            if hot_cache.cached_slots(pool, table.name):
+                hot_cache.check_table(table, hot_cache.cached_slots(pool, table.name))
+                table.cache = self._caches[table.name] = hot_cache.HotRowCache(table, pool, self.cache_replace_every)
+        return [cache.slots for cache in self._caches.values()]
+
+    @property
+    def cache_stats(self) -> dict:
+        """{table name: cache.CacheStats} of the tables with a hot-row cache (this block's lookups)."""
+        return {name: cache.stats for name, cache in self._caches.items()}
 
     def _refuse_to_risk_committed_batches(self, pool: Pool) -> None:
         """checkpoint "off" makes the root stop vouching for the tables once they change: a crash
@@ -299,6 +356,8 @@ class Runtime:
             pool.commit(batches_done=-1, dense_slot=0)
         for table in self.tables.values():
             table.attach(pool, initialize=True)  # initialised from its seed and persisted
+            if hot_cache.cached_slots(pool, table.name):  # every slot empty: the first batch fills them
+                hot_cache.initialise(pool, table, self._hot.get(table.name))
         slot = dense.free_slot(pool)
         dense.write_snapshot(pool, slot, 0, self._state.capture(0))
         # ORDERING: tables and the batch-0 snapshot are durable before the root names them
@@ -321,7 +380,7 @@ class Runtime:
                 item = ahead[1] if ahead is not None and ahead[0] == b else get(b)
                 if self.prefetcher is not None and (stop is None or b + 1 < stop):
                     ahead = b + 1, get(b + 1)
-                    self.prefetcher.submit(self._prefetch_ids(ahead[1]))
+                    self.prefetcher.submit(self._cold_ids(ahead[1]))
             else:
                 item = next(items, _END)
                 if item is _END:
@@ -329,6 +388,11 @@ class Runtime:
             self._begin(b)
             yield item
             self._end_in_flight()
+
+    def _cold_ids(self, batch) -> dict:
+        """The ids of `batch` the prefetcher reads ahead: a cached table's hits are in the fast tier."""
+        ids = self._prefetch_ids(batch)
+        return {name: self._caches[name].misses(rows) if name in self._caches else rows for name, rows in ids.items()}
 
     def _begin(self, b: int) -> None:
         self._require_open()
@@ -446,10 +510,14 @@ def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
         prefix = f"{module_path}." if module_path else ""
         weight_region, state_region = region_names(name)
         weights = pool.array(weight_region)
+        state = np.array(pool.array(state_region)) if state_region in pool.regions else None
+        if hot_cache.cached_slots(pool, name):  # the cached rows' capacity copies are stale: read the cache
+            weights = np.array(weights)
+            hot_cache.merged(pool, name, weights, state)
         # a read-only mapping must not reach the caller as a tensor it may write: copied
         model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(weights) if pool.device.writable
                                                     else np.array(weights))
-        if state_region in pool.regions:
-            model[f"{prefix}optimizer_state"] = torch.from_numpy(np.array(pool.array(state_region)))
+        if state is not None:
+            model[f"{prefix}optimizer_state"] = torch.from_numpy(state)
     return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"],
             "tables": dict(snapshot["tables"]), "metadata": snapshot["metadata"]}

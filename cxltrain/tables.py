@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import HotRowCache
 from .checkpoint.seam import in_dense_only
 from .errors import ConfigError, NonFiniteError, PoolError
 from .kernels import ops as row_ops
@@ -127,6 +128,8 @@ class PersistentEmbeddingBag(nn.Module):
         # set by a Runtime's guard: told of every lookup with gradients (forward) and every in-place
         # update (backward), so it can log them and keep them inside batches (checkpoint/seam.py)
         self.checkpointer: TableGuard | None = None
+        # a pool set's hot-row cache of this table (cache.py), set by the Runtime; None: uncached
+        self.cache: HotRowCache | None = None
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, max_norm: float | None = None,
@@ -228,6 +231,7 @@ class PersistentEmbeddingBag(nn.Module):
         """Let go of the pool's memory (called when the pool closes); the table is unusable after."""
         self._rows = self._state = None
         self.pool = None
+        self.cache = None
 
     def reset_parameters(self) -> None:
         """Deterministic initial values: weights uniform(±1/sqrt(R)) from `seed`, state as the optimizer says."""
@@ -259,14 +263,32 @@ class PersistentEmbeddingBag(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """[R, D] zero-copy view of the weights (rows may be padded: not necessarily contiguous)."""
+        """[R, D] zero-copy view of the weights (rows may be padded: not necessarily contiguous).
+        A table with a hot-row cache gives a copy instead, its cached rows read from the cache
+        (their capacity rows are stale): writing into it changes nothing."""
+        if self.cache is not None:
+            return self._merged()[0]
         return self._require_storage()[:, : self.embedding_dim]
 
     @property
     def optimizer_state(self) -> torch.Tensor | None:
-        """[R, K] view of the optimizer state, or None for SGD."""
+        """[R, K] view of the optimizer state, or None for SGD (a copy through the cache, as weight)."""
         self._require_storage()
+        if self.cache is not None:
+            return self._merged()[1]
         return self._state
+
+    def _merged(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copies of the weights [R, D] and state [R, K] with the cached rows taken from the cache."""
+        weights = self._require_storage()[:, : self.embedding_dim].clone()
+        state = None if self._state is None else self._state.clone()
+        cache = self.cache
+        held = torch.nonzero(cache.map >= 0).reshape(-1)
+        rows = cache.map[held].to(torch.int64)
+        weights[rows] = cache.slots.rows[held, : self.embedding_dim]
+        if state is not None:
+            state[rows] = cache.slots.state[held, : state.shape[1]]
+        return weights, state
 
     @property
     def pending_load(self) -> bool:
@@ -282,7 +304,7 @@ class PersistentEmbeddingBag(nn.Module):
             return
         destination[prefix + "weight"] = self.weight.detach()
         if self._state is not None:
-            destination[prefix + "optimizer_state"] = self._state.detach()
+            destination[prefix + "optimizer_state"] = self.optimizer_state.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -333,6 +355,8 @@ class PersistentEmbeddingBag(nn.Module):
         if last_offset and offsets.numel() < 1:
             raise ValueError(f"table {self.name!r}: include_last_offset needs at least one offset")
         learns = torch.is_grad_enabled() and not self.frozen
+        if self.cache is not None and not last_offset:
+            return self._cached_forward(indices, offsets, per_sample_weights, learns)
         batch = None
         if self.checkpointer is not None and learns and indices.numel():
             # the rows' undo record must be durable before backward stores into them
@@ -340,6 +364,31 @@ class PersistentEmbeddingBag(nn.Module):
         anchor = torch.empty(0, requires_grad=learns)
         general = not self._fused or last_offset
         return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch, general, last_offset)
+
+    def _cached_forward(self, indices, offsets, per_sample_weights, learns):
+        """forward through the hot-row cache (cache.py): the lookups of cached rows read their slots."""
+        cache, guard = self.cache, self.checkpointer
+        if guard is not None and learns and indices.numel():
+            batch = guard.in_flight
+            if cache.pending:
+                cache.admit(guard)  # the first batch with gradients fills the cache, logged (cache.py)
+            elif cache.replace_every and batch is not None and batch % cache.replace_every == 0 \
+                    and cache.replaced_in != batch:
+                cache.replace(guard)  # every replace_every batches, logged (cache.py)
+            cache.replaced_in = batch
+            cache.count(indices)
+        slots, hit = cache.split(indices)
+        batch = None
+        if guard is not None and learns and indices.numel():
+            # both undo records (cached and capacity rows) must be durable before backward stores
+            if not bool(hit.all()):
+                batch = guard.capture(self, indices[~hit])
+            if bool(hit.any()):
+                batch = guard.capture(cache.slots, slots[hit])
+        local, positions = cache.gather(indices, slots, hit)
+        anchor = torch.empty(0, requires_grad=learns)
+        return _CachedLookup.apply(anchor, self, local, positions, indices, offsets, per_sample_weights, batch,
+                                   slots, hit)
 
     def _validate(self, input, offsets, per_sample_weights):
         where = f"table {self.name!r}"
@@ -499,6 +548,30 @@ class _BagLookup(torch.autograd.Function):
         return None, None, None, None, None, None, None, None, None
 
 
+class _CachedLookup(torch.autograd.Function):
+    """_BagLookup for a table with a hot-row cache: forward pools the batch's unique rows gathered
+    from the cache and the capacity rows (`local` [U, P], the lookups' positions in it); backward
+    is the fused update split between them (cache.HotRowCache.update)."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, local, positions, indices, offsets, per_sample_weights, batch, slots, hit):
+        ctx.table, ctx.batch = table, batch
+        ctx.save_for_backward(indices, offsets, per_sample_weights, slots, hit)
+        pooled = F.embedding_bag(positions, local, offsets, mode=table.mode, per_sample_weights=per_sample_weights)
+        return pooled[:, : table.embedding_dim] if local.shape[1] != table.embedding_dim else pooled
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        indices, offsets, per_sample_weights, slots, hit = ctx.saved_tensors
+        table = ctx.table
+        if indices.numel():
+            def update(undo):  # None: the split update writes its records through the guard
+                return table.cache.update(table.checkpointer, ctx.batch, indices, offsets, per_sample_weights,
+                                          grad_out, table.mode, slots, hit)
+            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update)
+        return (None,) * 10
+
+
 def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update, fusable=False) -> None:
     """Run `update(undo)` (which stores the batch's rows and returns them [U]) between the finiteness
     check, the undo-log wait and the checkpointer's note of the rows; count it in table.stats.
@@ -517,7 +590,7 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
     if table.checkpointer is not None:
         # ORDERING U1c: the undo record of these rows is durable (before_update returns only
         # then) before the update below issues the batch's first in-place store into them, or
-        # the update writes it, chunk by chunk, each durable before its rows are stored (U1e).
+        # the update writes it, chunk by chunk, each durable before its rows are stored (U1h).
         undo = table.checkpointer.before_update(table, batch, fusable)
     unique_rows = update(undo)
     if table.checkpointer is not None:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from . import cache as hot_cache
 from .checkpoint.layout import record_bytes
 from .config import TrainConfig
 from .data.batch import BatchSource
@@ -30,7 +31,7 @@ from .knobs import KNOBS
 from .metrics import logloss, roc_auc
 from .models import DLRM
 from .optim import RowWiseAdagrad
-from .planning import plan_for
+from .planning import plan_and_hot_rows
 from .run_metrics import MetricsLog
 from .runtime import Runtime
 from .training_data import TrainingData, training_data
@@ -140,9 +141,11 @@ def build_source(config: TrainConfig) -> BatchSource:
     return training_data(config).train
 
 
-def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
+def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = None) -> int:
     """Ring room for a few of the largest batches this config can make (each table's rows: at most
-    batch_size x pooling, at most the table): a commit reclaims them every dense_every batches.
+    batch_size x pooling, at most the table; a cached table's slots twice more: the admission's
+    record and the hits' in the first batch, and its evicted rows once more when it re-places): a
+    commit reclaims them every dense_every batches.
     The `undo_ring_bytes` knob, when set, decides instead."""
     if KNOBS.undo_ring_bytes:
         return KNOBS.undo_ring_bytes
@@ -150,6 +153,14 @@ def undo_ring_bytes(config: TrainConfig, model: DLRM) -> int:
     largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
                                table.optimizer.state_columns * 4)
                   for table in model.tables for spec in table.region_specs()[:1])
+    for table in model.tables:
+        if table.name in (hot_rows or {}):
+            slots = len(hot_rows[table.name])
+            spec = hot_cache.region_specs(table, slots)[0]
+            largest += 2 * record_bytes(slots, spec.row_stride(KNOBS.row_align),
+                                        (table.optimizer.state_columns + hot_cache.MAP_COLUMNS) * 4)
+            if config.cache_replace_every:  # and a re-placing batch's evicted capacity rows
+                largest += record_bytes(slots, spec.row_stride(KNOBS.row_align), table.optimizer.state_columns * 4)
     return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
 
 
@@ -158,13 +169,14 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
     metadata = config.run_metadata(getattr(source, "fingerprint", None))
     if source is None and config.capacity_pool is not None:
         source = build_source(config)  # profiled to plan a new pool set
-    plan = plan_for(config, model, source, pool_path)
+    plan, hot_rows = plan_and_hot_rows(config, model, source, pool_path)
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
-                   undo_ring_bytes=undo_ring_bytes(config, model), discard_checkpoint=config.discard_checkpoint,
+                   undo_ring_bytes=undo_ring_bytes(config, model, hot_rows), discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
-                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan)
+                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
+                   hot_rows=hot_rows, cache_replace_every=config.cache_replace_every)
 
 
 def pool_bytes(config: TrainConfig) -> int:

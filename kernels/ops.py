@@ -209,7 +209,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             for point in _STOPS.values():
                 crash_point(point)
         with undo.lock:
-            # ORDERING U1e: per chunk of the unique rows, the kernel persists the record's payload,
+            # ORDERING U1h: per chunk of the unique rows, the kernel persists the record's payload,
             # then its header and the tail mark covering it, then stores into the chunk's rows
             # (kernels/rows.c undo_chunk), so no row is stored before its record is durable.
             unique = lib.sparse_update(*arguments, plan.ctypes.data)

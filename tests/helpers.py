@@ -63,6 +63,17 @@ def shm_tempdir(prefix: str):
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def tier_folders(prefix: str):
+    """(fast-tier folder on /dev/shm, capacity-tier folder on the disk), both removed afterwards."""
+    disk = tempfile.mkdtemp(prefix=prefix, dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
+    try:
+        with shm_tempdir(prefix) as fast:
+            yield fast, disk
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+
 def run_python(code: str, *args, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """`python -c code args...` in a child with this environment plus `env`; output captured as text."""
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,

@@ -56,3 +56,4 @@ def test_planted_bugs_select_orderings_and_combine():
     every = ordering.for_planted(PLANTED + DIST_PLANTED)
     assert all(isinstance(every, cls) for cls in ordering.PLANTED_ORDERINGS.values())
     assert not every.flush_at_update and ordering.Ordering.flush_at_update
+    assert not every.logs_cache_writes and ordering.Ordering.logs_cache_writes

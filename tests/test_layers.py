@@ -29,13 +29,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("devices", ("cxltrain.devices", "cxltrain.emulation")),
     # The pool handle, and beside it what opens, locks, checks and inspects a pool file.
     ("pool", ("cxltrain.pool", "cxltrain.pool_files", "cxltrain.pool_check", "cxltrain.pool_inspect",
-              "cxltrain.pool_set")),
+              "cxltrain.pool_set", "cxltrain.cache_format")),
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
     # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
     # cxltrain/dist is split over the layers: its plan, shards and exchange are model pieces, its
     # runtime and recovery the training loop's, the rest (the rank's job, export/import) jobs.
-    ("model", ("cxltrain.models", "cxltrain.collection", "cxltrain.tables", "cxltrain.optim", "cxltrain.metrics",
+    ("model", ("cxltrain.models", "cxltrain.collection", "cxltrain.tables", "cxltrain.cache", "cxltrain.optim",
+               "cxltrain.metrics",
                "cxltrain.dist.plan", "cxltrain.dist.shards", "cxltrain.dist.exchange")),
     # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md), as the planner decides
     # (docs/planner.md); interop converts exports

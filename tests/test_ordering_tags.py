@@ -18,7 +18,10 @@ WHERE = {
     "U1b": "cxltrain/checkpoint/checkpointer.py",  # tail mark durable before the table's first store
     "U1c": "cxltrain/tables.py",                   # before_update (record durable) precedes the update
     "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
-    "U1e": "kernels/ops.py",                       # fused capture: each chunk's record durable before its rows' update
+    "U1e": "cxltrain/cache.py",                    # hot-row cache: the slots' record durable before admission fills them
+    "U1f": "cxltrain/cache.py",                    # hot-row cache: the slots' record durable before the hits' update
+    "U1g": "cxltrain/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
+    "U1h": "kernels/ops.py",                       # fused capture: each chunk's record durable before its rows' update
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root

@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import os
 import shutil
-import tempfile
 
 import pytest
 
@@ -26,7 +25,7 @@ from cxltrain.pool import Pool
 from cxltrain.pool_inspect import inspect
 from cxltrain.runtime import export_state
 from cxltrain.trainer import train
-from helpers import assert_same_export, cxltrain, shm_tempdir
+from helpers import assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
 
@@ -34,10 +33,8 @@ CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
 @pytest.fixture(scope="module")
 def folders():
     """(fast-tier folder on /dev/shm, capacity-tier folder on the disk), both removed afterwards."""
-    disk = tempfile.mkdtemp(prefix="cxltrain-set-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
-    with shm_tempdir("cxltrain-set-") as fast:
-        yield fast, disk
-    shutil.rmtree(disk, ignore_errors=True)
+    with tier_folders("cxltrain-set-") as found:
+        yield found
 
 
 def make_set(fast: str, disk: str, name: str, steps: int) -> tuple[str, str]:

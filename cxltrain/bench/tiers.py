@@ -7,9 +7,10 @@ on all of them alike:
     fast          all tables in the fast tier (one pool: the baseline)
     capacity      every table in the capacity pool on the disk, no cache, every batch durable
     capacity-off  the same with checkpoint off: what per-batch durability costs on the tiered set
+    cache-2%      every table in the capacity pool, its hottest 2% of rows in the hot-row cache
+    cache-10%     the same with 10% of the rows cached (cache.py), every batch durable
 
-The hot-row cache adds its configurations to SETUPS (a cache size each); a setup's `overrides`
-are TrainConfig fields, so a `cache_rows` field slots in without changing the rest.
+A cached setup's hit rate is its caches' hits over their lookups in the timed blocks.
 
 The capacity tier's traffic is the process's storage I/O (/proc/self/io: bytes read from and
 written to block storage; the fast tier's /dev/shm does none), counted around each timed block.
@@ -36,12 +37,15 @@ class Setup:
     label: str
     capacity: bool                         # the tables in a capacity pool on the disk
     overrides: dict = dataclasses.field(default_factory=dict)   # TrainConfig fields
+    cache_share: float | None = None       # rows of each table in the hot-row cache, as a share of its rows
 
 
 SETUPS = (
     Setup("fast", "all tables in the fast tier", capacity=False),
     Setup("capacity", "capacity tier only, no cache", capacity=True),
     Setup("capacity-off", "capacity tier only, checkpoint off", capacity=True, overrides={"checkpoint": OFF}),
+    Setup("cache-2%", "capacity tier + 2% of rows cached", capacity=True, cache_share=0.02),
+    Setup("cache-10%", "capacity tier + 10% of rows cached", capacity=True, cache_share=0.10),
 )
 BASELINE, TIERED, TIERED_OFF = "fast", "capacity", "capacity-off"
 
@@ -74,6 +78,7 @@ class TierRow(Record):
     read_bytes_per_batch: float            # from block storage: the capacity tier
     written_bytes_per_batch: float
     pages_prefetched_per_batch: float      # cold rows' pages read ahead (0 without a capacity pool)
+    hit_rate: float | None = None          # the hot-row cache's share of the lookups (None: no cache)
 
 
 @dataclasses.dataclass
@@ -88,7 +93,9 @@ class TiersResult(Record):
 
 
 def _io_counters(rt) -> dict[str, float]:
-    counters = {"pages": float(rt.prefetcher.pages_read) if rt.prefetcher is not None else 0.0}
+    counters = {"pages": float(rt.prefetcher.pages_read) if rt.prefetcher is not None else 0.0,
+                "hits": float(sum(s.hits for s in rt.cache_stats.values())),
+                "lookups": float(sum(s.lookups for s in rt.cache_stats.values()))}
     with open("/proc/self/io") as f:
         for line in f:
             name, _, value = line.partition(":")
@@ -106,7 +113,8 @@ def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
     configs, pools = [], []
     for setup in SETUPS:
         capacity = os.path.join(disk, f"{setup.name}.cap") if setup.capacity else None
-        configs.append(dataclasses.replace(plan.config, capacity_pool=capacity, **setup.overrides))
+        cache = {} if setup.cache_share is None else {"cache_rows": max(1, int(plan.config.rows * setup.cache_share))}
+        configs.append(dataclasses.replace(plan.config, capacity_pool=capacity, **setup.overrides, **cache))
         pools.append(os.path.join(fast_dir, f"{prefix}-{setup.name}.pool"))
     try:
         runs = paired_runs(configs, pools, warmup=plan.warmup, blocks=plan.blocks, block_steps=plan.block_steps,
@@ -122,7 +130,8 @@ def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
     ms = {setup.name: 1000.0 * sum(s) / steps for setup, s in zip(SETUPS, seconds)}
     rows = [TierRow(setup.name, setup.label, ms[setup.name], ms[setup.name] / ms[BASELINE],
                     counters.get("read_bytes", 0.0) / steps, counters.get("write_bytes", 0.0) / steps,
-                    counters.get("pages", 0.0) / steps)
+                    counters.get("pages", 0.0) / steps,
+                    counters["hits"] / counters["lookups"] if counters.get("lookups") else None)
             for setup, counters in zip(SETUPS, io)]
     return TiersResult(rows, ms[TIERED] / ms[TIERED_OFF], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                        plan.blocks, plan.block_steps, capacity_dir, dataclasses.asdict(plan.config))
@@ -130,12 +139,14 @@ def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
 
 def format_tiers(result: TiersResult) -> str:
     c = result.config
-    head = f"{'configuration':<36} {'ms/step':>8} {'vs fast':>8} {'read B/batch':>13} {'written B/batch':>16} {'pages ahead':>12}"
+    head = (f"{'configuration':<36} {'ms/step':>8} {'vs fast':>8} {'hit rate':>9} {'read B/batch':>13} "
+            f"{'written B/batch':>16} {'pages ahead':>12}")
     lines = [f"tiers: {c['num_tables']} tables x {c['rows']:,} rows x {c['dim']}, batch {c['batch_size']}, "
              f"{result.blocks} blocks of {result.block_steps} steps each, side by side; capacity tier in "
              f"{result.capacity_dir}", head, "-" * len(head)]
     for r in result.rows:
-        lines.append(f"{r.label:<36} {r.ms_per_step:>8.1f} {r.ratio:>7.2f}x {r.read_bytes_per_batch:>13,.0f} "
+        hits = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
+        lines.append(f"{r.label:<36} {r.ms_per_step:>8.1f} {r.ratio:>7.2f}x {hits:>9} {r.read_bytes_per_batch:>13,.0f} "
                      f"{r.written_bytes_per_batch:>16,.0f} {r.pages_prefetched_per_batch:>12,.0f}")
     lines.append(f"per-batch durability on the tiered set: {result.checkpoint_ratio:.2f}x the step time with "
                  f"checkpoint off; peak RSS of the process {result.peak_rss_bytes / 2**20:,.0f} MiB")

@@ -61,7 +61,9 @@ rows are flushed, when a commit is due or taken early, the dense hand-over). The
 takes on the worker are commit.py's; the orderings both follow are ordering.py's (a planted bug is
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
-tables.py (before_update before the in-place update), U2a in Checkpointer._hand_over_commit, U2b
+tables.py (before_update before the in-place update), U1e, U1f and U1g in cache.py (the hot-row
+cache: records before admission fills the slots, before the hits' update, and before re-placement's
+write-back and refill), U2a in Checkpointer._hand_over_commit, U2b
 in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
 (distributed runs) in ordering.Ordering.keep_from, U4 in Checkpointer._capture.
 """
@@ -210,6 +212,11 @@ class Checkpointer(BatchGuard):
         self._commits.flush_rows(table, rows.numpy())
         crash_point(CrashPoint.UPDATE_ROWS_FLUSHED)
         self.stats.training_flush_seconds += time.perf_counter() - started
+
+    def log_before_write(self, table: LoggedTable, rows: torch.Tensor) -> int:
+        if self._ordering.logs_cache_writes:  # a planted bug skips the record
+            return super().log_before_write(table, rows)
+        return self._check_in_batch(table)
 
     def end_batch(self, batch: int) -> None:
         """Batch `batch` is done (its update applied). Hands over its commit when one is due."""

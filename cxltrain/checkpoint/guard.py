@@ -121,6 +121,14 @@ class BatchGuard(abc.ABC):
     def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
         """Called by a table's backward after it stored into `rows` [U]; nothing to do here."""
 
+    def log_before_write(self, table: LoggedTable, rows: torch.Tensor) -> int:
+        """Rows `rows` [U] of `table` are about to be stored into outside its fused update (the
+        hot-row cache's admission): returns the batch once they may be (their undo record durable,
+        U1). Report the stores with after_update, as an update's."""
+        batch = self.capture(table, rows)
+        self.before_update(table, batch)
+        return batch
+
     # -- what the Runtime calls at the end ------------------------------------------------------
     @abc.abstractmethod
     def finish(self, done: int) -> None:

@@ -50,6 +50,10 @@ class Ordering:
     fused_capture = True
     fused_order = 0
 
+    # Stores outside a table's update (the hot-row cache's admission and re-placement) are
+    # undo-logged first (U1).
+    logs_cache_writes = True
+
     def undo_device(self, device: Device) -> Device:
         """The device an undo record is stored and persisted through (U1): the pool's."""
         return device
@@ -96,6 +100,12 @@ class SkipCapacitySync(Ordering):
 
     def sync_capacity(self, pool) -> None:
         pass
+
+
+class UnloggedAdmission(Ordering):
+    """Planted U1 bug for the hot-row cache: slots are filled with no undo record of them first."""
+
+    logs_cache_writes = False
 
 
 class CommitBeforeRows(Ordering):
@@ -170,6 +180,7 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
     Planted.HEADER_BEFORE_PAYLOAD: HeaderBeforePayload,
     Planted.UPDATE_BEFORE_HEADER: UpdateBeforeHeader,
+    Planted.UNLOGGED_ADMISSION: UnloggedAdmission,
     PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }
 
