@@ -63,7 +63,8 @@ another Ordering, never a flag tested here). Each protocol rule is enforced at o
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
 tables.py (before_update before the in-place update), U1e, U1f and U1g in cache.py (the hot-row
 cache: records before admission fills the slots, before the hits' update, and before re-placement's
-write-back and refill), U2a in Checkpointer._hand_over_commit, U2b
+write-back and refill), U1h in kernels/ops.py (the fused capture: each chunk's record durable
+before its rows are stored), U2a in Checkpointer._hand_over_commit, U2b
 in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
 (distributed runs) in ordering.Ordering.keep_from, U4 in Checkpointer._capture.
 """
