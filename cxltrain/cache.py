@@ -66,9 +66,11 @@ def cached_slots(pool: Pool, table_name: str) -> int:
 def check_table(table, slots: int) -> None:
     """Refuse (ConfigError) a cache this table cannot have."""
     where = f"table {table.name!r}"
-    if not table._fused:
-        raise ConfigError(f"{where}: the hot-row cache needs a plain sum/mean table (no max mode, padding_idx "
-                          "or scale_grad_by_freq)")
+    # include_last_offset bags take the general lookup, which reads and updates the capacity rows:
+    # a cached row's slot would be bypassed, its updates lost to the map's copy
+    if not table._fused or table.include_last_offset:
+        raise ConfigError(f"{where}: the hot-row cache needs a plain sum/mean table (no max mode, padding_idx, "
+                          "scale_grad_by_freq or include_last_offset)")
     if table.num_embeddings > MAX_ROWS:
         raise ConfigError(f"{where}: the hot-row cache maps at most {MAX_ROWS:,} rows")
     if not 1 <= slots <= table.num_embeddings:

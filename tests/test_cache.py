@@ -177,6 +177,18 @@ def test_bad_cache_rows_are_refused_in_one_line_and_nothing_written(folders, arg
     assert not os.path.exists(primary) and not os.path.exists(capacity)
 
 
+@pytest.mark.parametrize("kwargs", [{"include_last_offset": True}, {"mode": "max"}, {"padding_idx": 0},
+                                    {"scale_grad_by_freq": True}])
+def test_a_table_the_cached_lookup_cannot_serve_is_refused(kwargs):
+    """Tables whose lookups take the general path (which reads the capacity rows) get no cache."""
+    from cxltrain.cache import check_table
+    from cxltrain.tables import PersistentEmbeddingBag
+
+    with pytest.raises(ConfigError, match="hot-row cache needs a plain sum/mean table"):
+        check_table(PersistentEmbeddingBag(100, 4, name="t", **kwargs), 10)
+    check_table(PersistentEmbeddingBag(100, 4, name="t"), 10)  # a plain table may have one
+
+
 def test_a_cached_table_reads_through_the_cache(folders):
     """state_dict and .weight give the cached rows' values, not their stale capacity copies."""
     _, runtimes = run(folders, "reads", steps=2, cache_rows=CACHE_ROWS)
