@@ -3,7 +3,7 @@ smaller than the tables, killed, resumed, and exported bit-equal to an uninterru
 
 The cgroup charges everything the run holds: its anonymous memory (torch alone is ~270 MB here),
 the emulated fast tier's tmpfs pages (ring, dense slots) and the capacity pool's page cache. So
-the tables must outgrow a limit that still holds the process: 0.5 GB of tables under 400 MiB,
+the tables must outgrow a limit that still holds the process: 1.28 GB of tables (3x) under 400 MiB,
 which makes this a slow test (the tables are written to the disk, then read back page by page).
 """
 
@@ -22,7 +22,7 @@ from helpers import assert_same_export, cxltrain, cxltrain_command, shm_tempdir
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 LIMIT = 400 << 20
-TABLES, ROWS, DIM, STEPS = 4, 500_000, 64, 6
+TABLES, ROWS, DIM, STEPS = 4, 1_250_000, 64, 6
 ARGS = ["--num-tables", TABLES, "--rows", ROWS, "--dim", DIM, "--batch-size", 512, "--steps", STEPS, "--no-progress"]
 
 
@@ -60,7 +60,7 @@ def stat(group: str, name: str) -> int:
 @pytest.mark.slow
 def test_tables_larger_than_the_memory_limit_train_resume_and_match(cgroup):
     table_bytes = TABLES * ROWS * DIM * 4
-    assert table_bytes > LIMIT
+    assert table_bytes >= 3 * LIMIT  # the issue's bound: tables of at least 3x the memory limit
     disk = tempfile.mkdtemp(prefix="cxltrain-mem-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None)
     try:
         with shm_tempdir("cxltrain-mem-") as fast:
