@@ -592,7 +592,12 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
         # then) before the update below issues the batch's first in-place store into them, or
         # the update writes it, chunk by chunk, each durable before its rows are stored (U1h).
         undo = table.checkpointer.before_update(table, batch, fusable)
-    unique_rows = update(undo)
+    try:
+        unique_rows = update(undo)
+    except BaseException:
+        if table.checkpointer is not None:
+            table.checkpointer.fail_batch(table)
+        raise
     if table.checkpointer is not None:
         table.checkpointer.after_update(table, batch, unique_rows)
     stats = table.stats

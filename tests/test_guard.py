@@ -42,6 +42,34 @@ def test_a_wrong_transition_is_refused_with_the_state_it_found(shm_dir, checkpoi
         guard.begin_batch(1)
 
 
+@pytest.mark.parametrize("checkpoint", ["undo", "off"])
+def test_a_failed_update_stops_every_later_commit_even_when_caught(shm_dir, checkpoint, monkeypatch):
+    """An update that raises after the guard let it store (here: out of memory in the kernel) may
+    have stored rows or marked rows recorded: a caller that catches the error and goes on gets a
+    clear refusal at the batch's end, and the pool stays at its last commit."""
+    from cxltrain.runtime import export_state
+
+    path = shm_dir / "f.pool"
+    model = OneTable()
+    real = PersistentEmbeddingBag.update_from_lookups
+
+    def failing(self, *args, **kwargs):
+        if rt.batch == 2:
+            raise MemoryError("the kernel's sort buffer")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PersistentEmbeddingBag, "update_from_lookups", failing)
+    with pytest.raises(CheckpointError, match="stopped by a failed update"):
+        with cxltrain.Runtime(path, model, checkpoint=checkpoint) as rt:
+            for b in rt.batches(lambda b: torch.tensor([[b, b + 1]]), stop=4):
+                try:
+                    model.table(b).sum().backward()
+                except MemoryError:
+                    pass  # the careless caller goes on
+    if checkpoint == "undo":
+        assert export_state(str(path))["batch"] == 2  # batches 0 and 1 committed, 2 never
+
+
 def test_without_checkpoints_the_guard_is_a_null_checkpointer(shm_dir):
     with cxltrain.Runtime(shm_dir / "n.pool", OneTable(), checkpoint="off") as rt:
         assert rt.stats is None and rt.wait_durable() == 0.0

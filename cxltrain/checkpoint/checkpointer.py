@@ -219,6 +219,10 @@ class Checkpointer(BatchGuard):
             return super().log_before_write(table, rows)
         return self._check_in_batch(table)
 
+    def fail_batch(self, table: LoggedTable) -> None:
+        super().fail_batch(table)
+        self._fused_records.pop(table.name, None)  # laid out, maybe never written: never landed
+
     def end_batch(self, batch: int) -> None:
         """Batch `batch` is done (its update applied). Hands over its commit when one is due."""
         started = time.perf_counter()

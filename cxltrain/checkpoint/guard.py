@@ -8,6 +8,7 @@ checkpointer. The Runtime holds one of two, with the same interface:
 A guard's state (GuardState) is checked at every transition, as PMDK checks an operation's:
 
     IDLE --begin_batch--> IN_BATCH --end_batch / abort_batch--> IDLE
+    IN_BATCH --fail_batch--> FAILED  (a table's update raised: the batch is never committed)
     any  --detach-------> DETACHED  (the tables are let go; nothing else is allowed after)
 """
 
@@ -28,6 +29,7 @@ from .stats import CheckpointStats
 class GuardState(enum.Enum):
     IDLE = "between batches"
     IN_BATCH = "in a batch"
+    FAILED = "stopped by a failed update (the pool recovers its last commit when opened again)"
     DETACHED = "detached from its tables"
 
 
@@ -84,6 +86,13 @@ class BatchGuard(abc.ABC):
         self._move(GuardState.IN_BATCH, GuardState.IDLE, f"end batch {batch}")
         self._batch = None
         self._next = batch + 1
+
+    def fail_batch(self, table: LoggedTable) -> None:
+        """`table`'s update raised in the batch in flight: it may have stored some rows, or marked
+        rows as recorded whose records were never written, so neither this batch nor any later one
+        may commit (the next open recovers the last commit). Every transition but detach is
+        refused from here, even when the caller catches the error and goes on."""
+        self.state = GuardState.FAILED
 
     def detach(self) -> None:
         """Let go of the tables; a guard already detached stays so."""

@@ -7,6 +7,7 @@ What a table tells its guard (TableGuard), per lookup with gradients — shapes:
     guard.before_update(table, batch, fusable) backward, before the table's first in-place store
     <the table's fused update, in place>      stores into its unique rows [U]
     guard.after_update(table, batch, rows)    backward, right after: rows [U] int64, sorted
+    guard.fail_batch(table)                   instead, when the update raised: nothing commits after
 
 What the checkpointer needs of a table (LoggedTable): its name, the pool regions of its weights
 and optimizer state, how many state columns its optimizer keeps, and its storage to gather from.
@@ -66,6 +67,10 @@ class TableGuard(Protocol):
 
     def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
         """The table has stored into `rows` [U] (sorted, unique)."""
+        ...
+
+    def fail_batch(self, table: LoggedTable) -> None:
+        """The table's update raised after before_update: the batch must never commit."""
         ...
 
 
