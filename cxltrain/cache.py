@@ -245,7 +245,8 @@ class HotRowCache:
         # ORDERING U1g: the evicted rows' capacity records, then the slots' (weights, state, map
         # entries), are durable (log_before_write returns only then) before the write-back's first
         # store into a capacity row and the refill's first store into a slot.
-        batch = guard.log_before_write(self.table, evicted) if evicted.numel() else None
+        if evicted.numel():
+            guard.log_before_write(self.table, evicted)
         batch = guard.log_before_write(self.slots, slots)
         if evicted.numel():  # write-back: the cached value becomes the capacity row's again
             from_slots = self.slot_of[evicted].to(torch.int64)

@@ -117,11 +117,15 @@ class UndoRing:
         # record is durable when append returns (before the batch's first in-place store: U1b, U1c).
         device.copy_persist(base, header.pack(self.pool.superblock.uuid))
         with self._lock:
-            self._live.append(LiveRecord(offset, size, self.next_seq, batch))
-            self.live_bytes += size
-            self.head = offset + size
-            self.next_seq += 1
+            self._take(LiveRecord(offset, size, self.next_seq, batch))
         return size
+
+    def _take(self, record: LiveRecord) -> None:
+        """Count `record`, placed by _place, as the ring's newest live record (the caller holds _lock)."""
+        self._live.append(record)
+        self.live_bytes += record.size
+        self.head = record.offset + record.size
+        self.next_seq += 1
 
     def streams(self) -> bool:
         """Whether a native kernel can make records durable itself on this ring's device (plan_chunks);
@@ -157,12 +161,9 @@ class UndoRing:
             try:
                 for size in sizes:
                     if size:
-                        offset = self._place(size)
-                        record = LiveRecord(offset, size, self.next_seq, batch)
-                        self._live.append(record)
+                        record = LiveRecord(self._place(size), size, self.next_seq, batch)
+                        self._take(record)
                         placed.append(record)
-                        self.head, self.live_bytes, self.next_seq = offset + size, self.live_bytes + size, \
-                            self.next_seq + 1
             finally:
                 for _ in placed:
                     self._live.pop()
@@ -200,10 +201,7 @@ class UndoRing:
             for record in records:
                 if record.seq != self.next_seq:
                     raise CheckpointError(f"undo record {record.seq} lands out of order (next is {self.next_seq})")
-                self._live.append(record)
-                self.live_bytes += record.size
-                self.head = record.offset + record.size
-                self.next_seq += 1
+                self._take(record)
             self.marked = self.next_seq
 
     def mark_tail(self) -> None:
