@@ -5,7 +5,9 @@ checks the bookkeeping, never a timing)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from cxltrain.bench.bandwidth import copy_bandwidth, gather_bandwidth
 from cxltrain.bench.floors import floor_rows, format_rows
 from cxltrain.config import TrainConfig
 
@@ -22,3 +24,17 @@ def test_floor_rows_side_by_side(shm_dir):
     assert k10.undo_mb_per_batch < strict.undo_mb_per_batch  # one record per row per window
     assert list(shm_dir.iterdir()) == []  # the pools are removed
     assert "strict-k10" in format_rows(rows, {5: 1.0}, 10.0)
+
+
+def test_measuring_the_copy_bandwidth_leaves_torchs_threads_alone():
+    """The floors measure the copy on one thread before the training runs: those runs must keep the
+    thread count they had (one thread made every step slower and every ratio smaller)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        copy_bandwidth(1 << 20, 1, repeats=1)
+        assert torch.get_num_threads() == 2
+        gather_bandwidth(TINY, 1, repeats=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

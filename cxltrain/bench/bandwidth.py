@@ -8,8 +8,9 @@ table [R, P] gathered with non-temporal stores), as ring.py calls it.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,27 +40,39 @@ def _best_gbps(nbytes: int, copy: Callable[[], None], repeats: int) -> float:
     return nbytes / min(seconds) / 1e9
 
 
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` for the block, then back: a measurement made
+    before a training run (bench/floors.py) must not leave that run on another thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def copy_bandwidth(nbytes: int, threads: int, repeats: int = 5) -> tuple[int, float, float]:
     """(bytes copied, GB/s of a single-threaded numpy copy, GB/s of a torch copy with `threads` threads)."""
     src = np.ones(nbytes // 4, dtype=np.float32)
     dst = np.empty_like(src)
     numpy_gbps = _best_gbps(src.nbytes, lambda: np.copyto(dst, src), repeats)
-    torch.set_num_threads(threads)
     tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
-    torch_gbps = _best_gbps(src.nbytes, lambda: tdst.copy_(tsrc), repeats)
+    with _torch_threads(threads):
+        torch_gbps = _best_gbps(src.nbytes, lambda: tdst.copy_(tsrc), repeats)
     return src.nbytes, numpy_gbps, torch_gbps
 
 
 def gather_bandwidth(config: TrainConfig, threads: int, repeats: int = 20) -> tuple[int, float, str]:
     """(rows, GB/s, how) of gathering one batch's unique rows of one table (table 0 of batch 0,
     skewed ids)."""
-    torch.set_num_threads(threads)
-    table = torch.rand(config.rows, config.dim)
-    rows = torch.unique(build_source(config).batch(0).values[0])
-    payload = np.empty(rows.numel() * (config.dim * 4 + 8), dtype=np.uint8)  # old rows, then their ids
-    old_rows = payload[: rows.numel() * config.dim * 4].reshape(rows.numel(), config.dim * 4)
-    old_ids = payload[rows.numel() * config.dim * 4 :].view(np.int64)
-    streamed = ops.capture_undo(old_rows, np.empty((rows.numel(), 0), np.uint8), old_ids, table, None, rows)
-    gbps = _best_gbps(old_rows.size, lambda: ops.capture_undo(old_rows, None, old_ids, table, None, rows), repeats)
-    return rows.numel(), gbps, "the undo capture's kernel" + (", non-temporal stores" if streamed else "")
+    with _torch_threads(threads):
+        table = torch.rand(config.rows, config.dim)
+        rows = torch.unique(build_source(config).batch(0).values[0])
+        payload = np.empty(rows.numel() * (config.dim * 4 + 8), dtype=np.uint8)  # old rows, then their ids
+        old_rows = payload[: rows.numel() * config.dim * 4].reshape(rows.numel(), config.dim * 4)
+        old_ids = payload[rows.numel() * config.dim * 4 :].view(np.int64)
+        streamed = ops.capture_undo(old_rows, np.empty((rows.numel(), 0), np.uint8), old_ids, table, None, rows)
+        gbps = _best_gbps(old_rows.size, lambda: ops.capture_undo(old_rows, None, old_ids, table, None, rows), repeats)
+        return rows.numel(), gbps, "the undo capture's kernel" + (", non-temporal stores" if streamed else "")
 
