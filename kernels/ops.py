@@ -68,6 +68,22 @@ def unique_rows(indices: torch.Tensor, table_rows: int) -> torch.Tensor:
     return out[:count]
 
 
+def unique_rows_and_order(indices: torch.Tensor, table_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows [U], order [N]), both int64: unique_rows of indices [N], and the lookups' positions
+    sorted stably by row, the order sparse_update's kernel would sort them into itself (an undo
+    plan hands it over, so a fused update sorts its lookups once)."""
+    _check("indices", indices, torch.int64, 1)
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(indices, table_rows)
+        keys = indices.numpy()
+        return np.unique(keys), np.argsort(keys, kind="stable").astype(np.int64)
+    rows = np.empty(indices.numel(), dtype=np.int64)
+    order = np.empty(indices.numel(), dtype=np.int64)
+    count = lib.unique_rows(indices.data_ptr(), indices.numel(), table_rows, rows.ctypes.data, order.ctypes.data)
+    return rows[:count], order
+
+
 @dataclasses.dataclass
 class UndoChunks:
     """The undo records a fused update writes (checkpoint/ring.py lays them out): the batch's U unique
@@ -79,7 +95,9 @@ class UndoChunks:
     checksum seeds (the kernel writes the mark covering each record after its header); ring: the
     ring region's address in the process's mapping; media: the power-loss emulator's address of the
     same bytes (0: a fence persists the kernel's streamed stores), whose copies hold `lock`. order:
-    0, or a planted bug's (checkpoint/ordering.py)."""
+    0, or a planted bug's (checkpoint/ordering.py). lookup_order int64 [N], or None: the update's
+    lookups sorted by row (unique_rows_and_order), which the kernel checks and uses instead of
+    sorting them again."""
 
     ring: int
     media: int
@@ -96,6 +114,7 @@ class UndoChunks:
     tail_seeds: np.ndarray   # uint32 [2]
     tail_offset: int
     order: int = 0
+    lookup_order: np.ndarray | None = None  # int64 [N]
 
     def stop_chunk(self) -> int:
         """The chunk a crash test stops in: the one holding the middle recorded row (-1: no record)."""
@@ -104,7 +123,7 @@ class UndoChunks:
         return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
 
 
-_PLAN_SIZE = 18  # kernels/rows.c enum fused_plan
+_PLAN_SIZE = 20  # kernels/rows.c enum fused_plan
 _STOPS = {1: CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2: CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}
 
 
@@ -124,6 +143,9 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
                                       ("tails", undo.tails, np.uint8, (2, 64)),
                                       ("tail_seeds", undo.tail_seeds, np.uint32, (2,))):
         _check_block(name, block, dtype, shape)
+    lookups = undo.lookup_order
+    if lookups is not None:
+        _check_block("lookup_order", lookups, np.int64, (lookups.size,))
     if undo.chunk_rows < 1 or -(-undo.rows.size // undo.chunk_rows) != chunks:
         raise ValueError(f"{chunks} chunks of {undo.chunk_rows} rows cannot hold {undo.rows.size} unique rows")
     stop_chunk, stop_phase = undo.stop_chunk(), 0
@@ -133,7 +155,9 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
     plan = np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
                      undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
                      undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
-                     undo.order, stop_chunk, stop_phase, 0, undo.tail_seeds.ctypes.data], dtype=np.int64)
+                     undo.order, stop_chunk, stop_phase, 0, undo.tail_seeds.ctypes.data,
+                     0 if lookups is None else lookups.ctypes.data, 0 if lookups is None else lookups.size],
+                    dtype=np.int64)
     assert plan.size == _PLAN_SIZE
     return plan
 

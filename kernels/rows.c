@@ -204,7 +204,8 @@ static void undo_finish(struct fused_undo *u);
 enum fused_plan {
     PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
     PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
-    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, FUSED_PLAN_SIZE
+    PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, PLAN_LOOKUP_ORDER, PLAN_LOOKUP_COUNT,
+    FUSED_PLAN_SIZE
 };
 
 struct update_args {
@@ -227,6 +228,8 @@ struct update_args {
     int64_t *out_rows;      /* [N]: the sorted unique rows, U of them */
     Py_ssize_t stop_after;  /* update only the first this many unique rows (crash tests); -1: all */
     struct fused_undo *undo; /* capture and update in one pass (an undo plan), or NULL */
+    const int64_t *sorted;  /* [N] the lookups by row (sort_lookups' order, from unique_rows), or NULL:
+                               sorted here. Checked before use (sorted_order_holds). */
 };
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
@@ -268,6 +271,21 @@ static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, i
     free(scratch);
     free(count);
     return 0;
+}
+
+/* Whether `order` [n] is exactly what sort_lookups gives for keys [n]: positions in [0, n) whose
+ * (row id, position) pairs strictly increase. Distinct pairs make the positions distinct, so n of
+ * them in [0, n) are a permutation, and the one sorted stably by row. O(n), no allocation. */
+static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *order)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (order[j] < 0 || order[j] >= n)
+            return 0;
+        if (j && (keys[order[j - 1]] > keys[order[j]]
+                  || (keys[order[j - 1]] == keys[order[j]] && order[j - 1] >= order[j])))
+            return 0;
+    }
+    return 1;
 }
 
 /* One unique row: sum its lookups' gradients in lookup order, then apply the rule. The body is
@@ -338,12 +356,15 @@ static Py_ssize_t update_rows_fma(const struct update_args *a, const int64_t *or
 
 static update_rows_fn update_rows = update_rows_plain;
 
-/* 0 on success; 1 bad index (at *bad); 2 bad offsets; -1 out of memory. */
+/* 0 on success; 1 bad index (at *bad); 2 bad offsets; 4 a given order that is not the lookups' own;
+ * -1 out of memory. */
 static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, Py_ssize_t *bad)
 {
     *bad = first_bad_row(a->indices, a->n, a->table_rows);
     if (*bad >= 0)
         return 1;
+    if (a->sorted && !sorted_order_holds(a->indices, a->n, a->sorted))
+        return 4;
     if (a->offsets) {
         if (a->bags < 1 || a->offsets[0] != 0)
             return 2;
@@ -352,12 +373,12 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
                 return 2;
     }
     size_t n = (size_t)(a->n ? a->n : 1);
-    int64_t *order = malloc(n * sizeof *order);
+    int64_t *order = a->sorted ? NULL : malloc(n * sizeof *order); /* given: sorted once, by unique_rows */
     int64_t *bag_of = malloc(n * sizeof *bag_of);
     float *scale_of = malloc(n * sizeof *scale_of);
     float *acc = malloc((size_t)(a->dim ? a->dim : 1) * sizeof *acc);
     int status = -1;
-    if (!order || !bag_of || !scale_of || !acc)
+    if ((!a->sorted && !order) || !bag_of || !scale_of || !acc)
         goto out;
     /* Each lookup's bag and the factor its bag gradient is scaled by, as torch's reference does:
      * times (1/len) in mode "mean", then times its per-sample weight. */
@@ -370,9 +391,9 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
             scale_of[i] = a->mean ? reciprocal : a->psw ? a->psw[i] : 1.0f;
         }
     }
-    if (sort_lookups(a->indices, a->n, a->table_rows, order) != 0)
+    if (order && sort_lookups(a->indices, a->n, a->table_rows, order) != 0)
         goto out;
-    *unique = update_rows(a, order, bag_of, scale_of, a->mean || a->psw, acc);
+    *unique = update_rows(a, order ? order : a->sorted, bag_of, scale_of, a->mean || a->psw, acc);
     if (a->undo && !a->undo->stopped)
         undo_finish(a->undo);
     status = 0;
@@ -405,37 +426,36 @@ static PyObject *all_finite(PyObject *self, PyObject *args)
  * The sorted unique rows of a lookup list (what an undo record holds), by the same radix sort
  * ------------------------------------------------------------------------------------------- */
 /* 0 on success, 1 bad index (at *bad), -1 out of memory; *unique rows written to out. */
+/* sorted: [n] receives the lookups' order (sort_lookups), or NULL: a scratch one is used. */
 static int unique_rows_nogil(const int64_t *keys, Py_ssize_t n, int64_t table_rows, int64_t *out,
-                             Py_ssize_t *unique, Py_ssize_t *bad)
+                             int64_t *sorted, Py_ssize_t *unique, Py_ssize_t *bad)
 {
     *bad = first_bad_row(keys, n, table_rows);
     if (*bad >= 0)
         return 1;
-    int64_t *order = malloc((size_t)(n ? n : 1) * sizeof *order);
-    if (!order || sort_lookups(keys, n, table_rows, order) != 0) {
-        free(order);
-        return -1;
-    }
+    int64_t *order = sorted ? sorted : malloc((size_t)(n ? n : 1) * sizeof *order);
+    int status = order && sort_lookups(keys, n, table_rows, order) == 0 ? 0 : -1;
     Py_ssize_t u = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; status == 0 && i < n; i++)
         if (u == 0 || keys[order[i]] != out[u - 1])
             out[u++] = keys[order[i]];
-    free(order);
+    if (!sorted)
+        free(order);
     *unique = u;
-    return 0;
+    return status;
 }
 
 static PyObject *unique_rows(PyObject *self, PyObject *args)
 {
-    unsigned long long keys, out;
+    unsigned long long keys, out, sorted = 0;
     Py_ssize_t n, unique = 0, bad = -1;
     long long table_rows;
-    if (!PyArg_ParseTuple(args, "KnLK", &keys, &n, &table_rows, &out))
+    if (!PyArg_ParseTuple(args, "KnLK|K", &keys, &n, &table_rows, &out, &sorted))
         return NULL;
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = unique_rows_nogil((const int64_t *)(uintptr_t)keys, n, table_rows, (int64_t *)(uintptr_t)out, &unique,
-                               &bad);
+    status = unique_rows_nogil((const int64_t *)(uintptr_t)keys, n, table_rows, (int64_t *)(uintptr_t)out,
+                               (int64_t *)(uintptr_t)sorted, &unique, &bad);
     Py_END_ALLOW_THREADS
     if (status == 1)
         return raise_bad_row((const int64_t *)(uintptr_t)keys, bad, table_rows);
@@ -478,11 +498,20 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     a.psw = (const float *)(uintptr_t)psw;
     a.out_rows = (int64_t *)(uintptr_t)out_rows;
     a.undo = NULL;
+    a.sorted = NULL;
     int64_t *undo_plan = (int64_t *)(uintptr_t)plan;
     if (undo_plan) {
         if (read_plan(undo_plan, &a, &u) < 0)
             return NULL;
         a.undo = &u;
+        if (undo_plan[PLAN_LOOKUP_ORDER]) {
+            if (undo_plan[PLAN_LOOKUP_COUNT] != a.n) {
+                PyErr_Format(PyExc_ValueError, "sparse_update: the undo plan's lookup order has %lld lookups, "
+                             "the update %zd; nothing was written", (long long)undo_plan[PLAN_LOOKUP_COUNT], a.n);
+                return NULL;
+            }
+            a.sorted = (const int64_t *)(uintptr_t)undo_plan[PLAN_LOOKUP_ORDER];
+        }
     }
     Py_ssize_t unique = 0, bad = -1;
     int status;
@@ -498,6 +527,11 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     if (status == 2) {
         PyErr_Format(PyExc_ValueError, "offsets must start at 0, be non-decreasing and at most %zd; nothing was written",
                      a.n);
+        return NULL;
+    }
+    if (status == 4) {
+        PyErr_SetString(PyExc_ValueError, "sparse_update: the undo plan's lookup order is not these lookups' "
+                        "sorted order; nothing was written");
         return NULL;
     }
     if (status < 0)
@@ -1096,7 +1130,8 @@ static PyMethodDef methods[] = {
      "undo records written chunk by chunk, each durable right before its chunk's rows are updated"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
-     "unique_rows(keys, n, table_rows, out) -> U: the sorted distinct row ids of keys [n] into out [U]"},
+     "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "
+     "sorted [n], when given, receives the lookups' positions by row (what sparse_update would sort)"},
     {"capture_undo", capture_undo, METH_VARARGS,
      "capture_undo(old_weights, old_state, old_rows, weights, row_bytes, state, state_bytes, table_rows, rows, "
      "count)"},

@@ -130,10 +130,12 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("window", [False, True], ids=["all-rows", "first-touches"])
-def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, window, power_loss):
+@pytest.mark.parametrize("handed", [False, True], ids=["kernel-sorts", "order-handed-over"])
+def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, window, power_loss, handed):
     """One chunk record per chunk of the unique rows that has a row to record, each holding those
-    rows' values from before the update; the table ends bit-identical to the plain kernel's; the
-    scan reads the chunk records back in order; on the power-loss model they are on the media."""
+    rows' values from before the update; the table ends bit-identical to the plain kernel's, whether
+    the kernel sorts the lookups itself or takes the order the layout sorted (handed); the scan
+    reads the chunk records back in order; on the power-loss model they are on the media."""
     from cxltrain import knobs
     from cxltrain.kernels import ops
 
@@ -152,19 +154,23 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
     expected_w, expected_s = weights.clone(), None if state is None else state.clone()
     expected_rows = ops.sparse_update(rule, expected_w, expected_s, indices, grad, lr=0.1, eps=1e-8)
 
-    rows = ops.unique_rows(indices, ROWS).numpy()
+    rows, order = ops.unique_rows_and_order(indices, ROWS)
+    assert np.array_equal(rows, ops.unique_rows(indices, ROWS).numpy())
+    assert np.array_equal(order, np.argsort(indices.numpy(), kind="stable"))
     recorded = rows[::3].copy() if window else rows
     undo, records = writer.plan_chunks(0, pool.region("t.weight"), None if state is None else pool.region("t.optim"),
                                        rows, recorded, 16)
+    undo.lookup_order = order if handed else None
     updated = ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
     writer.land(records)
     assert torch.equal(updated, expected_rows) and torch.equal(weights, expected_w)
     assert state is None or torch.equal(state, expected_s)
 
     chunks = -(-rows.size // 16)
-    assert len(records) == sum(1 for c in range(chunks) if np.isin(rows[16 * c : 16 * (c + 1)], recorded).any())
+    written = sum(r.count for r in records)  # one run of back-to-back records here (no wrap)
+    assert written == sum(1 for c in range(chunks) if np.isin(rows[16 * c : 16 * (c + 1)], recorded).any())
     scanned = ring.scan(pool, 5, 0, 0)
-    assert [r.header.seq for r in scanned] == list(range(len(records))) and writer.marked == len(records)
+    assert [r.header.seq for r in scanned] == list(range(written)) and writer.marked == written
     array = pool.device.array
     base = pool.region(layout.RING_REGION).offset
     got_rows = []
@@ -183,4 +189,100 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
         media = pool.device._file.media
         region = pool.region(layout.RING_REGION)
         assert np.array_equal(media[region.offset : region.end], array[region.offset : region.end])
+    pool.close()
+
+
+@pytest.mark.parametrize("where", ["one-run-after-the-wrap", "one-by-one-across-the-wrap"])
+def test_fused_records_wrap_as_appended_ones_do(shm_dir, where):
+    """A fused update's chunk records go back to back as one run where they fit without a wrap
+    (at the head, or at the ring's start), else one by one across the wrap; either way the scan
+    reads them after the live records, in order, each with its rows' old values."""
+    from cxltrain.kernels import ops
+
+    if not ops.fused_available():
+        pytest.skip("the native kernels are not built")
+    pool, table = _ring_pool(shm_dir / "w.pool", 64 << 10)
+    writer = ring.UndoRing(pool, 5, 0, 0)
+    weights, state = table.storage()
+    wr, sr = pool.region("t.weight"), pool.region("t.optim")
+    one = layout.record_bytes(16, wr.row_stride, sr.row_stride)  # a full 16-row chunk's record
+    slots = writer.capacity // one
+    # the update's chunks, and the records of batches 0 (reclaimed) and 1 (live) around them:
+    # run-after-the-wrap: 4 chunks; 2 slots free at the head, 5 at the start
+    # across-the-wrap: 6 chunks; 3 slots free at the head, 3 at the start
+    chunks, reclaimed, free_at_head = (4, 5, 2) if where == "one-run-after-the-wrap" else (6, 3, 3)
+    rng = np.random.default_rng(5)
+    for slot in range(slots - free_at_head):
+        rows = torch.from_numpy(np.sort(rng.choice(ROWS, 16, replace=False)))
+        writer.append(0 if slot < reclaimed else 1, wr, sr, rows, weights, state)
+    writer.mark_tail()
+    writer.reclaim(1)
+    start, start_seq = writer.start_after_reclaim(1)
+    head = writer.head
+
+    rows = np.sort(rng.choice(ROWS, 16 * chunks, replace=False))
+    indices = torch.from_numpy(np.repeat(rows, 2))
+    grad = torch.from_numpy(rng.standard_normal((indices.numel(), DIM)).astype(np.float32))
+    before_w = weights.clone()
+    undo, records = writer.plan_chunks(2, wr, sr, rows, rows, 16)
+    ops.sparse_update("rowwise_adagrad", weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
+    writer.land(records)
+    if where == "one-run-after-the-wrap":
+        assert [(r.offset, r.count) for r in records] == [(0, chunks)]
+    else:
+        assert [r.offset for r in records] == [head + c * one for c in range(3)] + [c * one for c in range(3)]
+
+    scanned = ring.scan(pool, 5, start, start_seq)
+    assert [r.header.batch for r in scanned] == [1] * (slots - free_at_head - reclaimed) + [2] * chunks
+    assert [r.header.seq for r in scanned] == list(range(start_seq, writer.next_seq))
+    array, base = pool.device.array, pool.region(layout.RING_REGION).offset
+    for c, record in enumerate(scanned[-chunks:]):
+        h = record.header
+        at = base + record.offset + layout.UNDO_HEADER.size
+        old_w, _, ids = layout.split_payload(array[at : at + h.payload_bytes], h.count, h.row_bytes, h.state_bytes)
+        assert np.array_equal(ids, rows[16 * c : 16 * (c + 1)])
+        ids = torch.from_numpy(ids.copy())
+        assert torch.equal(torch.from_numpy(old_w.copy()).view(torch.float32).view(h.count, -1), before_w[ids])
+    pool.close()
+
+
+def _swap_equal_rows(order: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """order with the first two lookups of one row swapped: the same permutation, not stable."""
+    j = int(np.flatnonzero(keys[order[1:]] == keys[order[:-1]])[0])
+    order = order.copy()
+    order[j], order[j + 1] = order[j + 1], order[j]
+    return order
+
+
+@pytest.mark.parametrize("spoil", ["other-lookups", "unsorted", "unstable", "out-of-range", "repeated"])
+def test_a_handed_over_order_that_is_not_the_lookups_is_refused_before_any_store(shm_dir, spoil):
+    """The kernel checks an order it is handed (kernels/rows.c sorted_order_holds) before writing
+    anything: a wrong one would sum some lookups twice and others never."""
+    from cxltrain.kernels import ops
+
+    if not ops.fused_available():
+        pytest.skip("the native kernels are not built")
+    rng = np.random.default_rng(3)
+    pool, table = _ring_pool(shm_dir / "o.pool", 256 << 10)
+    writer = ring.UndoRing(pool, 5, 0, 0)
+    weights, state = table.storage()
+    indices = torch.from_numpy(rng.integers(0, 40, 300))  # many repeats: rows with several lookups
+    grad = torch.from_numpy(rng.standard_normal((300, DIM)).astype(np.float32))
+    rows, order = ops.unique_rows_and_order(indices, ROWS)
+    keys = indices.numpy()
+    spoiled = {"other-lookups": lambda: ops.unique_rows_and_order(indices.flip(0).contiguous(), ROWS)[1],
+               "unsorted": lambda: order[::-1].copy(),
+               "unstable": lambda: _swap_equal_rows(order, keys),
+               "out-of-range": lambda: np.where(order == order.max(), 300, order),
+               "repeated": lambda: np.where(order == 0, 1, order)}[spoil]()
+    undo, records = writer.plan_chunks(0, pool.region("t.weight"), pool.region("t.optim"), rows, rows, 16)
+    undo.lookup_order = spoiled
+    before_w, before_s = weights.clone(), state.clone()
+    with pytest.raises(ValueError, match="lookup order"):
+        ops.sparse_update("rowwise_adagrad", weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
+    assert torch.equal(weights, before_w) and torch.equal(state, before_s)
+    assert ring.scan(pool, 5, 0, 0) == []  # no record written either
+    undo.lookup_order = order[:-1].copy()
+    with pytest.raises(ValueError, match="lookup order has 299 lookups"):
+        ops.sparse_update("rowwise_adagrad", weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
     pool.close()

@@ -325,7 +325,8 @@ class Checkpointer(BatchGuard):
         # Capture after the previous update (as in _capture): the kernel gathers each chunk from the
         # live rows right before updating them, in b's backward, so after b-1's update.
         weights, state = table.storage()
-        rows = row_ops.unique_rows(indices.contiguous(), weights.shape[0]).numpy()
+        # the lookups are sorted by row once, here: the kernel takes this order instead of its own sort
+        rows, lookup_order = row_ops.unique_rows_and_order(indices.contiguous(), weights.shape[0])
         # as in _capture (U1d): rows recorded earlier in the commit window are left out
         recorded = rows if self._window is None else self._window.first_touches(window, table.name, rows,
                                                                                  weights.shape[0])
@@ -333,6 +334,7 @@ class Checkpointer(BatchGuard):
         state_region = self.pool.region(table.state_region) if state is not None else None
         undo, records = self._with_room(batch, lambda: self.ring.plan_chunks(
             batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_order))
+        undo.lookup_order = lookup_order
         self._fused_records[table.name] = (records, torch.from_numpy(recorded), sum(r.size for r in records))
         self.stats.capture_seconds += time.perf_counter() - started
         return undo

@@ -27,10 +27,14 @@ if TYPE_CHECKING:  # the writer's tensors; the reading side (scan, restore) is r
 
 @dataclasses.dataclass(frozen=True)
 class LiveRecord:
+    """A live record, or a run of `count` records of one batch laid back to back (a fused update's
+    chunk records: seqs seq .. seq + count - 1), which the ring keeps and reclaims as one."""
+
     offset: int     # within the ring region
-    size: int       # ring bytes, header and padding included
-    seq: int
+    size: int       # ring bytes, headers and padding included
+    seq: int        # the (first) record's
     batch: int
+    count: int = 1
 
 
 class RingFull(CheckpointError):
@@ -125,7 +129,7 @@ class UndoRing:
         self._live.append(record)
         self.live_bytes += record.size
         self.head = record.offset + record.size
-        self.next_seq += 1
+        self.next_seq += record.count
 
     def streams(self) -> bool:
         """Whether a native kernel can make records durable itself on this ring's device (plan_chunks);
@@ -150,34 +154,27 @@ class UndoRing:
         rec_first[:chunks] = np.searchsorted(recorded, rows[::chunk_rows])
         rec_first[chunks] = recorded.size
         counts = np.diff(rec_first)
-        sizes = [layout.record_bytes(int(n), row_bytes, state_bytes) if n else 0 for n in counts.tolist()]
-        total = sum(sizes)
-        fences = 4 * sum(1 for n in sizes if n)  # a chunk: payload, header, two tail mark copies
+        has = counts > 0
+        sizes = layout.record_bytes(counts[has], row_bytes, state_bytes)  # int64 [K], a record per chunk with rows
         device = self._record_device
         media = device.streamed_target(self.region.offset)
-        placed: list[LiveRecord] = []
         with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
-            head, live_bytes, seq = self.head, self.live_bytes, self.next_seq
+            head, live_bytes, seq, live = self.head, self.live_bytes, self.next_seq, len(self._live)
             try:
-                for size in sizes:
-                    if size:
-                        record = LiveRecord(self._place(size), size, self.next_seq, batch)
-                        self._take(record)
-                        placed.append(record)
+                placed, offsets = self._place_records(sizes, batch)
             finally:
-                for _ in placed:
+                while len(self._live) > live:
                     self._live.pop()
                 self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
         uuid = self.pool.superblock.uuid
-        has = counts > 0
         rec_offset = np.full(chunks, -1, dtype=np.int64)
-        rec_offset[has] = [r.offset for r in placed]
+        rec_offset[has] = offsets
         # every header from one template: seq, count and payload bytes differ per record
         template = layout.UndoHeader(weights_region.index, self.generation, 0, batch, 0, row_bytes, state_bytes, 0,
                                      None if state_region is None else state_region.index).template()
         headers = np.tile(np.frombuffer(template, dtype=np.uint8), (chunks, 1))
         words, halves = headers.view(np.uint64), headers.view(np.uint32)
-        words[has, layout.UNDO_SEQ_AT // 8] = [r.seq for r in placed]
+        words[has, layout.UNDO_SEQ_AT // 8] = seq + np.arange(sizes.size)  # in placement order
         halves[:, layout.UNDO_COUNT_AT // 4] = counts
         words[:, layout.UNDO_PAYLOAD_BYTES_AT // 8] = counts * (row_bytes + state_bytes + 8)
         tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,
@@ -189,8 +186,29 @@ class UndoRing:
             header_seed=layout.header_checksum_seed(uuid, self.generation), tails=tails,
             tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)], dtype=np.uint32),
             tail_offset=self.capacity, order=order)
-        device.streamed_persisted(self.region.offset, total, fences)
+        # a chunk's record: payload, header, two tail mark copies
+        device.streamed_persisted(self.region.offset, int(sizes.sum()), 4 * sizes.size)
         return undo, placed
+
+    def _place_records(self, sizes: np.ndarray, batch: int) -> tuple[list[LiveRecord], np.ndarray]:
+        """Place records of `sizes` [K] bytes of `batch`, one after the other as append would, and
+        take them in (the caller holds _lock): as one run where they all fit without a wrap, else
+        one by one. Returns what was taken and each record's offset [K]; raises RingFull when they
+        do not all fit."""
+        total = int(sizes.sum())
+        if total and total <= self.capacity:
+            try:
+                run = LiveRecord(self._place(total), total, self.next_seq, batch, int(sizes.size))
+            except RingFull:
+                pass  # maybe room one by one, across the wrap
+            else:
+                self._take(run)
+                return [run], run.offset + np.cumsum(sizes) - sizes
+        placed = []
+        for size in sizes.tolist():
+            placed.append(LiveRecord(self._place(size), size, self.next_seq, batch))
+            self._take(placed[-1])
+        return placed, np.array([r.offset for r in placed], dtype=np.int64)
 
     def land(self, records: list[LiveRecord]) -> None:
         """The records plan_chunks laid out are written and durable, and the tail mark covers them
