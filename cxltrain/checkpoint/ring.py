@@ -63,6 +63,7 @@ class UndoRing:
         self._lock = threading.Lock()
         # kept as a running total: the training thread reads it while the worker appends
         self.live_bytes = 0
+        self._streaming_fields: dict | None = None  # _streaming()
 
     @property
     def free_bytes(self) -> int:
@@ -156,8 +157,6 @@ class UndoRing:
         counts = np.diff(rec_first)
         has = counts > 0
         sizes = layout.record_bytes(counts[has], row_bytes, state_bytes)  # int64 [K], a record per chunk with rows
-        device = self._record_device
-        media = device.streamed_target(self.region.offset)
         with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
             head, live_bytes, seq, live = self.head, self.live_bytes, self.next_seq, len(self._live)
             try:
@@ -166,7 +165,6 @@ class UndoRing:
                 while len(self._live) > live:
                     self._live.pop()
                 self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
-        uuid = self.pool.superblock.uuid
         rec_offset = np.full(chunks, -1, dtype=np.int64)
         rec_offset[has] = offsets
         # every header from one template: seq, count and payload bytes differ per record
@@ -177,18 +175,29 @@ class UndoRing:
         words[has, layout.UNDO_SEQ_AT // 8] = seq + np.arange(sizes.size)  # in placement order
         halves[:, layout.UNDO_COUNT_AT // 4] = counts
         words[:, layout.UNDO_PAYLOAD_BYTES_AT // 8] = counts * (row_bytes + state_bytes + 8)
-        tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,
-                              dtype=np.uint8).reshape(layout.TAIL_COPIES, -1).copy()
-        undo = row_ops.UndoChunks(
-            ring=device.array.ctypes.data + self.region.offset, media=media, lock=device.persist_lock,
-            rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset, rec_first=rec_first,
-            headers=headers, payload_seed=layout.payload_checksum_base(uuid, self.generation),
-            header_seed=layout.header_checksum_seed(uuid, self.generation), tails=tails,
-            tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)], dtype=np.uint32),
-            tail_offset=self.capacity, order=order)
+        undo = row_ops.UndoChunks(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
+                                  rec_first=rec_first, headers=headers, order=order, **self._streaming())
         # a chunk's record: payload, header, two tail mark copies
-        device.streamed_persisted(self.region.offset, int(sizes.sum()), 4 * sizes.size)
+        self._record_device.streamed_persisted(self.region.offset, int(sizes.sum()), 4 * sizes.size)
         return undo, placed
+
+    def _streaming(self) -> dict:
+        """What every UndoChunks of this ring shares (the ring's addresses, the generation's seeds
+        and tail mark templates, which the kernel only reads), worked out once per mapping."""
+        device = self._record_device
+        ring = device.array.ctypes.data + self.region.offset  # raises once the device is closed
+        if self._streaming_fields is None or self._streaming_fields["ring"] != ring:
+            uuid = self.pool.superblock.uuid
+            tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,
+                                  dtype=np.uint8).reshape(layout.TAIL_COPIES, -1).copy()
+            self._streaming_fields = dict(
+                ring=ring, media=device.streamed_target(self.region.offset),
+                lock=device.persist_lock, payload_seed=layout.payload_checksum_base(uuid, self.generation),
+                header_seed=layout.header_checksum_seed(uuid, self.generation), tails=tails,
+                tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)],
+                                    dtype=np.uint32),
+                tail_offset=self.capacity)
+        return self._streaming_fields
 
     def _place_records(self, sizes: np.ndarray, batch: int) -> tuple[list[LiveRecord], np.ndarray]:
         """Place records of `sizes` [K] bytes of `batch`, one after the other as append would, and
