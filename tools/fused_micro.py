@@ -3,7 +3,8 @@
 One 1M x 64 row-wise Adagrad table in a pool on /dev/shm, its lookups from `train`'s default
 synthetic source (batch 2048, --pooling), alternating per batch: unique rows, then either the undo
 record appended and the update run (two passes) or the chunk records laid out and the update run
-with them (fused), then the updated rows flushed. Prints medians in ms, per phase, as JSON.
+with them (fused: the unique rows' sort handed to the kernel, as the checkpointer does), then the
+updated rows flushed. Prints medians in ms, per phase, as JSON.
 
     .venv/bin/python tools/fused_micro.py --pooling 20 --iters 60
 """
@@ -52,7 +53,11 @@ def main() -> None:
         indices, offsets = batch.values[0], batch.offsets[0]
         for kind in ("2pass", "fused") if it % 2 else ("fused", "2pass"):
             t0 = time.perf_counter()
-            rows = ops.unique_rows(indices, weights.shape[0])
+            if kind == "fused":  # the lookups' order kept for the kernel, as the checkpointer does
+                rows, order = ops.unique_rows_and_order(indices, weights.shape[0])
+                rows = torch.from_numpy(rows)
+            else:
+                rows = ops.unique_rows(indices, weights.shape[0])
             t1 = time.perf_counter()
             if kind == "2pass":
                 writer.append(it, wr, sr, rows, weights, state)
@@ -60,6 +65,7 @@ def main() -> None:
                 undo, records = None, []
             else:
                 undo, records = writer.plan_chunks(it, wr, sr, rows.numpy(), rows.numpy(), a.chunk)
+                undo.lookup_order = order
             t2 = time.perf_counter()
             out = ops.sparse_update("rowwise_adagrad", weights, state, indices, grad, offsets, lr=0.01, eps=1e-8,
                                     undo=undo)
