@@ -192,11 +192,19 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
     pool.close()
 
 
-@pytest.mark.parametrize("where", ["one-run-after-the-wrap", "one-by-one-across-the-wrap"])
+# (chunks of the update, slots of batch 0's records reclaimed before it, slots free at the head)
+_WRAPS = {"one-run-at-the-head": (4, 3, 5),
+          "one-by-one-though-a-run-fits-at-the-start": (4, 5, 2),
+          "one-by-one-across-the-wrap": (6, 3, 3)}
+
+
+@pytest.mark.parametrize("where", list(_WRAPS))
 def test_fused_records_wrap_as_appended_ones_do(shm_dir, where):
-    """A fused update's chunk records go back to back as one run where they fit without a wrap
-    (at the head, or at the ring's start), else one by one across the wrap; either way the scan
-    reads them after the live records, in order, each with its rows' old values."""
+    """A fused update's chunk records go back to back as one run where they all fit at the head,
+    else one by one as appends would go: the head's room first, then from the ring's start (never
+    the whole run moved to the start, which would leave the head's room unused and fill the ring
+    early). Either way the scan reads them after the live records, in order, each with its rows'
+    old values."""
     from cxltrain.kernels import ops
 
     if not ops.fused_available():
@@ -207,10 +215,7 @@ def test_fused_records_wrap_as_appended_ones_do(shm_dir, where):
     wr, sr = pool.region("t.weight"), pool.region("t.optim")
     one = layout.record_bytes(16, wr.row_stride, sr.row_stride)  # a full 16-row chunk's record
     slots = writer.capacity // one
-    # the update's chunks, and the records of batches 0 (reclaimed) and 1 (live) around them:
-    # run-after-the-wrap: 4 chunks; 2 slots free at the head, 5 at the start
-    # across-the-wrap: 6 chunks; 3 slots free at the head, 3 at the start
-    chunks, reclaimed, free_at_head = (4, 5, 2) if where == "one-run-after-the-wrap" else (6, 3, 3)
+    chunks, reclaimed, free_at_head = _WRAPS[where]  # batch 1's records live between the two free spans
     rng = np.random.default_rng(5)
     for slot in range(slots - free_at_head):
         rows = torch.from_numpy(np.sort(rng.choice(ROWS, 16, replace=False)))
@@ -227,10 +232,11 @@ def test_fused_records_wrap_as_appended_ones_do(shm_dir, where):
     undo, records = writer.plan_chunks(2, wr, sr, rows, rows, 16)
     ops.sparse_update("rowwise_adagrad", weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
     writer.land(records)
-    if where == "one-run-after-the-wrap":
-        assert [(r.offset, r.count) for r in records] == [(0, chunks)]
+    if where == "one-run-at-the-head":
+        assert [(r.offset, r.count) for r in records] == [(head, chunks)]
     else:
-        assert [r.offset for r in records] == [head + c * one for c in range(3)] + [c * one for c in range(3)]
+        assert [r.offset for r in records] == ([head + c * one for c in range(free_at_head)]
+                                               + [c * one for c in range(chunks - free_at_head)])
 
     scanned = ring.scan(pool, 5, start, start_seq)
     assert [r.header.batch for r in scanned] == [1] * (slots - free_at_head - reclaimed) + [2] * chunks

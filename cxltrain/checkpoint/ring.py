@@ -201,16 +201,18 @@ class UndoRing:
 
     def _place_records(self, sizes: np.ndarray, batch: int) -> tuple[list[LiveRecord], np.ndarray]:
         """Place records of `sizes` [K] bytes of `batch`, one after the other as append would, and
-        take them in (the caller holds _lock): as one run where they all fit without a wrap, else
-        one by one. Returns what was taken and each record's offset [K]; raises RingFull when they
-        do not all fit."""
+        take them in (the caller holds _lock): as one run where they all fit at the head, else one
+        by one (the first ones at the head, the rest from the ring's start: a run moved whole to the
+        start would leave the head's room unused). Returns what was taken and each record's offset
+        [K]; raises RingFull when they do not all fit."""
         total = int(sizes.sum())
         if total and total <= self.capacity:
             try:
-                run = LiveRecord(self._place(total), total, self.next_seq, batch, int(sizes.size))
+                at = self._place(total)
             except RingFull:
-                pass  # maybe room one by one, across the wrap
-            else:
+                at = None  # maybe room one by one, across the wrap
+            if at == self.head:
+                run = LiveRecord(at, total, self.next_seq, batch, int(sizes.size))
                 self._take(run)
                 return [run], run.offset + np.cumsum(sizes) - sizes
         placed = []
