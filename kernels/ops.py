@@ -84,6 +84,47 @@ def unique_rows_and_order(indices: torch.Tensor, table_rows: int) -> tuple[np.nd
     return rows[:count], order
 
 
+def undo_chunk_counts(rows: np.ndarray, recorded: np.ndarray, chunk_rows: int, header_bytes: int, row_payload: int,
+                      align: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The fused update's undo records (checkpoint/ring.py plan_chunks), before they are placed:
+    (rec_first int64 [C + 1], sizes int64 [K], total bytes). rows [U] int64 sorted unique, taken
+    in C chunks of `chunk_rows`; recorded [V] the sorted subset that needs a record; chunk c's
+    record holds recorded[rec_first[c] : rec_first[c + 1]], and each of the K chunks with a
+    recorded row has a record of header_bytes + count * row_payload bytes rounded up to `align`."""
+    native.check_rows(rows)
+    native.check_rows(recorded)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    lib = _fused_lib()
+    chunks = -(-rows.size // chunk_rows)
+    rec_first = np.empty(chunks + 1, dtype=np.int64)
+    sizes = np.empty(chunks, dtype=np.int64)
+    records, total = lib.undo_chunk_counts(rows.ctypes.data, rows.size, recorded.ctypes.data, recorded.size,
+                                           chunk_rows, header_bytes, row_payload, align, rec_first.ctypes.data,
+                                           sizes.ctypes.data)
+    return rec_first, sizes[:records], total
+
+
+def undo_chunk_headers(template: bytes, seq: int, rec_first: np.ndarray, sizes: np.ndarray,
+                       offsets: np.ndarray | None, run_start: int, row_payload: int) -> tuple[np.ndarray, np.ndarray]:
+    """The placed records of undo_chunk_counts: (rec_offset int64 [C], headers uint8 [C, 64]).
+    Each chunk's header is the 64-byte `template` with its count and payload bytes, and, for the
+    k-th chunk with a record, seq + k; its ring offset is offsets[k] (offsets [K]), or with offsets
+    None the records lie back to back from run_start (sizes [K]); -1 for a chunk without one."""
+    for block in (rec_first, sizes) if offsets is None else (rec_first, sizes, offsets):
+        native.check_rows(block)  # 1-D contiguous int64, as the kernel reads them
+    chunks = rec_first.size - 1
+    if len(template) != 64 or (offsets is not None and offsets.size != sizes.size):
+        raise ValueError("undo_chunk_headers: a 64-byte template, and an offset for each record's size")
+    lib = _fused_lib()
+    rec_offset = np.empty(chunks, dtype=np.int64)
+    headers = np.empty((chunks, 64), dtype=np.uint8)
+    lib.undo_chunk_headers(np.frombuffer(template, dtype=np.uint8).ctypes.data, seq, rec_first.ctypes.data, chunks,
+                           sizes.ctypes.data, 0 if offsets is None else offsets.ctypes.data, run_start, row_payload,
+                           rec_offset.ctypes.data, headers.ctypes.data)
+    return rec_offset, headers
+
+
 @dataclasses.dataclass
 class UndoChunks:
     """The undo records a fused update writes (checkpoint/ring.py lays them out): the batch's U unique
@@ -133,6 +174,13 @@ def fused_available() -> bool:
     return lib is not None and bool(lib.STREAMS)
 
 
+def _fused_lib():
+    """The native kernels, for the fused capture's layout (only ever laid out where fused_available)."""
+    if not fused_available():
+        raise RuntimeError("the fused capture's undo layout needs the native kernels with streamed stores")
+    return native.lib()
+
+
 def _fused_plan(undo: UndoChunks) -> np.ndarray:
     """The int64 plan the kernel reads (kernels/rows.c enum fused_plan), after checking every array."""
     chunks = undo.rec_offset.size
@@ -148,10 +196,10 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
         _check_block("lookup_order", lookups, np.int64, (lookups.size,))
     if undo.chunk_rows < 1 or -(-undo.rows.size // undo.chunk_rows) != chunks:
         raise ValueError(f"{chunks} chunks of {undo.chunk_rows} rows cannot hold {undo.rows.size} unique rows")
-    stop_chunk, stop_phase = undo.stop_chunk(), 0
+    stop_chunk, stop_phase = -1, 0
     for phase, point in _STOPS.items():
-        if crash_due(point) and stop_chunk >= 0:
-            stop_phase = phase
+        if crash_due(point) and undo.stop_chunk() >= 0:  # a crash test's: worked out only then
+            stop_chunk, stop_phase = undo.stop_chunk(), phase
     plan = np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
                      undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
                      undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,

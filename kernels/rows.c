@@ -946,7 +946,8 @@ static void detect_cpu(void)
  * Capture and update in one pass (struct fused_undo above says what it writes, and in what order)
  * ------------------------------------------------------------------------------------------- */
 /* byte offsets in layout.UNDO_HEADER and layout.TAIL_MARK (little-endian, as the CPU) */
-enum { UNDO_HEADER_BYTES = 64, UNDO_SEQ_AT = 16, UNDO_PAYLOAD_CRC_AT = 44, UNDO_HEADER_CRC_AT = 60 };
+enum { UNDO_HEADER_BYTES = 64, UNDO_SEQ_AT = 16, UNDO_COUNT_AT = 32, UNDO_PAYLOAD_CRC_AT = 44,
+       UNDO_PAYLOAD_BYTES_AT = 48, UNDO_HEADER_CRC_AT = 60 };
 enum { TAIL_MARK_BYTES = 64, TAIL_SEQ_END_AT = 16, TAIL_CRC_AT = 60 };
 enum { ORDER_PRODUCTION = 0, ORDER_HEADER_BEFORE_PAYLOAD = 1, ORDER_UPDATE_BEFORE_HEADER = 2 };
 
@@ -1119,6 +1120,91 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The fused update's undo layout (checkpoint/ring.py plan_chunks), in two calls around the ring's
+ * placement: which recorded rows each chunk's record holds and how big it is; then, once the ring
+ * has placed the records, where each one goes and its header. Plain arithmetic on the caller's
+ * arrays: nothing here touches the pool.
+ * ------------------------------------------------------------------------------------------- */
+/* undo_chunk_counts(rows, U, recorded, V, chunk_rows, header_bytes, row_payload, align, rec_first,
+ * sizes) -> (K, total): rec_first [C + 1] (chunk c of the sorted unique rows [U] records
+ * recorded[rec_first[c], rec_first[c + 1]), recorded [V] being a sorted subset of them: what
+ * numpy.searchsorted(recorded, rows[::chunk_rows]) gives), sizes [K] the ring bytes of the K
+ * records (one per chunk with a recorded row: layout.record_bytes, header_bytes + count *
+ * row_payload rounded up to align), and their total. */
+static PyObject *undo_chunk_counts(PyObject *self, PyObject *args)
+{
+    unsigned long long rows_at, recorded_at, rec_first_at, sizes_at;
+    Py_ssize_t u, v, chunk_rows, header_bytes, row_payload, align;
+    if (!PyArg_ParseTuple(args, "KnKnnnnnKK", &rows_at, &u, &recorded_at, &v, &chunk_rows, &header_bytes,
+                          &row_payload, &align, &rec_first_at, &sizes_at))
+        return NULL;
+    if (chunk_rows < 1 || align < 1 || u < 0 || v < 0 || v > u) {
+        PyErr_SetString(PyExc_ValueError, "undo_chunk_counts: bad sizes");
+        return NULL;
+    }
+    const int64_t *rows = (const int64_t *)(uintptr_t)rows_at, *recorded = (const int64_t *)(uintptr_t)recorded_at;
+    int64_t *rec_first = (int64_t *)(uintptr_t)rec_first_at, *sizes = (int64_t *)(uintptr_t)sizes_at;
+    const Py_ssize_t chunks = (u + chunk_rows - 1) / chunk_rows;
+    Py_ssize_t j = 0, k = 0;
+    long long total = 0;
+    for (Py_ssize_t c = 0; c < chunks; c++) {
+        while (j < v && recorded[j] < rows[c * chunk_rows])
+            j++;
+        rec_first[c] = j;
+    }
+    rec_first[chunks] = v;
+    for (Py_ssize_t c = 0; c < chunks; c++) {
+        const int64_t count = rec_first[c + 1] - rec_first[c];
+        if (count) {
+            sizes[k] = (header_bytes + count * row_payload + align - 1) / align * align;
+            total += sizes[k++];
+        }
+    }
+    return Py_BuildValue("nL", k, total);
+}
+
+/* undo_chunk_headers(template, seq, rec_first, chunks, sizes, offsets, run_start, row_payload,
+ * rec_offset, headers): every chunk's header [chunks, 64] from the 64-byte template (count and
+ * payload bytes set; for a chunk with a record, its seq, from `seq` on in chunk order; the
+ * checksums left zero, the kernel's to fill in) and rec_offset [chunks]: -1 for a chunk without a
+ * record, else offsets[k] for the k-th record (offsets [K], or 0: the records lie back to back
+ * from run_start, sizes [K] long each). */
+static PyObject *undo_chunk_headers(PyObject *self, PyObject *args)
+{
+    unsigned long long template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at;
+    long long seq, run_start;
+    Py_ssize_t chunks, row_payload;
+    if (!PyArg_ParseTuple(args, "KLKnKKLnKK", &template_at, &seq, &rec_first_at, &chunks, &sizes_at, &offsets_at,
+                          &run_start, &row_payload, &rec_offset_at, &headers_at))
+        return NULL;
+    const unsigned char *template = (const unsigned char *)(uintptr_t)template_at;
+    const int64_t *rec_first = (const int64_t *)(uintptr_t)rec_first_at;
+    const int64_t *sizes = (const int64_t *)(uintptr_t)sizes_at, *offsets = (const int64_t *)(uintptr_t)offsets_at;
+    int64_t *rec_offset = (int64_t *)(uintptr_t)rec_offset_at;
+    unsigned char *headers = (unsigned char *)(uintptr_t)headers_at;
+    long long at = run_start;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t c = 0; c < chunks; c++) {
+        unsigned char *h = headers + c * UNDO_HEADER_BYTES;
+        const int64_t count = rec_first[c + 1] - rec_first[c];
+        const uint32_t count32 = (uint32_t)count;
+        const uint64_t payload = (uint64_t)(count * row_payload);
+        memcpy(h, template, UNDO_HEADER_BYTES);
+        memcpy(h + UNDO_COUNT_AT, &count32, 4);
+        memcpy(h + UNDO_PAYLOAD_BYTES_AT, &payload, 8);
+        if (!count) {
+            rec_offset[c] = -1;
+            continue;
+        }
+        const uint64_t record_seq = (uint64_t)(seq + k);
+        memcpy(h + UNDO_SEQ_AT, &record_seq, 8);
+        rec_offset[c] = offsets ? offsets[k] : at;
+        at += sizes[k++];
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(dst, dst_stride, src, src_stride, row_bytes, scatter, table_rows, rows, count): gather "
@@ -1132,6 +1218,12 @@ static PyMethodDef methods[] = {
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "
      "sorted [n], when given, receives the lookups' positions by row (what sparse_update would sort)"},
+    {"undo_chunk_counts", undo_chunk_counts, METH_VARARGS,
+     "undo_chunk_counts(rows, U, recorded, V, chunk_rows, header_bytes, row_payload, align, rec_first, sizes) "
+     "-> (records, total bytes): the fused update's undo records, per chunk"},
+    {"undo_chunk_headers", undo_chunk_headers, METH_VARARGS,
+     "undo_chunk_headers(template, seq, rec_first, chunks, sizes, offsets, run_start, row_payload, rec_offset, "
+     "headers): each chunk's record offset and header"},
     {"capture_undo", capture_undo, METH_VARARGS,
      "capture_undo(old_weights, old_state, old_rows, weights, row_bytes, state, state_bytes, table_rows, rows, "
      "count)"},

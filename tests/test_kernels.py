@@ -461,3 +461,41 @@ def test_all_finite_is_torchs(count, where, bad):
         with knobs.override(native_kernels=flag):
             assert ops.all_finite(values) == bool(torch.isfinite(values).all())
             assert ops.all_finite(values.reshape(-1, 1)[::2]) == bool(torch.isfinite(values[::2]).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused capture's undo layout (undo_chunk_counts, undo_chunk_headers) against numpy
+# ---------------------------------------------------------------------------------------------
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(unique=st.integers(0, 700), chunk_rows=st.integers(1, 300), keep=st.floats(0.0, 1.0),
+       seed=st.integers(0, 1 << 30), one_run=st.booleans())
+def test_fused_undo_layout_is_the_numpy_rule(unique, chunk_rows, keep, seed, one_run):
+    """Each chunk records the recorded rows that fall in it (numpy.searchsorted's split); a chunk
+    with one gets a record of header + count * row bytes rounded up, its seq in chunk order, its
+    offset back to back from the run's start or the one given; every header is the template with
+    its count and payload bytes."""
+    if not ops.fused_available():
+        pytest.skip("no streamed stores on this CPU")
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(10_000, unique, replace=False)).astype(np.int64)
+    recorded = rows[rng.random(unique) < keep].copy()  # capture once per window: a subset
+    header, row_payload, align = 64, 264, 64
+    rec_first, sizes, total = ops.undo_chunk_counts(rows, recorded, chunk_rows, header, row_payload, align)
+    chunks = -(-unique // chunk_rows)
+    assert np.array_equal(rec_first, np.append(np.searchsorted(recorded, rows[::chunk_rows]), recorded.size))
+    counts = np.diff(rec_first)
+    has = counts > 0
+    assert np.array_equal(sizes, -(-(header + counts[has] * row_payload) // align) * align)
+    assert total == sizes.sum() and rec_first.size == chunks + 1
+
+    template = bytes(rng.integers(0, 256, 64, dtype=np.uint8))
+    offsets = None if one_run else np.sort(rng.choice(1 << 20, sizes.size, replace=False)).astype(np.int64)
+    rec_offset, headers = ops.undo_chunk_headers(template, 77, rec_first, sizes, offsets, 4096, row_payload)
+    expected_offsets = 4096 + np.cumsum(sizes) - sizes if one_run else offsets
+    assert np.array_equal(rec_offset[has], expected_offsets) and (rec_offset[~has] == -1).all()
+    expected = np.tile(np.frombuffer(template, dtype=np.uint8), (chunks, 1))
+    expected.view(np.uint64)[has, 2] = 77 + np.arange(sizes.size)      # seq at byte 16
+    expected.view(np.uint32)[:, 8] = counts                             # count at byte 32
+    expected.view(np.uint64)[:, 6] = counts * row_payload               # payload bytes at byte 48
+    assert np.array_equal(headers, expected)

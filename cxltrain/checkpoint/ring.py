@@ -150,35 +150,27 @@ class UndoRing:
 
         row_bytes = weights_region.row_stride
         state_bytes = state_region.row_stride if state_region is not None else 0
-        chunks = -(-rows.size // chunk_rows)
-        rec_first = np.empty(chunks + 1, dtype=np.int64)
-        rec_first[:chunks] = np.searchsorted(recorded, rows[::chunk_rows])
-        rec_first[chunks] = recorded.size
-        counts = np.diff(rec_first)
-        has = counts > 0
-        sizes = layout.record_bytes(counts[has], row_bytes, state_bytes)  # int64 [K], a record per chunk with rows
+        row_payload = layout.payload_bytes(1, row_bytes, state_bytes)
+        # rec_first [C + 1]: each chunk's recorded rows; sizes [K]: a record per chunk with any
+        rec_first, sizes, total = row_ops.undo_chunk_counts(rows, recorded, chunk_rows, layout.UNDO_HEADER.size,
+                                                            row_payload, layout.RECORD_ALIGN)
         with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
             head, live_bytes, seq, live = self.head, self.live_bytes, self.next_seq, len(self._live)
             try:
-                placed, offsets = self._place_records(sizes, batch)
+                placed, offsets = self._place_records(sizes, total, batch)
             finally:
                 while len(self._live) > live:
                     self._live.pop()
                 self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
-        rec_offset = np.full(chunks, -1, dtype=np.int64)
-        rec_offset[has] = offsets
-        # every header from one template: seq, count and payload bytes differ per record
+        # every header from one template: seq (in placement order), count and payload bytes differ per record
         template = layout.UndoHeader(weights_region.index, self.generation, 0, batch, 0, row_bytes, state_bytes, 0,
                                      None if state_region is None else state_region.index).template()
-        headers = np.tile(np.frombuffer(template, dtype=np.uint8), (chunks, 1))
-        words, halves = headers.view(np.uint64), headers.view(np.uint32)
-        words[has, layout.UNDO_SEQ_AT // 8] = seq + np.arange(sizes.size)  # in placement order
-        halves[:, layout.UNDO_COUNT_AT // 4] = counts
-        words[:, layout.UNDO_PAYLOAD_BYTES_AT // 8] = counts * (row_bytes + state_bytes + 8)
+        rec_offset, headers = row_ops.undo_chunk_headers(template, seq, rec_first, sizes, offsets,
+                                                         placed[0].offset if placed else 0, row_payload)
         undo = row_ops.UndoChunks(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
                                   rec_first=rec_first, headers=headers, order=order, **self._streaming())
         # a chunk's record: payload, header, two tail mark copies
-        self._record_device.streamed_persisted(self.region.offset, int(sizes.sum()), 4 * sizes.size)
+        self._record_device.streamed_persisted(self.region.offset, total, 4 * sizes.size)
         return undo, placed
 
     def _streaming(self) -> dict:
@@ -199,22 +191,21 @@ class UndoRing:
                 tail_offset=self.capacity)
         return self._streaming_fields
 
-    def _place_records(self, sizes: np.ndarray, batch: int) -> tuple[list[LiveRecord], np.ndarray]:
-        """Place records of `sizes` [K] bytes of `batch`, one after the other as append would, and
-        take them in (the caller holds _lock): as one run where they all fit at the head, else one
-        by one (the first ones at the head, the rest from the ring's start: a run moved whole to the
-        start would leave the head's room unused). Returns what was taken and each record's offset
-        [K]; raises RingFull when they do not all fit."""
-        total = int(sizes.sum())
+    def _place_records(self, sizes: np.ndarray, total: int, batch: int) -> tuple[list[LiveRecord], np.ndarray | None]:
+        """Place records of `sizes` [K] bytes (`total` in all) of `batch`, one after the other as
+        append would, and take them in (the caller holds _lock): as one run where they all fit at
+        the head, else one by one (the first ones at the head, the rest from the ring's start: a run
+        moved whole to the start would leave the head's room unused). Returns what was taken, and
+        each record's offset [K] where they went one by one (None: one run, back to back); raises
+        RingFull when they do not all fit."""
         if total and total <= self.capacity:
             try:
                 at = self._place(total)
             except RingFull:
                 at = None  # maybe room one by one, across the wrap
             if at == self.head:
-                run = LiveRecord(at, total, self.next_seq, batch, int(sizes.size))
-                self._take(run)
-                return [run], run.offset + np.cumsum(sizes) - sizes
+                self._take(LiveRecord(at, total, self.next_seq, batch, int(sizes.size)))
+                return [self._live[-1]], None
         placed = []
         for size in sizes.tolist():
             placed.append(LiveRecord(self._place(size), size, self.next_seq, batch))
