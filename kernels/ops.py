@@ -184,16 +184,17 @@ def _fused_lib():
 def _fused_plan(undo: UndoChunks) -> np.ndarray:
     """The int64 plan the kernel reads (kernels/rows.c enum fused_plan), after checking every array."""
     chunks = undo.rec_offset.size
+    # the kernel writes only the headers (their checksums); the rest it reads
     for name, block, dtype, shape in (("recorded", undo.recorded, np.int64, (undo.recorded.size,)),
                                       ("rec_offset", undo.rec_offset, np.int64, (chunks,)),
                                       ("rec_first", undo.rec_first, np.int64, (chunks + 1,)),
-                                      ("headers", undo.headers, np.uint8, (chunks, 64)),
                                       ("tails", undo.tails, np.uint8, (2, 64)),
                                       ("tail_seeds", undo.tail_seeds, np.uint32, (2,))):
-        _check_block(name, block, dtype, shape)
+        _check_block(name, block, dtype, shape, written=False)
+    _check_block("headers", undo.headers, np.uint8, (chunks, 64))
     lookups = undo.lookup_order
     if lookups is not None:
-        _check_block("lookup_order", lookups, np.int64, (lookups.size,))
+        _check_block("lookup_order", lookups, np.int64, (lookups.size,), written=False)
     if undo.chunk_rows < 1 or -(-undo.rows.size // undo.chunk_rows) != chunks:
         raise ValueError(f"{chunks} chunks of {undo.chunk_rows} rows cannot hold {undo.rows.size} unique rows")
     stop_chunk, stop_phase = -1, 0
@@ -349,10 +350,12 @@ def _check(name: str, tensor, dtype: torch.dtype, dim: int) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_block(name: str, block, dtype, shape: tuple[int, ...]) -> None:
+def _check_block(name: str, block, dtype, shape: tuple[int, ...], written: bool = True) -> None:
+    """Refuse anything but a C-contiguous `dtype` array of `shape`, writable where the kernel writes it."""
     if not isinstance(block, np.ndarray) or block.dtype != dtype or block.shape != shape \
-            or not block.flags.c_contiguous or not block.flags.writeable:
-        raise ValueError(f"{name} must be a writable contiguous {np.dtype(dtype).name} array {list(shape)}, got "
+            or not block.flags.c_contiguous or (written and not block.flags.writeable):
+        raise ValueError(f"{name} must be a{' writable' if written else ''} contiguous {np.dtype(dtype).name} array "
+                         f"{list(shape)}, got "
                          f"{getattr(block, 'dtype', type(block).__name__)} {list(getattr(block, 'shape', ()))}")
 
 

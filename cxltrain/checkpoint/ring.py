@@ -189,6 +189,8 @@ class UndoRing:
                 tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)],
                                     dtype=np.uint32),
                 tail_offset=self.capacity)
+            for shared in ("tails", "tail_seeds"):  # every layout of this ring hands the kernel these very arrays
+                self._streaming_fields[shared].flags.writeable = False
         return self._streaming_fields
 
     def _place_records(self, sizes: np.ndarray, total: int, batch: int) -> tuple[list[LiveRecord], np.ndarray | None]:
