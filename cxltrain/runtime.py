@@ -310,8 +310,8 @@ class Runtime:
         """The hot-row caches of the tables that have one, read from the (recovered) pool; their
         slots, which the guard logs as tables of their own."""
         for table in self.tables.values():
-            if hot_cache.cached_slots(pool, table.name):
-                hot_cache.check_table(table, hot_cache.cached_slots(pool, table.name))
+            if slots := hot_cache.cached_slots(pool, table.name):
+                hot_cache.check_table(table, slots)
                 table.cache = self._caches[table.name] = hot_cache.HotRowCache(table, pool, self.cache_replace_every)
         return [cache.slots for cache in self._caches.values()]
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cache import HotRowCache
+from .cache import HotRowCache, merged
 from .checkpoint.seam import in_dense_only
 from .errors import ConfigError, NonFiniteError, PoolError
 from .kernels import ops as row_ops
@@ -282,12 +282,7 @@ class PersistentEmbeddingBag(nn.Module):
         """Copies of the weights [R, D] and state [R, K] with the cached rows taken from the cache."""
         weights = self._require_storage()[:, : self.embedding_dim].clone()
         state = None if self._state is None else self._state.clone()
-        cache = self.cache
-        held = torch.nonzero(cache.map >= 0).reshape(-1)
-        rows = cache.map[held].to(torch.int64)
-        weights[rows] = cache.slots.rows[held, : self.embedding_dim]
-        if state is not None:
-            state[rows] = cache.slots.state[held, : state.shape[1]]
+        merged(self.cache.slots.pool, self.name, weights.numpy(), None if state is None else state.numpy())
         return weights, state
 
     @property

@@ -111,6 +111,10 @@ class _EmulatedDevice(Device):
         if self.bandwidth_cap is not None:
             self.bandwidth_cap.charge(nbytes)
 
+    def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
+        super().streamed_persisted(offset, length, fences)
+        self._account(length)  # what a kernel persisted itself (streamed_target) is written back too
+
     def close(self) -> None:
         if self.evictor is not None:
             self.evictor.stop()  # before the views go: it reads and writes both
@@ -153,10 +157,6 @@ class EmulatedCXLDevice(_EmulatedDevice):
 
     def streamed_target(self, offset: int) -> int | None:
         return None if self._pmem is None else 0  # as on a DAX device (_persist_streamed): a fence
-
-    def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
-        super().streamed_persisted(offset, length, fences)
-        self._account(length)
 
     def _persist_streamed(self, offset: int, length: int) -> None:
         if self._pmem is None:
@@ -262,10 +262,6 @@ class PowerLossCXLDevice(_EmulatedDevice):
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
         return self._media.ctypes.data + offset  # the kernel's persist: the same line copy, under persist_lock
-
-    def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
-        super().streamed_persisted(offset, length, fences)
-        self._account(length)
 
     @property
     def persist_lock(self):

@@ -164,7 +164,7 @@ class UndoChunks:
         return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
 
 
-_PLAN_SIZE = 20  # kernels/rows.c enum fused_plan
+_PLAN_SIZE, _PLAN_STOPPED = 20, 16  # kernels/rows.c enum fused_plan: its size, PLAN_STOPPED
 _STOPS = {1: CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2: CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}
 
 
@@ -175,9 +175,9 @@ def fused_available() -> bool:
 
 
 def _fused_lib():
-    """The native kernels, for the fused capture's layout (only ever laid out where fused_available)."""
+    """The native kernels, for the fused capture (its layout and its update: only where fused_available)."""
     if not fused_available():
-        raise RuntimeError("the fused capture's undo layout needs the native kernels with streamed stores")
+        raise RuntimeError("a fused undo capture needs the native kernels' streamed stores")
     return native.lib()
 
 
@@ -199,8 +199,9 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
         raise ValueError(f"{chunks} chunks of {undo.chunk_rows} rows cannot hold {undo.rows.size} unique rows")
     stop_chunk, stop_phase = -1, 0
     for phase, point in _STOPS.items():
-        if crash_due(point) and undo.stop_chunk() >= 0:  # a crash test's: worked out only then
-            stop_chunk, stop_phase = undo.stop_chunk(), phase
+        if crash_due(point):  # a crash test's stop, worked out only then
+            stop_chunk = undo.stop_chunk()
+            stop_phase = phase if stop_chunk >= 0 else 0
     plan = np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
                      undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
                      undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
@@ -275,8 +276,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     if undo is None:
         unique = lib.sparse_update(*arguments)
     else:
-        if not lib.STREAMS:
-            raise RuntimeError("a fused undo capture needs the native kernels' streamed stores")
+        _fused_lib()  # refuses without the streamed stores
         plan = _fused_plan(undo)
         if not undo.recorded.size:  # no record to stop in (all rows recorded earlier in the window)
             for point in _STOPS.values():
@@ -286,7 +286,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             # then its header and the tail mark covering it, then stores into the chunk's rows
             # (kernels/rows.c undo_chunk), so no row is stored before its record is durable.
             unique = lib.sparse_update(*arguments, plan.ctypes.data)
-        stopped = int(plan[16])
+        stopped = int(plan[_PLAN_STOPPED])
         if stopped:
             crash_point(_STOPS[stopped])  # a crash test's kill, with the kernel stopped in a chunk
             raise RuntimeError(f"the fused update stopped at {_STOPS[stopped]}, which did not kill")
