@@ -529,6 +529,7 @@ class _BagLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
+        grad_out = _dense_gradient(grad_out)
         if indices.numel():
             if ctx.general:
                 # max, padding_idx, scale_grad_by_freq, include_last_offset: autograd's gradient of
@@ -559,12 +560,20 @@ class _CachedLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         indices, offsets, per_sample_weights, slots, hit = ctx.saved_tensors
         table = ctx.table
+        grad_out = _dense_gradient(grad_out)
         if indices.numel():
             def update(undo):  # None: the split update writes its records through the guard
                 return table.cache.update(table.checkpointer, ctx.batch, indices, offsets, per_sample_weights,
                                           grad_out, table.mode, slots, hit)
             _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update)
         return (None,) * 10
+
+
+def _dense_gradient(grad_out: torch.Tensor) -> torch.Tensor:
+    """grad_out [B, D] as float32 and contiguous: copied once here when it is a strided view (a
+    model that stacks its tables' outputs hands each table a slice), not once by the finiteness
+    check and again by the update."""
+    return grad_out.float().contiguous()
 
 
 def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update, fusable=False) -> None:
