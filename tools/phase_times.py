@@ -6,6 +6,12 @@ batch). The wrappers add ~1 us a call; the functions nest (the fused layout hold
 placement; the boundary holds the dense snapshot), so the rows do not add up.
 
     .venv/bin/python tools/phase_times.py --pooling 1 --steps 150
+    .venv/bin/python tools/phase_times.py --native --checkpoint off --pooling 1 --steps 150
+
+--native also times every call into native code: the row kernels' extension and the emulated
+device's persistence hooks (libpmem's flush, drain and copy). The same run with `--checkpoint off`
+gives what an unchecked step spends there; the difference is what the checkpoint adds in native
+code, and the rest of its overhead is Python.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import time
 
 from cxltrain.checkpoint import checkpointer, codec, dense, ring
 from cxltrain.cli import main as cli_main
-from cxltrain.kernels import ops
+from cxltrain.emulation import cxl
+from cxltrain.kernels import native, ops
 
 # (owner, attribute, what it is)
 TIMED = (
@@ -34,10 +41,36 @@ TIMED = (
 )
 
 
+def native_calls() -> tuple:
+    """(owner, attribute, label) of every native entry point a step can reach."""
+    timed = []
+    if native._LIB is not None:
+        timed += [(native._LIB, name, f"native {name}") for name in sorted(dir(native._LIB))
+                  if not name.startswith("_") and callable(getattr(native._LIB, name))]
+    # the emulated device's persistence hooks: libpmem's flush, drain and non-temporal copy
+    timed += [(cxl.EmulatedCXLDevice, name, f"device {name}")
+              for name in ("_write_back", "_fence", "_store_persist", "_persist_streamed")]
+    return tuple(timed)
+
+
 def main() -> None:
     seconds: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
-    for owner, name, label in TIMED:
+    timed_calls = TIMED
+    if "--native" in sys.argv:
+        sys.argv.remove("--native")
+        timed_calls += native_calls()
+    # the counters as each table update starts: batch 0 (warm-up and the pool's set-up) and the
+    # last batch (the run's final commit, evaluation) are left out of the figures
+    at_update: list[tuple[dict, dict]] = []
+    update = ops.sparse_update
+
+    def counted_update(*args, **kwargs):
+        at_update.append((dict(seconds), dict(calls)))
+        return update(*args, **kwargs)
+
+    ops.sparse_update = counted_update
+    for owner, name, label in timed_calls:
         timed = getattr(owner, name)
 
         def wrapper(*args, _timed=timed, _label=label, **kwargs):
@@ -57,9 +90,17 @@ def main() -> None:
     finally:
         if os.path.exists(pool):
             os.unlink(pool)
-    print(f"{'ms per batch':>14}  calls/batch  ({steps} batches, load {os.getloadavg()[0]:.2f})")
-    for _, _, label in TIMED:
-        print(f"{1000 * seconds[label] / steps:14.3f}  {calls[label] / steps:11.1f}  {label}")
+    tables = len(at_update) // steps
+    if steps < 3 or not tables:
+        raise SystemExit("phase_times needs --steps 3 or more, and tables that update")
+    (seconds_0, calls_0), (seconds_1, calls_1) = at_update[tables], at_update[tables * (steps - 1)]
+    batches = steps - 2
+    print(f"{'ms per batch':>14}  calls/batch  (batches 1 to {steps - 2}, load {os.getloadavg()[0]:.2f})")
+    for _, _, label in timed_calls:
+        spent = seconds_1.get(label, 0.0) - seconds_0.get(label, 0.0)
+        count = calls_1.get(label, 0) - calls_0.get(label, 0)
+        if count:
+            print(f"{1000 * spent / batches:14.3f}  {count / batches:11.1f}  {label}")
 
 
 if __name__ == "__main__":
