@@ -439,7 +439,7 @@ class PersistentEmbeddingBag(nn.Module):
         storage = self._require_storage()
         weights = None if per_sample_weights is None else per_sample_weights.contiguous()
         with torch.no_grad():
-            return self.optimizer.update(storage, self._state, indices.contiguous(), _dense_gradient(grad_out),
+            return self.optimizer.update(storage, self._state, indices.contiguous(), grad_out.float().contiguous(),
                                          offsets.contiguous(), weights, self.mode, undo)
 
     def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
@@ -570,11 +570,10 @@ class _CachedLookup(torch.autograd.Function):
 
 
 def _dense_gradient(grad_out: torch.Tensor) -> torch.Tensor:
-    """grad_out [B, D] as float32, in place where the kernels can read its rows as they lie (a model
-    that stacks its tables' outputs hands each table a slice of a wider gradient), else copied once
-    here for both the finiteness check and the update."""
-    grad_out = grad_out.float()
-    return grad_out if grad_out.dim() == 2 and row_ops.rows_in_place(grad_out) else grad_out.contiguous()
+    """grad_out [B, D] as float32 and contiguous: copied once here when it is a strided view (a
+    model that stacks its tables' outputs hands each table a slice), not once by the finiteness
+    check and again by the update."""
+    return grad_out.float().contiguous()
 
 
 def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update, fusable=False) -> None:

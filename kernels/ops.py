@@ -3,8 +3,7 @@
 kernels of rows.py otherwise. Both refuse a row index outside the table before writing anything.
 
 Inputs are checked here, before any address reaches C: CPU tensors of the stated dtype, contiguous
-(a non-contiguous or wrongly typed tensor is refused, never silently copied; a gradient may be a
-slice of a wider one, rows_in_place), shapes that agree.
+(a non-contiguous or wrongly typed tensor is refused, never silently copied), shapes that agree.
 
 Shapes: N lookups, B bags, U unique rows, R table rows, P floats per padded row, D <= P embedding
 dim, K optimizer-state columns.
@@ -47,25 +46,14 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(values: torch.Tensor) -> bool:
-    """Whether a float32 tensor holds no inf or NaN (any shape; read in place when its rows are
-    (rows_in_place), else copied first)."""
+    """Whether a float32 tensor holds no inf or NaN (any shape; a strided one is copied first)."""
     if values.dtype != torch.float32 or values.device.type != "cpu":
         return bool(torch.isfinite(values).all())
     lib = native.lib()
     if lib is None:
         return bool(torch.isfinite(values).all())
-    if values.dim() == 2 and rows_in_place(values):
-        return lib.all_finite(values.data_ptr(), values.shape[0], values.shape[1], values.stride(0))
     values = values.contiguous()
-    return lib.all_finite(values.data_ptr(), 1, values.numel(), values.numel())
-
-
-def rows_in_place(block: torch.Tensor) -> bool:
-    """Whether the kernels can read the 2-D block [B, D] as it lies: each row's D values contiguous,
-    rows at least D apart (a slice of a wider tensor, as a model that stacks its tables' outputs
-    hands each table). Broadcast rows (stride 0) and transposes are not."""
-    rows, cols = block.shape
-    return (cols <= 1 or block.stride(1) == 1) and (rows <= 1 or block.stride(0) >= cols)
+    return lib.all_finite(values.data_ptr(), values.numel())
 
 
 def unique_rows(indices: torch.Tensor, table_rows: int) -> torch.Tensor:
@@ -232,8 +220,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     sorted ascending (U <= N).
 
     weight [R, P] float32 (columns :D updated), state [R, K] float32 (column 0; rowwise_adagrad
-    only), indices [N] int64, grad_out [B, D] float32 (each bag's gradient; its rows may lie apart,
-    rows_in_place), offsets [B] int64
+    only), indices [N] int64, grad_out [B, D] float32 (each bag's gradient), offsets [B] int64
     (bag starts; None: every lookup is its own bag, B = N), per_sample_weights [N] float32 (mode
     "sum" only). A row's lookup gradients are summed in lookup order, then the rule is applied once
     per row: sgd w -= lr*g; rowwise_adagrad s += mean(g^2), w -= lr*g/(sqrt(s)+eps).
@@ -253,7 +240,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     _check("weight", weight, torch.float32, 2)
     _check("indices", indices, torch.int64, 1)
-    _check("grad_out", grad_out, torch.float32, 2, rows_only=True)
+    _check("grad_out", grad_out, torch.float32, 2)
     bags, dim = grad_out.shape
     if dim > weight.shape[1]:
         raise ValueError(f"grad_out has {dim} columns, more than the table's {weight.shape[1]}")
@@ -284,7 +271,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     out = torch.empty(indices.numel(), dtype=torch.int64)
     arguments = (RULES[rule], weight.data_ptr(), weight.shape[1], _address(state),
                  state.shape[1] if state is not None else 0, weight.shape[0], dim, indices.data_ptr(), indices.numel(),
-                 grad_out.data_ptr(), grad_out.stride(0) if bags > 1 else dim, bags, _address(offsets), mode == "mean", _address(per_sample_weights), lr,
+                 grad_out.data_ptr(), dim, bags, _address(offsets), mode == "mean", _address(per_sample_weights), lr,
                  eps, out.data_ptr(), _stop_after(indices, weight.shape[0]))
     if undo is None:
         unique = lib.sparse_update(*arguments)
@@ -353,17 +340,13 @@ def capture_undo(old_weights: np.ndarray, old_state: np.ndarray, old_rows: np.nd
     return bool(lib.STREAMS)
 
 
-def _check(name: str, tensor, dtype: torch.dtype, dim: int, rows_only: bool = False) -> None:
-    """rows_only: a 2-D tensor may be a slice of a wider one (rows_in_place), not only contiguous."""
+def _check(name: str, tensor, dtype: torch.dtype, dim: int) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != dtype or tensor.dim() != dim or tensor.device.type != "cpu":
         raise TypeError(f"{name} must be a {dim}-D {dtype} CPU tensor, got {tensor.dim()}-D {tensor.dtype} "
                         f"on {tensor.device}")
-    if rows_only and dim == 2:
-        if not rows_in_place(tensor):
-            raise ValueError(f"{name} must have contiguous rows at least a row apart")
-    elif not tensor.is_contiguous():
+    if not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
 
 

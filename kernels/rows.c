@@ -408,24 +408,17 @@ out:
 /* ---------------------------------------------------------------------------------------------
  * Whether every float32 of a block is finite: an exponent of all ones is inf or NaN. One pass the
  * compiler vectorises; torch.isfinite(x).all() costs several times more on a batch's gradients.
- * The block is [rows, cols] with rows `stride` floats apart: a model's per-table gradient is often
- * a slice of a wider one, read in place rather than copied.
  * ------------------------------------------------------------------------------------------- */
 static PyObject *all_finite(PyObject *self, PyObject *args)
 {
     unsigned long long address;
-    Py_ssize_t rows, cols, stride;
-    if (!PyArg_ParseTuple(args, "Knnn", &address, &rows, &cols, &stride))
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &count))
         return NULL;
-    if (rows < 0 || cols < 0 || (rows > 1 && stride < cols)) {
-        PyErr_SetString(PyExc_ValueError, "all_finite needs rows, cols >= 0 and a stride of at least cols");
-        return NULL;
-    }
     const uint32_t *bits = (const uint32_t *)(uintptr_t)address;
     uint32_t bad = 0;
-    for (Py_ssize_t r = 0; r < rows && !bad; r++, bits += stride)
-        for (Py_ssize_t i = 0; i < cols; i++)
-            bad |= (uint32_t)((bits[i] & 0x7f800000u) == 0x7f800000u);
+    for (Py_ssize_t i = 0; i < count; i++)
+        bad |= (uint32_t)((bits[i] & 0x7f800000u) == 0x7f800000u);
     return PyBool_FromLong(!bad);
 }
 
@@ -1221,9 +1214,7 @@ static PyMethodDef methods[] = {
      "bags, offsets, mean, psw, lr, eps, out_rows, stop_after[, plan]) -> unique rows updated (all of them, or "
      "stop_after when that is fewer; -1: no stop); plan: an undo plan's address (int64 array, kernels/ops.py): the "
      "undo records written chunk by chunk, each durable right before its chunk's rows are updated"},
-    {"all_finite", all_finite, METH_VARARGS,
-     "all_finite(address, rows, cols, stride) -> whether a [rows, cols] float32 block, rows stride floats "
-     "apart, is all finite"},
+    {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "
      "sorted [n], when given, receives the lookups' positions by row (what sparse_update would sort)"},

@@ -181,38 +181,6 @@ def test_native_row_set_kernels_refuse_out_of_range_rows():
 
 
 @needs_native
-@pytest.mark.parametrize("native_flag", [1, 0])
-@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
-def test_gradient_rows_are_read_where_they_lie(native_flag, rule):
-    """A table's gradient sliced out of a wider one (a model stacking its tables' outputs) is read
-    in place: the same bits as its contiguous copy, and the NaNs between its rows never seen."""
-    g = torch.Generator().manual_seed(5)
-    bags, dim = 40, 12
-    wide = torch.full((bags, 3, dim), float("nan"))
-    wide[:, 1] = torch.randn(bags, dim, generator=g)
-    grad = wide[:, 1]
-    assert not grad.is_contiguous() and ops.rows_in_place(grad)
-    indices, offsets = random_lookups(g, 50, 120, bags)
-    weight, state = random_table(g, 50, dim + 4), torch.rand(50, 1, generator=g)
-    results = []
-    with knobs.override(native_kernels=native_flag):
-        assert ops.all_finite(grad)
-        for gradient in (grad, grad.contiguous()):
-            w, s = weight.clone(), state.clone()
-            rows = ops.sparse_update(rule, w, s if rule != "sgd" else None, indices, gradient, offsets, lr=0.1, eps=1e-8)
-            results.append((rows, w, s))
-        wide[7, 1, 3] = float("inf")
-        assert not ops.all_finite(grad)
-    (rows, w, s), (rows_c, w_c, s_c) = results
-    assert torch.equal(rows, rows_c) and torch.equal(w, w_c) and torch.equal(s, s_c)
-    assert torch.isfinite(w).all()
-    broadcast = torch.ones(1, dim).expand(bags, dim)  # stride 0: rows overlap, never read in place
-    assert not ops.rows_in_place(broadcast)
-    with pytest.raises(ValueError, match="a row apart"):
-        ops.sparse_update("sgd", weight, None, indices, broadcast, offsets, lr=0.1)
-
-
-@needs_native
 def test_wrong_dtype_shape_or_layout_is_refused():
     weight, state = torch.randn(10, 4), torch.rand(10, 1)
     rows, grads = torch.tensor([1, 2]), torch.ones(2, 4)
