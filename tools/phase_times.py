@@ -91,8 +91,9 @@ def main() -> None:
         if os.path.exists(pool):
             os.unlink(pool)
     tables = len(at_update) // steps
-    if steps < 3 or not tables:
-        raise SystemExit("phase_times needs --steps 3 or more, and tables that update")
+    if steps < 3 or not tables or len(at_update) != tables * steps:
+        raise SystemExit(f"phase_times: {len(at_update)} table updates in what it took for {steps} batches; "
+                         "give the run's length as `--steps N` (3 or more, two words), with tables that update")
     (seconds_0, calls_0), (seconds_1, calls_1) = at_update[tables], at_update[tables * (steps - 1)]
     batches = steps - 2
     print(f"{'ms per batch':>14}  calls/batch  (batches 1 to {steps - 2}, load {os.getloadavg()[0]:.2f})")
