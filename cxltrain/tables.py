@@ -439,7 +439,7 @@ class PersistentEmbeddingBag(nn.Module):
         storage = self._require_storage()
         weights = None if per_sample_weights is None else per_sample_weights.contiguous()
         with torch.no_grad():
-            return self.optimizer.update(storage, self._state, indices.contiguous(), grad_out.float().contiguous(),
+            return self.optimizer.update(storage, self._state, indices.contiguous(), _dense_gradient(grad_out),
                                          offsets.contiguous(), weights, self.mode, undo)
 
     def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
@@ -529,8 +529,8 @@ class _BagLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         indices, offsets, per_sample_weights = ctx.saved_tensors
         table = ctx.table
-        grad_out = _dense_gradient(grad_out)
         if indices.numel():
+            grad_out = _dense_gradient(grad_out)
             if ctx.general:
                 # max, padding_idx, scale_grad_by_freq, include_last_offset: autograd's gradient of
                 # just the batch's unique rows [U, D], then the optimizer's rule once per row
@@ -560,8 +560,8 @@ class _CachedLookup(torch.autograd.Function):
     def backward(ctx, grad_out):
         indices, offsets, per_sample_weights, slots, hit = ctx.saved_tensors
         table = ctx.table
-        grad_out = _dense_gradient(grad_out)
         if indices.numel():
+            grad_out = _dense_gradient(grad_out)
             def update(undo):  # None: the split update writes its records through the guard
                 return table.cache.update(table.checkpointer, ctx.batch, indices, offsets, per_sample_weights,
                                           grad_out, table.mode, slots, hit)
