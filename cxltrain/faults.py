@@ -83,6 +83,7 @@ class Planted:
     SKIP_CAPACITY_SYNC = "skip-capacity-sync"        # U2 across pools: the root names cold pages never synced
     HEADER_BEFORE_PAYLOAD = "header-before-payload"  # U1 (fused update): a chunk's header durable before its payload
     UPDATE_BEFORE_HEADER = "update-before-header"    # U1 (fused update): a chunk's rows stored before its header
+    KERNEL_SKIPS_ROW_FLUSH = "kernel-skips-row-flush"  # U2 (fused update): its rows' flush counted, never done
     UNLOGGED_ADMISSION = "unlogged-admission"        # U1: cache slots filled with no undo record of them first
 
 

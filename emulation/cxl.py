@@ -115,6 +115,10 @@ class _EmulatedDevice(Device):
         super().streamed_persisted(offset, length, fences)
         self._account(length)  # what a kernel persisted itself (streamed_target) is written back too
 
+    def rows_flushed(self, offset: int, stride: int, count: int, runs: int) -> None:
+        super().rows_flushed(offset, stride, count, runs)
+        self._account(count * stride)  # what a kernel wrote back itself (native_row_flush)
+
     def close(self) -> None:
         if self.evictor is not None:
             self.evictor.stop()  # before the views go: it reads and writes both
@@ -262,6 +266,14 @@ class PowerLossCXLDevice(_EmulatedDevice):
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
         return self._media.ctypes.data + offset  # the kernel's persist: the same line copy, under persist_lock
+
+    def native_row_flush(self) -> native.RowFlush | None:
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        if native.lib() is None:
+            return None
+        # the kernel copies the lines as copy_rows does, holding persist_lock
+        return native.RowFlush(native.RowFlush.MEDIA, self._media.ctypes.data - self.address, self.address + self.size)
 
     @property
     def persist_lock(self):

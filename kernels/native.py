@@ -19,16 +19,34 @@ number of runs of adjacent rows it wrote back (what a device counts as flushes):
         the power-loss emulator's flush: for each run of adjacent rows of the table at mapping
         offset `offset`, copy the whole 64-byte lines it touches from the view mapping to the media
         mapping (both `map_size` bytes, page aligned), clamped to the mapping's end.
+
+A device whose flush is one of those can also hand it to the fused update (ops.sparse_update), which
+then writes each chunk's rows back itself (RowFlush, Device.native_row_flush).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import zlib
 
 import numpy as np
 
 from ..knobs import KNOBS
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFlush:
+    """How a native kernel writes rows of a table's device back (U2's flush, no drain), as the device's
+    flush_rows would: kind LINES, calling the C flush at `address` on each run of rows (libpmem's
+    pmem_flush; 0: the CPU's CLWB or CLFLUSHOPT), or kind MEDIA (the power-loss emulator), copying
+    each run's whole lines `address` bytes further on (its media mapping less its view) and never
+    past `map_end` (the view's end); the kernel then holds the emulator's media lock."""
+
+    LINES, MEDIA, PLANTED_SKIP = 1, 2, 3  # kernels/rows.c enum row_flush_kind (the last: a planted bug's)
+    kind: int
+    address: int
+    map_end: int = 0
 
 
 def _load():

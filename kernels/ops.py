@@ -138,7 +138,8 @@ class UndoChunks:
     same bytes (0: a fence persists the kernel's streamed stores), whose copies hold `lock`. order:
     0, or a planted bug's (checkpoint/ordering.py). lookup_order int64 [N], or None: the update's
     lookups sorted by row (unique_rows_and_order), which the kernel checks and uses instead of
-    sorting them again."""
+    sorting them again. row_flush: how the kernel writes each chunk's updated rows back right
+    after updating them (Device.native_row_flush), or None."""
 
     ring: int
     media: int
@@ -156,6 +157,8 @@ class UndoChunks:
     tail_offset: int
     order: int = 0
     lookup_order: np.ndarray | None = None  # int64 [N]
+    row_flush: native.RowFlush | None = None  # None: the caller flushes the updated rows after the call
+    flushed_runs: int = 0  # set by sparse_update: the runs of adjacent rows row_flush wrote back
 
     def stop_chunk(self) -> int:
         """The chunk a crash test stops in: the one holding the middle recorded row (-1: no record)."""
@@ -164,7 +167,7 @@ class UndoChunks:
         return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
 
 
-_PLAN_SIZE, _PLAN_STOPPED = 20, 16  # kernels/rows.c enum fused_plan: its size, PLAN_STOPPED
+_PLAN_SIZE, _PLAN_STOPPED, _PLAN_FLUSH_RUNS = 24, 16, 23  # kernels/rows.c enum fused_plan: size, outputs
 _STOPS = {1: CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2: CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}
 
 
@@ -206,7 +209,9 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
                      undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
                      undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
                      undo.order, stop_chunk, stop_phase, 0, undo.tail_seeds.ctypes.data,
-                     0 if lookups is None else lookups.ctypes.data, 0 if lookups is None else lookups.size],
+                     0 if lookups is None else lookups.ctypes.data, 0 if lookups is None else lookups.size,
+                     *((0, 0, 0) if undo.row_flush is None else
+                       (undo.row_flush.kind, undo.row_flush.address, undo.row_flush.map_end)), 0],
                     dtype=np.int64)
     assert plan.size == _PLAN_SIZE
     return plan
@@ -231,7 +236,8 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
 
     undo (fused_available() only): the batch's undo records are written in the same pass, chunk by
     chunk of the unique rows, each durable right before its chunk's rows are updated (UndoChunks;
-    the updated values are the same bits as without). The crash points undo:between-payload-and-header
+    the updated values are the same bits as without), and with undo.row_flush each chunk's updated
+    rows written back right after (the runs in undo.flushed_runs). The crash points undo:between-payload-and-header
     and undo:between-header-and-update stop that kernel in the chunk of the middle recorded row.
     """
     if rule not in RULES:
@@ -284,8 +290,10 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         with undo.lock:
             # ORDERING U1h: per chunk of the unique rows, the kernel persists the record's payload,
             # then its header and the tail mark covering it, then stores into the chunk's rows
-            # (kernels/rows.c undo_chunk), so no row is stored before its record is durable.
+            # (kernels/rows.c undo_chunk), so no row is stored before its record is durable. With
+            # undo.row_flush it then writes the chunk's rows back (no drain: U2a drains them).
             unique = lib.sparse_update(*arguments, plan.ctypes.data)
+        undo.flushed_runs = int(plan[_PLAN_FLUSH_RUNS])
         stopped = int(plan[_PLAN_STOPPED])
         if stopped:
             crash_point(_STOPS[stopped])  # a crash test's kill, with the kernel stopped in a chunk

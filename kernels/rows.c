@@ -29,6 +29,7 @@
 #include <Python.h>
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -163,6 +164,14 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
  * ------------------------------------------------------------------------------------------- */
 enum rule { RULE_SGD = 0, RULE_ROWWISE_ADAGRAD = 1 };
 
+/* A cache-line write-back of a range (libpmem's pmem_flush, or CLWB/CLFLUSHOPT), and a drain. */
+typedef void (*flush_fn)(const void *, size_t);
+typedef void (*drain_fn)(void);
+
+/* How the fused update writes its updated rows back (U2's flush; the commit drains later). */
+enum row_flush_kind { ROW_FLUSH_CALLER = 0, ROW_FLUSH_CACHE_LINES = 1, ROW_FLUSH_MEDIA_COPY = 2,
+                     ROW_FLUSH_PLANTED_SKIP = 3 /* planted U2 bug: the runs counted, nothing written back */ };
+
 /* sparse_update's undo side, with an undo plan (the fused capture): the batch's unique rows U are taken in chunks of `chunk_rows`; before
  * the update reaches a chunk's first row, the chunk's rows that need a record (`recorded`, a sorted
  * subset of the unique rows: capture once per commit window) are written into that chunk's own
@@ -172,7 +181,10 @@ enum rule { RULE_SGD = 0, RULE_ROWWISE_ADAGRAD = 1 };
  *      the source rows as they are read; persisted (SFENCE, or copied to the media view)
  *   2. header (checksums filled in) and then the ring's tail mark covering it (two copies, one after
  *      the other), each stored and persisted
- *   3. the chunk's rows updated in place (the update loop), from the cache the capture filled.
+ *   3. the chunk's rows updated in place (the update loop), from the cache the capture filled
+ *   4. with a row flush, the chunk's updated rows (weights and state) written back while this core
+ *      still holds them, as the table's device flushes (U2: no drain here, the commit drains before
+ *      the root); without one, the caller flushes the rows after the call.
  * Nothing here is allocated or checked after the first store: every index was checked before. */
 struct fused_undo {
     char *ring;                   /* the ring region's first byte, in the process's mapping */
@@ -193,11 +205,18 @@ struct fused_undo {
     int order;                    /* 0 as above; planted bugs: 1 header before payload, 2 update before header */
     Py_ssize_t stop_chunk;        /* crash tests: stop in this chunk ... */
     int stop_phase;               /* ... after step 1 (1) or step 2 (2); 0: never */
+    int row_flush;                /* enum row_flush_kind: step 4 by ... */
+    flush_fn flush;               /* ... ROW_FLUSH_CACHE_LINES: this flush; */
+    ptrdiff_t media_delta;        /* ... ROW_FLUSH_MEDIA_COPY: whole lines copied this far (media - view) */
+    uintptr_t map_end;            /* the end of the table's mapping: no line copied reaches past it */
     /* progress */
     Py_ssize_t next, next_start;  /* the chunk to capture next, and the unique row it starts at (-1: none) */
     int stopped;                  /* the phase a crash test stopped at (the update loop stops too) */
+    Py_ssize_t flushed;           /* the update's first `flushed` unique rows are written back (step 4) ... */
+    Py_ssize_t flush_runs;        /* ... in this many runs of adjacent rows */
 };
-static int undo_chunk(struct fused_undo *u);
+static int undo_next_chunk(struct fused_undo *u, const int64_t *updated, Py_ssize_t count);
+static void undo_flush_rows(struct fused_undo *u, const int64_t *updated, Py_ssize_t count);
 static void undo_finish(struct fused_undo *u);
 
 /* The undo plan sparse_update may take (int64 [FUSED_PLAN_SIZE], kernels/ops.py lays it out). */
@@ -205,7 +224,7 @@ enum fused_plan {
     PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
     PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
     PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, PLAN_LOOKUP_ORDER, PLAN_LOOKUP_COUNT,
-    FUSED_PLAN_SIZE
+    PLAN_ROW_FLUSH, PLAN_ROW_FLUSH_ARG, PLAN_MAP_END, PLAN_FLUSH_RUNS, FUSED_PLAN_SIZE
 };
 
 struct update_args {
@@ -296,7 +315,7 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
     Py_ssize_t unique = 0;                                                                        \
     const Py_ssize_t dim = a->dim;                                                                \
     for (Py_ssize_t j = 0; j < a->n && unique != a->stop_after;) {                                \
-        if (a->undo && unique == a->undo->next_start && undo_chunk(a->undo))                      \
+        if (a->undo && unique == a->undo->next_start && undo_next_chunk(a->undo, a->out_rows, unique)) \
             break; /* undo plan: the next chunk's undo record first (a crash test may stop) */ \
         const int64_t row = a->indices[order[j]];                                                 \
         if (j + PREFETCH_ROWS < a->n) { /* a row some lookups ahead: its weights and state */     \
@@ -394,8 +413,11 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
     if (order && sort_lookups(a->indices, a->n, a->table_rows, order) != 0)
         goto out;
     *unique = update_rows(a, order ? order : a->sorted, bag_of, scale_of, a->mean || a->psw, acc);
-    if (a->undo && !a->undo->stopped)
-        undo_finish(a->undo);
+    if (a->undo) {
+        undo_flush_rows(a->undo, a->out_rows, *unique); /* the last chunk's rows (or those before a stop) */
+        if (!a->undo->stopped)
+            undo_finish(a->undo);
+    }
     status = 0;
 out:
     free(order);
@@ -536,8 +558,10 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     }
     if (status < 0)
         return PyErr_NoMemory();
-    if (a.undo)
+    if (a.undo) {
         undo_plan[PLAN_STOPPED] = u.stopped;
+        undo_plan[PLAN_FLUSH_RUNS] = u.flush_runs;
+    }
     return PyLong_FromSsize_t(unique);
 }
 
@@ -615,8 +639,6 @@ static PyObject *capture_undo(PyObject *self, PyObject *args)
 /* ---------------------------------------------------------------------------------------------
  * Flushing row sets
  * ------------------------------------------------------------------------------------------- */
-typedef void (*flush_fn)(const void *, size_t);
-typedef void (*drain_fn)(void);
 
 enum cpu_flush { CPU_FLUSH_NONE = 0, CPU_FLUSH_CLFLUSHOPT = 1, CPU_FLUSH_CLWB = 2 };
 static int cpu_flush = CPU_FLUSH_NONE;
@@ -638,6 +660,16 @@ static void clflushopt_range(const void *addr, size_t len)
         _mm_clflushopt((void *)line);
 }
 #endif
+
+/* `given` (libpmem's pmem_flush), or where that is NULL the CPU's own line flush; NULL: none. */
+static flush_fn flush_or_cpu(flush_fn given)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (!given)
+        return cpu_flush == CPU_FLUSH_CLWB ? clwb_range : cpu_flush == CPU_FLUSH_CLFLUSHOPT ? clflushopt_range : NULL;
+#endif
+    return given;
+}
 
 struct row_flush {
     char *base;
@@ -678,10 +710,7 @@ static PyObject *flush_rows(PyObject *self, PyObject *args)
     f.base = (char *)(uintptr_t)base;
     f.flush = (flush_fn)(uintptr_t)flush;
     f.drain = (drain_fn)(uintptr_t)drain;
-#if defined(__x86_64__) && defined(__GNUC__)
-    if (!f.flush)
-        f.flush = cpu_flush == CPU_FLUSH_CLWB ? clwb_range : cpu_flush == CPU_FLUSH_CLFLUSHOPT ? clflushopt_range : NULL;
-#endif
+    f.flush = flush_or_cpu(f.flush);
     if (!f.flush) {
         PyErr_SetString(PyExc_RuntimeError,
                         "no flush available: libpmem is absent and the CPU has neither CLWB nor CLFLUSHOPT");
@@ -1065,6 +1094,49 @@ static int undo_chunk(struct fused_undo *u)
     return undo_stop(u, c, 2);
 }
 
+/* Step 4 for the update's unique rows [flushed, count) (sorted): each run of adjacent rows written
+ * back, weights and then state, as the table's device flushes them (a CLWB-like flush of each range,
+ * or on the power-loss emulator its whole lines copied to the media, under the media lock the caller
+ * holds). No drain: the commit drains before its root (U2). */
+static void undo_flush_span(const struct fused_undo *u, const char *at, size_t n)
+{
+    if (u->row_flush == ROW_FLUSH_CACHE_LINES) {
+        u->flush(at, n);
+        return;
+    }
+    if (u->row_flush == ROW_FLUSH_PLANTED_SKIP)
+        return;
+    uintptr_t start = (uintptr_t)at & ~(uintptr_t)(CACHE_LINE - 1);
+    uintptr_t end = ((uintptr_t)at + n + CACHE_LINE - 1) & ~(uintptr_t)(CACHE_LINE - 1);
+    if (end > u->map_end)
+        end = u->map_end;
+    memcpy((char *)(start + u->media_delta), (const char *)start, (size_t)(end - start));
+}
+
+static void undo_flush_run(const void *args, int64_t first, Py_ssize_t length)
+{
+    const struct fused_undo *u = args;
+    undo_flush_span(u, u->weights + first * u->row_bytes, (size_t)(length * u->row_bytes));
+    if (u->state_bytes)
+        undo_flush_span(u, u->state + first * u->state_bytes, (size_t)(length * u->state_bytes));
+}
+
+static void undo_flush_rows(struct fused_undo *u, const int64_t *updated, Py_ssize_t count)
+{
+    if (u->row_flush == ROW_FLUSH_CALLER || count <= u->flushed)
+        return;
+    u->flush_runs += for_each_run(u, updated + u->flushed, count - u->flushed, undo_flush_run);
+    u->flushed = count;
+}
+
+/* At the update's unique row `count`, the first of chunk u->next: the rows updated so far written
+ * back (step 4 of the chunk before), then this chunk's record (undo_chunk); 1: a crash test stops. */
+static int undo_next_chunk(struct fused_undo *u, const int64_t *updated, Py_ssize_t count)
+{
+    undo_flush_rows(u, updated, count);
+    return undo_chunk(u);
+}
+
 /* After the update loop: only the planted update-before-header order has headers left to write,
  * and it only stores them (left to a write-back that never comes: a power loss after the rows'
  * flush finds rows updated and no valid record; a SIGKILL at the stop, no header at all). */
@@ -1110,7 +1182,22 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
         .order = (int)plan[PLAN_ORDER],
         .stop_chunk = (Py_ssize_t)plan[PLAN_STOP_CHUNK],
         .stop_phase = (int)plan[PLAN_STOP_PHASE],
+        .row_flush = (int)plan[PLAN_ROW_FLUSH],
+        .map_end = (uintptr_t)plan[PLAN_MAP_END],
     };
+    if (u->row_flush == ROW_FLUSH_CACHE_LINES) {
+        u->flush = flush_or_cpu((flush_fn)(uintptr_t)plan[PLAN_ROW_FLUSH_ARG]);
+        if (!u->flush) {
+            PyErr_SetString(PyExc_RuntimeError, "sparse_update: the undo plan asks for a row flush, and libpmem is "
+                            "absent and the CPU has neither CLWB nor CLFLUSHOPT");
+            return -1;
+        }
+    } else if (u->row_flush == ROW_FLUSH_MEDIA_COPY) {
+        u->media_delta = (ptrdiff_t)plan[PLAN_ROW_FLUSH_ARG];
+    } else if (u->row_flush != ROW_FLUSH_CALLER && u->row_flush != ROW_FLUSH_PLANTED_SKIP) {
+        PyErr_Format(PyExc_ValueError, "sparse_update: unknown row flush %d in the undo plan", u->row_flush);
+        return -1;
+    }
     u->next_start = u->chunks > 0 ? 0 : -1;
     if (u->chunk_rows < 1 || u->chunks < 0 || u->rec_first[0] != 0
         || u->rec_first[u->chunks] != plan[PLAN_RECORDED_COUNT]) {

@@ -213,6 +213,9 @@ PLANTED = [
     # a power loss once the rows are flushed finds them on the media, the never-persisted headers not
     (Planted.UPDATE_BEFORE_HEADER, f"{CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}:{4 * TABLES + 1}", "0"),
     (Planted.UPDATE_BEFORE_HEADER, f"{CrashPoint.UPDATE_ROWS_FLUSHED}:{4 * TABLES + 1}", "1"),
+    # U2 broken inside the kernel: the root names batch 5 while its rows were never written back
+    # (under power loss they are lost; a SIGKILL keeps them)
+    (Planted.KERNEL_SKIPS_ROW_FLUSH, f"{CrashPoint.COMMIT_AFTER_ROOT}:5", "1"),
 ]
 
 
@@ -391,9 +394,9 @@ def test_kill_inside_the_fused_capture_recovers_exactly(shm_dir, ref_dir, point,
 
 
 @pytest.mark.parametrize("fault", [pytest.param(Planted.HEADER_BEFORE_PAYLOAD, marks=pytest.mark.slow),
-                                   Planted.UPDATE_BEFORE_HEADER])
+                                   Planted.UPDATE_BEFORE_HEADER, Planted.KERNEL_SKIPS_ROW_FLUSH])
 def test_fused_planted_bugs_are_inert_without_a_crash(shm_dir, ref_dir, fault):
-    """As test_planted_bugs_are_inert_without_a_crash, for the fused capture's two (each its own
+    """As test_planted_bugs_are_inert_without_a_crash, for the fused update's three (each its own
     run: planted together, one order would hide the other)."""
     pool = str(shm_dir / "t.pool")
     done = run_child(pool, env={**CHUNKS, FAULT_ENV: fault})

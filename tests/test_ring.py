@@ -127,6 +127,23 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
 # ---------------------------------------------------------------------------------------------
 # The fused capture (kernels/rows.c undo_chunk): the records written inside the update.
 # ---------------------------------------------------------------------------------------------
+def _fused_ring(path, power_loss: int, seed: int):
+    """A 256 KiB ring's pool (on the power-loss model or not) for fused updates, and a batch for
+    one: (pool, table, ring writer, indices [300], their gradients [300, DIM]). Skips without
+    the native kernels' streamed stores."""
+    from cxltrain import knobs
+    from cxltrain.kernels import ops
+
+    if not ops.fused_available():
+        pytest.skip("the native kernels are not built")
+    rng = np.random.default_rng(seed)
+    with knobs.override(power_loss=power_loss):
+        pool, table = _ring_pool(path, 256 << 10)
+    indices = torch.from_numpy(rng.integers(0, ROWS, 300))
+    grad = torch.from_numpy(rng.standard_normal((300, DIM)).astype(np.float32))
+    return pool, table, ring.UndoRing(pool, 5, 0, 0), indices, grad
+
+
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("window", [False, True], ids=["all-rows", "first-touches"])
@@ -136,20 +153,12 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
     rows' values from before the update; the table ends bit-identical to the plain kernel's, whether
     the kernel sorts the lookups itself or takes the order the layout sorted (handed); the scan
     reads the chunk records back in order; on the power-loss model they are on the media."""
-    from cxltrain import knobs
     from cxltrain.kernels import ops
 
-    if not ops.fused_available():
-        pytest.skip("the native kernels are not built")
-    rng = np.random.default_rng(7)
-    with knobs.override(power_loss=power_loss):
-        pool, table = _ring_pool(shm_dir / "f.pool", 256 << 10)
-    writer = ring.UndoRing(pool, 5, 0, 0)
+    pool, table, writer, indices, grad = _fused_ring(shm_dir / "f.pool", power_loss, seed=7)
     assert writer.streams()
     weights, state = table.storage()
     state = state if rule == "rowwise_adagrad" else None
-    indices = torch.from_numpy(rng.integers(0, ROWS, 300))
-    grad = torch.from_numpy(rng.standard_normal((300, DIM)).astype(np.float32))
     before_w, before_s = weights.clone(), None if state is None else state.clone()
     expected_w, expected_s = weights.clone(), None if state is None else state.clone()
     expected_rows = ops.sparse_update(rule, expected_w, expected_s, indices, grad, lr=0.1, eps=1e-8)
@@ -189,6 +198,43 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
         media = pool.device._file.media
         region = pool.region(layout.RING_REGION)
         assert np.array_equal(media[region.offset : region.end], array[region.offset : region.end])
+    pool.close()
+
+
+@pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
+@pytest.mark.parametrize("flush", ["device", "caller", "planted-skip"])
+def test_fused_update_writes_its_rows_back_chunk_by_chunk(shm_dir, power_loss, flush):
+    """With the device's row flush (Device.native_row_flush) the kernel writes each chunk's updated
+    rows back itself, weights and state: on the power-loss model the media then holds every updated
+    row, and the runs it wrote are counted chunk by chunk. Left to the caller, or with the planted
+    bug's skip (which counts the runs all the same), the media still holds the rows from before."""
+    from cxltrain.devices.base import runs_of
+    from cxltrain.kernels import native, ops
+
+    pool, table, writer, indices, grad = _fused_ring(shm_dir / "r.pool", power_loss, seed=11)
+    weights, state = table.storage()
+    wr, sr = pool.region("t.weight"), pool.region("t.optim")
+    rows, order = ops.unique_rows_and_order(indices, ROWS)
+    undo, records = writer.plan_chunks(0, wr, sr, rows, rows, 16)
+    undo.lookup_order = order
+    device_flush = pool.device.native_row_flush()
+    assert device_flush.kind == (native.RowFlush.MEDIA if power_loss else native.RowFlush.LINES)
+    undo.row_flush = {"device": device_flush, "caller": None,
+                      "planted-skip": native.RowFlush(native.RowFlush.PLANTED_SKIP, 0)}[flush]
+    view = pool.device.array
+    media = pool.device._file.media if power_loss else None
+    spans = [(region.offset, region.end) for region in (wr, sr)]
+    before = [view[a:b].copy() for a, b in spans]
+    assert media is None or all(np.array_equal(media[a:b], view[a:b]) for a, b in spans)
+
+    updated = ops.sparse_update("rowwise_adagrad", weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
+    writer.land(records)
+    assert np.array_equal(updated.numpy(), rows) and not np.array_equal(view[spans[0][0]:spans[0][1]], before[0])
+    per_chunk = sum(len(runs_of(rows[c : c + 16])[0]) for c in range(0, rows.size, 16))
+    assert undo.flushed_runs == (0 if flush == "caller" else per_chunk)
+    if media is not None:
+        for (a, b), old in zip(spans, before):
+            assert np.array_equal(media[a:b], view[a:b] if flush == "device" else old)
     pool.close()
 
 

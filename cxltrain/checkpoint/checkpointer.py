@@ -145,7 +145,8 @@ class Checkpointer(BatchGuard):
         self.fused = (bool(KNOBS.fused_capture) and not self.background_capture and row_ops.fused_available()
                       and self._ordering.fused_capture and self.ring.streams())
         self._chunk_rows = KNOBS.undo_chunk_rows
-        self._fused_records: dict[str, tuple[list, torch.Tensor, int]] = {}  # table -> laid out, not landed
+        # table -> (its layout, records, recorded rows, their ring bytes): laid out, not landed yet
+        self._fused_records: dict[str, tuple[row_ops.UndoChunks, list, torch.Tensor, int]] = {}
 
     @property
     def durable(self) -> int:
@@ -203,14 +204,18 @@ class Checkpointer(BatchGuard):
         """Called by a table's backward right after its update stored into `rows` [U] (sorted,
         unique): flush them now when flush_at_update (drained before the commit is handed over)."""
         landing = self._fused_records.pop(table.name, None)
+        undo = None
         if landing is not None:  # the fused update wrote its records: into the ring's bookkeeping
-            records, recorded_rows, size = landing
+            undo, records, recorded_rows, size = landing
             self.ring.land(records)
             self._count_capture(batch, table, rows, recorded_rows, size)
         if not self.flush_at_update or not rows.numel():
             return
         started = time.perf_counter()
-        self._commits.flush_rows(table, rows.numpy())
+        if undo is not None and undo.row_flush is not None:
+            self._commits.rows_flushed(table, rows.numel(), undo.flushed_runs)  # the kernel flushed them
+        else:
+            self._commits.flush_rows(table, rows.numpy())
         crash_point(CrashPoint.UPDATE_ROWS_FLUSHED)
         self.stats.training_flush_seconds += time.perf_counter() - started
 
@@ -335,9 +340,22 @@ class Checkpointer(BatchGuard):
         undo, records = self._with_room(batch, lambda: self.ring.plan_chunks(
             batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_order))
         undo.lookup_order = lookup_order
-        self._fused_records[table.name] = (records, torch.from_numpy(recorded), sum(r.size for r in records))
+        undo.row_flush = self._kernel_row_flush(table)
+        self._fused_records[table.name] = (undo, records, torch.from_numpy(recorded), sum(r.size for r in records))
         self.stats.capture_seconds += time.perf_counter() - started
         return undo
+
+    def _kernel_row_flush(self, table: LoggedTable):
+        """How the fused update of `table` writes its updated rows back itself, chunk by chunk while
+        they are still in this core's cache (kernels/native.RowFlush), or None: after_update flushes
+        them. Only where the rows are flushed at update and sit on the device the records go through
+        (the kernel holds that device's persist lock, nobody else's)."""
+        if not self.flush_at_update:
+            return None
+        device = self._commits.row_device(table)
+        if device is not self.ring.record_device:
+            return None
+        return self._ordering.kernel_row_flush(device.native_row_flush())
 
     def _with_room(self, batch: int, write):
         """write() (a ring append or layout); when the ring is full, once more after the commit in

@@ -21,9 +21,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ..devices.base import Device
 from ..faults import CrashPoint, crash_point
 from ..pool import Pool
-from ..pool_format import ROOT_RELAXED
+from ..pool_format import ROOT_RELAXED, Region
 from . import dense
 from .ordering import Ordering
 from .ring import UndoRing
@@ -95,16 +96,36 @@ class CommitPipeline:
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
         """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""
+        regions = self._row_regions(table)
+        for device, region in regions:
+            device.flush_rows(region.offset, region.row_stride, indices)
+        self._count_rows(regions, indices.size)
+
+    def rows_flushed(self, table: LoggedTable, count: int, runs: int) -> None:
+        """Count `count` rows of a table (`runs` runs of adjacent ones) that the fused update wrote
+        back itself (its device's native_row_flush), weights and optimizer state, as flush_rows would."""
+        regions = self._row_regions(table)
+        for device, region in regions:
+            device.rows_flushed(region.offset, region.row_stride, count, runs)
+        self._count_rows(regions, count)
+
+    def row_device(self, table: LoggedTable) -> Device:
+        """The device that holds a table's rows (weights and optimizer state)."""
         weights = self.pool.region(table.weight_region)
-        device = self.pool.device_for(weights) if self.pool.members else self.pool.device
-        device.flush_rows(weights.offset, weights.row_stride, indices)
-        row_bytes = weights.row_stride
+        return self.pool.device_for(weights) if self.pool.members else self.pool.device
+
+    def _row_regions(self, table: LoggedTable) -> list[tuple[Device, Region]]:
+        """(device, region) of a table's weights, and of its optimizer state where it has one."""
+        device = self.row_device(table)
+        regions = [self.pool.region(table.weight_region)]
         if table.optimizer.state_columns:
-            state = self.pool.region(table.state_region)
-            device.flush_rows(state.offset, state.row_stride, indices)
-            row_bytes += state.row_stride
-        self.stats.rows_persisted += indices.size
-        self.stats.row_bytes += indices.size * row_bytes
+            regions.append(self.pool.region(table.state_region))
+        return [(device, region) for region in regions]
+
+    def _count_rows(self, regions: list[tuple[Device, Region]], count: int) -> None:
+        row_bytes = sum(region.row_stride for _, region in regions)
+        self.stats.rows_persisted += count
+        self.stats.row_bytes += count * row_bytes
 
     def _timed(self, steps: Iterator[None]) -> Iterator[None]:
         """`steps`, with the time of each step (not of the captures run between them) counted."""

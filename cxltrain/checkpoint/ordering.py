@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..faults import Planted, PlantedDist
+from ..kernels.native import RowFlush
 from .seam import LoggedTable
 from .window import WindowCaptures
 
@@ -49,6 +50,10 @@ class Ordering:
     # in this order (the kernel's ORDER_*: 0 = payload, header and tail mark, then the rows).
     fused_capture = True
     fused_order = 0
+
+    def kernel_row_flush(self, flush: RowFlush | None) -> RowFlush | None:
+        """How the fused update writes its rows back (checkpointer._kernel_row_flush): the device's way."""
+        return flush
 
     # Stores outside a table's update (the hot-row cache's admission and re-placement) are
     # undo-logged first (U1).
@@ -165,6 +170,14 @@ class UpdateBeforeHeader(Ordering):
     fused_order = 2
 
 
+class KernelSkipsRowFlush(Ordering):
+    """Planted U2 bug in the fused update: the kernel counts its rows' flush and never does it, so
+    the root names rows that are still only in the caches (visible under power loss only)."""
+
+    def kernel_row_flush(self, flush: RowFlush | None) -> RowFlush | None:
+        return None if flush is None else RowFlush(RowFlush.PLANTED_SKIP, 0)
+
+
 class ReclaimAboveAgreed(Ordering):
     """Planted U3b bug: a rank reclaims up to its own commit, ignoring the agreed target G."""
 
@@ -180,6 +193,7 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.SKIP_CAPACITY_SYNC: SkipCapacitySync,
     Planted.HEADER_BEFORE_PAYLOAD: HeaderBeforePayload,
     Planted.UPDATE_BEFORE_HEADER: UpdateBeforeHeader,
+    Planted.KERNEL_SKIPS_ROW_FLUSH: KernelSkipsRowFlush,
     Planted.UNLOGGED_ADMISSION: UnloggedAdmission,
     PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }

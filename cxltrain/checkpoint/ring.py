@@ -132,6 +132,11 @@ class UndoRing:
         self.head = record.offset + record.size
         self.next_seq += record.count
 
+    @property
+    def record_device(self):
+        """The device the records are written through (the pool's, or a planted bug's wrapper)."""
+        return self._record_device
+
     def streams(self) -> bool:
         """Whether a native kernel can make records durable itself on this ring's device (plan_chunks);
         a planted bug's view of the device says no (its persists are what it changes)."""

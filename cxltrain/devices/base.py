@@ -162,7 +162,24 @@ class Device(abc.ABC):
         for start, count in zip(starts.tolist(), counts.tolist()):
             self.flush(offset + start * stride, count * stride)  # counted there
 
-    def streamed_target(self, offset: int) -> int | None:
+    def native_row_flush(self) -> native.RowFlush | None:
+        """How a native kernel that stores into this device's rows can write them back itself, as
+        flush_rows would (no drain), or None where it cannot (the caller then calls flush_rows).
+        Count what it wrote back with rows_flushed. Changes nothing."""
+        flush_address = self._native_row_flush()
+        if flush_address is None or native.lib() is None:
+            return None
+        return native.RowFlush(native.RowFlush.LINES, flush_address)
+
+    def rows_flushed(self, offset: int, stride: int, count: int, runs: int) -> None:
+        """Count `count` rows of the table at `offset` (`stride`-byte rows), `runs` runs of adjacent
+        ones, that a native kernel wrote back itself (native_row_flush), as flush_rows counts them."""
+        self._check_range(offset, 0)
+        counters = self.counters
+        counters.flushes += runs
+        counters.persisted_bytes += count * stride
+
+
         """For a native kernel that makes its own non-temporal stores durable (kernels/rows.c
         undo_chunk): 0 where a fence after them is the persist (as in persist_streamed), the
         address of the media's copy of `offset` on the power-loss emulator (the kernel copies each
