@@ -273,7 +273,8 @@ class PowerLossCXLDevice(_EmulatedDevice):
         if native.lib() is None:
             return None
         # the kernel copies the lines as copy_rows does, holding persist_lock
-        return native.RowFlush(native.RowFlush.MEDIA, self._media.ctypes.data - self.address, self.address + self.size)
+        return native.RowFlush(native.RowFlush.MEDIA, self._media.ctypes.data - self.address, self.address,
+                               self.address + self.size)
 
     @property
     def persist_lock(self):

@@ -37,15 +37,17 @@ from ..knobs import KNOBS
 
 @dataclasses.dataclass(frozen=True)
 class RowFlush:
-    """How a native kernel writes rows of a table's device back (U2's flush, no drain), as the device's
-    flush_rows would: kind LINES, calling the C flush at `address` on each run of rows (libpmem's
-    pmem_flush; 0: the CPU's CLWB or CLFLUSHOPT), or kind MEDIA (the power-loss emulator), copying
-    each run's whole lines `address` bytes further on (its media mapping less its view) and never
-    past `map_end` (the view's end); the kernel then holds the emulator's media lock."""
+    """How a native kernel writes rows of a table's device back (U2's flush, no drain), as the
+    device's flush_rows would. Kind LINES calls the C flush at `address` on each run of rows
+    (libpmem's pmem_flush; 0: the CPU's CLWB or CLFLUSHOPT, as flush_rows takes it, though no
+    device hands that over today). Kind MEDIA (the power-loss emulator) copies each run's whole
+    lines `address` bytes further on (its media mapping less its view [map_start, map_end), inside
+    which the kernel checks the table lies); the kernel then holds the emulator's media lock."""
 
     LINES, MEDIA, PLANTED_SKIP = 1, 2, 3  # kernels/rows.c enum row_flush_kind (the last: a planted bug's)
     kind: int
     address: int
+    map_start: int = 0
     map_end: int = 0
 
 

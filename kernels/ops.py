@@ -167,14 +167,16 @@ class UndoChunks:
         return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
 
 
-_PLAN_SIZE, _PLAN_STOPPED, _PLAN_FLUSH_RUNS = 24, 16, 23  # kernels/rows.c enum fused_plan: size, outputs
+_PLAN_SIZE, _PLAN_STOPPED, _PLAN_FLUSH_RUNS = 25, 16, 24  # kernels/rows.c enum fused_plan: size, outputs
 _STOPS = {1: CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER, 2: CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}
 
 
 def fused_available() -> bool:
-    """Whether sparse_update can take an UndoChunks: the native kernels with streamed stores."""
+    """Whether sparse_update can take an UndoChunks: the native kernels with streamed stores, built
+    from the rows.c that reads this module's plan (a stale build would ignore what it does not know,
+    such as the row write-back, and silently skip it)."""
     lib = native.lib()
-    return lib is not None and bool(lib.STREAMS)
+    return lib is not None and bool(lib.STREAMS) and getattr(lib, "FUSED_PLAN_SIZE", None) == _PLAN_SIZE
 
 
 def _fused_lib():
@@ -210,8 +212,9 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
                      undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
                      undo.order, stop_chunk, stop_phase, 0, undo.tail_seeds.ctypes.data,
                      0 if lookups is None else lookups.ctypes.data, 0 if lookups is None else lookups.size,
-                     *((0, 0, 0) if undo.row_flush is None else
-                       (undo.row_flush.kind, undo.row_flush.address, undo.row_flush.map_end)), 0],
+                     *((0, 0, 0, 0) if undo.row_flush is None else
+                       (undo.row_flush.kind, undo.row_flush.address, undo.row_flush.map_start,
+                        undo.row_flush.map_end)), 0],
                     dtype=np.int64)
     assert plan.size == _PLAN_SIZE
     return plan

@@ -208,7 +208,8 @@ struct fused_undo {
     int row_flush;                /* enum row_flush_kind: step 4 by ... */
     flush_fn flush;               /* ... ROW_FLUSH_CACHE_LINES: this flush; */
     ptrdiff_t media_delta;        /* ... ROW_FLUSH_MEDIA_COPY: whole lines copied this far (media - view) */
-    uintptr_t map_end;            /* the end of the table's mapping: no line copied reaches past it */
+    uintptr_t map_end;            /* the end of the table's mapping (ROW_FLUSH_MEDIA_COPY): no line copied
+                                     reaches past it; read_plan checked that the table lies inside it */
     /* progress */
     Py_ssize_t next, next_start;  /* the chunk to capture next, and the unique row it starts at (-1: none) */
     int stopped;                  /* the phase a crash test stopped at (the update loop stops too) */
@@ -224,7 +225,7 @@ enum fused_plan {
     PLAN_RING, PLAN_MEDIA, PLAN_RECORDED, PLAN_RECORDED_COUNT, PLAN_CHUNK_ROWS, PLAN_CHUNKS, PLAN_REC_OFFSET,
     PLAN_REC_FIRST, PLAN_HEADERS, PLAN_PAYLOAD_SEED, PLAN_HEADER_SEED, PLAN_TAILS, PLAN_TAIL_OFFSET, PLAN_ORDER,
     PLAN_STOP_CHUNK, PLAN_STOP_PHASE, PLAN_STOPPED, PLAN_TAIL_SEEDS, PLAN_LOOKUP_ORDER, PLAN_LOOKUP_COUNT,
-    PLAN_ROW_FLUSH, PLAN_ROW_FLUSH_ARG, PLAN_MAP_END, PLAN_FLUSH_RUNS, FUSED_PLAN_SIZE
+    PLAN_ROW_FLUSH, PLAN_ROW_FLUSH_ARG, PLAN_MAP_START, PLAN_MAP_END, PLAN_FLUSH_RUNS, FUSED_PLAN_SIZE
 };
 
 struct update_args {
@@ -1194,6 +1195,18 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
         }
     } else if (u->row_flush == ROW_FLUSH_MEDIA_COPY) {
         u->media_delta = (ptrdiff_t)plan[PLAN_ROW_FLUSH_ARG];
+        /* every line a copy touches lies in [map_start, map_end): the table's rows, rounded out */
+        const uintptr_t map_start = (uintptr_t)plan[PLAN_MAP_START];
+        const uintptr_t weights = (uintptr_t)u->weights, state = (uintptr_t)u->state;
+        const uintptr_t rows = (uintptr_t)a->table_rows;
+        if (map_start % CACHE_LINE || weights < map_start || weights > u->map_end
+            || rows * (uintptr_t)u->row_bytes > u->map_end - weights
+            || (u->state_bytes && (state < map_start || state > u->map_end
+                                   || rows * (uintptr_t)u->state_bytes > u->map_end - state))) {
+            PyErr_SetString(PyExc_ValueError, "sparse_update: the table does not lie inside the mapping its "
+                            "row write-back copies; nothing was written");
+            return -1;
+        }
     } else if (u->row_flush != ROW_FLUSH_CALLER && u->row_flush != ROW_FLUSH_PLANTED_SKIP) {
         PyErr_Format(PyExc_ValueError, "sparse_update: unknown row flush %d in the undo plan", u->row_flush);
         return -1;
@@ -1337,8 +1350,10 @@ PyMODINIT_FUNC PyInit__rows(void)
 #else
     const int streams = 0;
 #endif
-    /* STREAMS: capture_undo writes with non-temporal stores (else ordinary ones, to be flushed) */
-    if (m && PyModule_AddIntConstant(m, "STREAMS", streams) < 0) {
+    /* STREAMS: capture_undo writes with non-temporal stores (else ordinary ones, to be flushed);
+     * FUSED_PLAN_SIZE: the undo plan this build reads (kernels/ops.py refuses another one's) */
+    if (m && (PyModule_AddIntConstant(m, "STREAMS", streams) < 0
+              || PyModule_AddIntConstant(m, "FUSED_PLAN_SIZE", FUSED_PLAN_SIZE) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -53,7 +53,7 @@ def test_a_trial_replays_with_the_same_plan():
 # test_checkpoint_crash's, killed where it bites; the pool set's, skip-capacity-sync, test_pool_set's:
 # crashtest builds no sets; the hot-row cache's, unlogged-admission, test_cache's). The fused
 # update's three are test_checkpoint_crash's too, killed inside the kernel with small chunks or
-# after the root; the torture catches them as well (within 50 trials each), behind -m slow.
+# after the root; the torture catches them as well (within 50 trials each: this test), behind -m slow.
 FUSED_PLANTED = (Planted.HEADER_BEFORE_PAYLOAD, Planted.UPDATE_BEFORE_HEADER, Planted.KERNEL_SKIPS_ROW_FLUSH)
 
 

@@ -173,13 +173,14 @@ class Device(abc.ABC):
 
     def rows_flushed(self, offset: int, stride: int, count: int, runs: int) -> None:
         """Count `count` rows of the table at `offset` (`stride`-byte rows), `runs` runs of adjacent
-        ones, that a native kernel wrote back itself (native_row_flush), as flush_rows counts them."""
+        ones, that a native kernel wrote back itself (native_row_flush), as flush_rows counts its
+        own (the fused kernel's runs end at its chunks' ends, so it may count a few more)."""
         self._check_range(offset, 0)
         counters = self.counters
         counters.flushes += runs
         counters.persisted_bytes += count * stride
 
-
+    def streamed_target(self, offset: int) -> int | None:
         """For a native kernel that makes its own non-temporal stores durable (kernels/rows.c
         undo_chunk): 0 where a fence after them is the persist (as in persist_streamed), the
         address of the media's copy of `offset` on the power-loss emulator (the kernel copies each
