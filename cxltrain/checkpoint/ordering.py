@@ -51,13 +51,14 @@ class Ordering:
     fused_capture = True
     fused_order = 0
 
-    def kernel_row_flush(self, flush: RowFlush | None) -> RowFlush | None:
-        """How the fused update writes its rows back (checkpointer._kernel_row_flush): the device's way."""
-        return flush
-
     # Stores outside a table's update (the hot-row cache's admission and re-placement) are
     # undo-logged first (U1).
     logs_cache_writes = True
+
+    def kernel_row_flush(self, flush: RowFlush | None) -> RowFlush | None:
+        """How the fused update writes its updated rows back inside the kernel (U2's flush,
+        checkpointer._kernel_row_flush): `flush`, the device's own way, or None."""
+        return flush
 
     def undo_device(self, device: Device) -> Device:
         """The device an undo record is stored and persisted through (U1): the pool's."""
