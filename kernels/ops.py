@@ -182,7 +182,8 @@ def fused_available() -> bool:
 def _fused_lib():
     """The native kernels, for the fused capture (its layout and its update: only where fused_available)."""
     if not fused_available():
-        raise RuntimeError("a fused undo capture needs the native kernels' streamed stores")
+        raise RuntimeError("a fused undo capture needs the native kernels' streamed stores, built from this "
+                           "kernels/rows.c (make setup rebuilds them)")
     return native.lib()
 
 

@@ -207,9 +207,9 @@ struct fused_undo {
     int stop_phase;               /* ... after step 1 (1) or step 2 (2); 0: never */
     int row_flush;                /* enum row_flush_kind: step 4 by ... */
     flush_fn flush;               /* ... ROW_FLUSH_CACHE_LINES: this flush; */
-    ptrdiff_t media_delta;        /* ... ROW_FLUSH_MEDIA_COPY: whole lines copied this far (media - view) */
-    uintptr_t map_end;            /* the end of the table's mapping (ROW_FLUSH_MEDIA_COPY): no line copied
-                                     reaches past it; read_plan checked that the table lies inside it */
+    const char *row_view;         /* ... ROW_FLUSH_MEDIA_COPY: whole lines copied from the table's mapping ... */
+    char *row_media;              /* ... to its media mapping, ... */
+    size_t row_map_size;          /* ... never past this size (read_plan checked the table lies inside) */
     /* progress */
     Py_ssize_t next, next_start;  /* the chunk to capture next, and the unique row it starts at (-1: none) */
     int stopped;                  /* the phase a crash test stopped at (the update loop stops too) */
@@ -720,23 +720,30 @@ static PyObject *flush_rows(PyObject *self, PyObject *args)
     return run_checked(flush_work, &f, (const int64_t *)(uintptr_t)rows, count, table_rows);
 }
 
+/* The power-loss emulator's persist of bytes [start, end) of a mapping (offsets from `view`, which is
+ * line aligned): the whole lines they touch, as CLWB writes back (neighbours sharing the first and
+ * last line go along), copied from the process's view to `media`, never past `limit`. */
+static void copy_whole_lines(const char *view, char *media, size_t start, size_t end, size_t limit)
+{
+    start &= ~(size_t)(CACHE_LINE - 1);
+    end = (end + CACHE_LINE - 1) & ~(size_t)(CACHE_LINE - 1);
+    if (end > limit)
+        end = limit;
+    memcpy(media + start, view + start, end - start);
+}
+
 struct line_copy {
     const char *view;
     char *media;
     Py_ssize_t map_size, offset, stride;
 };
 
-/* Whole lines, as CLWB writes back: neighbours sharing the first and last line go along. Offsets
- * are from the mapping's start, which is page aligned, so they round to lines as addresses do. */
+/* Offsets are from the mapping's start, which is page aligned, so they round to lines as addresses do. */
 static void copy_lines_run(const void *args, int64_t first, Py_ssize_t length)
 {
     const struct line_copy *c = args;
-    Py_ssize_t start = c->offset + first * c->stride, end = start + length * c->stride;
-    start -= start % CACHE_LINE;
-    end = (end + CACHE_LINE - 1) / CACHE_LINE * CACHE_LINE;
-    if (end > c->map_size)
-        end = c->map_size;
-    memcpy(c->media + start, c->view + start, (size_t)(end - start));
+    const size_t start = (size_t)(c->offset + first * c->stride);
+    copy_whole_lines(c->view, c->media, start, start + (size_t)(length * c->stride), (size_t)c->map_size);
 }
 
 static Py_ssize_t copy_lines_work(const void *args, const int64_t *rows, Py_ssize_t count)
@@ -987,11 +994,8 @@ enum { ORDER_PRODUCTION = 0, ORDER_HEADER_BEFORE_PAYLOAD = 1, ORDER_UPDATE_BEFOR
 static void undo_persist(const struct fused_undo *u, const char *at, size_t n)
 {
     store_fence();
-    if (u->media) {
-        size_t start = (size_t)(at - u->ring) & ~(size_t)(CACHE_LINE - 1);
-        size_t end = ((size_t)(at - u->ring) + n + CACHE_LINE - 1) & ~(size_t)(CACHE_LINE - 1);
-        memcpy(u->media + start, u->ring + start, end - start);
-    }
+    if (u->media)
+        copy_whole_lines(u->ring, u->media, (size_t)(at - u->ring), (size_t)(at - u->ring) + n, SIZE_MAX);
 }
 
 /* The chunk's payload checksum, from the source rows in payload order; with `store`, the payload
@@ -1107,11 +1111,8 @@ static void undo_flush_span(const struct fused_undo *u, const char *at, size_t n
     }
     if (u->row_flush == ROW_FLUSH_PLANTED_SKIP)
         return;
-    uintptr_t start = (uintptr_t)at & ~(uintptr_t)(CACHE_LINE - 1);
-    uintptr_t end = ((uintptr_t)at + n + CACHE_LINE - 1) & ~(uintptr_t)(CACHE_LINE - 1);
-    if (end > u->map_end)
-        end = u->map_end;
-    memcpy((char *)(start + u->media_delta), (const char *)start, (size_t)(end - start));
+    const size_t start = (size_t)(at - u->row_view);
+    copy_whole_lines(u->row_view, u->row_media, start, start + n, u->row_map_size);
 }
 
 static void undo_flush_run(const void *args, int64_t first, Py_ssize_t length)
@@ -1159,6 +1160,13 @@ static void undo_finish(struct fused_undo *u)
 }
 
 
+/* Whether `rows` rows of `row_bytes` from `base` lie inside [start, end). */
+static int rows_inside(const char *base, Py_ssize_t row_bytes, int64_t rows, uintptr_t start, uintptr_t end)
+{
+    const uintptr_t at = (uintptr_t)base;
+    return at >= start && at <= end && (uintptr_t)rows * (uintptr_t)row_bytes <= end - at;
+}
+
 /* Fill u from a plan (sparse_update's optional last argument); 0, or -1 with an exception set. */
 static int read_plan(const int64_t *plan, const struct update_args *a, struct fused_undo *u)
 {
@@ -1184,7 +1192,6 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
         .stop_chunk = (Py_ssize_t)plan[PLAN_STOP_CHUNK],
         .stop_phase = (int)plan[PLAN_STOP_PHASE],
         .row_flush = (int)plan[PLAN_ROW_FLUSH],
-        .map_end = (uintptr_t)plan[PLAN_MAP_END],
     };
     if (u->row_flush == ROW_FLUSH_CACHE_LINES) {
         u->flush = flush_or_cpu((flush_fn)(uintptr_t)plan[PLAN_ROW_FLUSH_ARG]);
@@ -1194,15 +1201,14 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
             return -1;
         }
     } else if (u->row_flush == ROW_FLUSH_MEDIA_COPY) {
-        u->media_delta = (ptrdiff_t)plan[PLAN_ROW_FLUSH_ARG];
-        /* every line a copy touches lies in [map_start, map_end): the table's rows, rounded out */
-        const uintptr_t map_start = (uintptr_t)plan[PLAN_MAP_START];
-        const uintptr_t weights = (uintptr_t)u->weights, state = (uintptr_t)u->state;
-        const uintptr_t rows = (uintptr_t)a->table_rows;
-        if (map_start % CACHE_LINE || weights < map_start || weights > u->map_end
-            || rows * (uintptr_t)u->row_bytes > u->map_end - weights
-            || (u->state_bytes && (state < map_start || state > u->map_end
-                                   || rows * (uintptr_t)u->state_bytes > u->map_end - state))) {
+        const uintptr_t map_start = (uintptr_t)plan[PLAN_MAP_START], map_end = (uintptr_t)plan[PLAN_MAP_END];
+        u->row_view = (const char *)map_start;
+        u->row_media = (char *)(map_start + (uintptr_t)plan[PLAN_ROW_FLUSH_ARG]); /* media - view */
+        u->row_map_size = map_end - map_start;
+        /* every line a copy touches lies in the mapping: the table's rows, rounded out to lines */
+        if (map_start % CACHE_LINE || map_end < map_start
+            || !rows_inside(u->weights, u->row_bytes, a->table_rows, map_start, map_end)
+            || (u->state_bytes && !rows_inside(u->state, u->state_bytes, a->table_rows, map_start, map_end))) {
             PyErr_SetString(PyExc_ValueError, "sparse_update: the table does not lie inside the mapping its "
                             "row write-back copies; nothing was written");
             return -1;

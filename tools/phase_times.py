@@ -33,7 +33,7 @@ TIMED = (
     (ring.UndoRing, "plan_chunks", "  placement and headers"),
     (ops, "_fused_plan", "kernel plan checks"),
     (ring.UndoRing, "land", "records taken in"),
-    (checkpointer.Checkpointer, "after_update", "row flushes"),
+    (checkpointer.Checkpointer, "after_update", "after each update: landing, and the row flush unless the kernel did it"),
     (checkpointer.Checkpointer, "end_batch", "batch boundary, all of it"),
     (dense.DenseState, "capture", "  dense state_dicts and RNG"),
     (codec.LayoutCache, "lay_out", "  snapshot layout"),
