@@ -173,7 +173,7 @@ class EmulatedCXLDevice(_EmulatedDevice):
             return super()._store_persist(offset, src)
         self._account(src.size)
         # as on a DAX device: non-temporal stores for large copies (no cache lines to write back), one fence
-        self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
+        self._pmem.pmem_memcpy_persist(self.address + offset, native.address(src), src.size)
 
 
 class EADRCXLDevice(_EmulatedDevice):

@@ -79,6 +79,12 @@ def cpu_flush() -> str:
     return _require().cpu_flush()
 
 
+def address(buffer) -> int:
+    """The address of a C-contiguous buffer's first byte (a numpy array's `ctypes.data`), at a tenth
+    of numpy's cost where the extension is built."""
+    return _LIB.addresses(buffer)[0] if _LIB is not None else buffer.ctypes.data
+
+
 def check_rows(rows: np.ndarray) -> None:
     """Refuse anything but a 1-D C-contiguous, 8-byte aligned int64 numpy array of row ids."""
     if not isinstance(rows, np.ndarray) or rows.dtype != np.int64 or rows.ndim != 1 \
@@ -90,15 +96,17 @@ def check_rows(rows: np.ndarray) -> None:
 def flush_rows(address: int, stride: int, table_rows: int, rows: np.ndarray, flush_address: int | None = None,
                drain_address: int | None = None, drain: bool = False) -> int:
     check_rows(rows)
-    return _require().flush_rows(address, stride, table_rows, rows.ctypes.data, rows.size, flush_address or 0,
-                                 drain_address or 0, drain)
+    lib = _require()
+    return lib.flush_rows(address, stride, table_rows, *lib.addresses(rows), rows.size, flush_address or 0,
+                          drain_address or 0, drain)
 
 
 def copy_lines(view_address: int, media_address: int, map_size: int, offset: int, stride: int, table_rows: int,
                rows: np.ndarray) -> int:
     check_rows(rows)
-    return _require().copy_lines(view_address, media_address, map_size, offset, stride, table_rows,
-                                 rows.ctypes.data, rows.size)
+    lib = _require()
+    return lib.copy_lines(view_address, media_address, map_size, offset, stride, table_rows, *lib.addresses(rows),
+                          rows.size)
 
 
 def crc32(data, seed: int = 0) -> int:

@@ -80,7 +80,7 @@ def unique_rows_and_order(indices: torch.Tensor, table_rows: int) -> tuple[np.nd
         return np.unique(keys), np.argsort(keys, kind="stable").astype(np.int64)
     rows = np.empty(indices.numel(), dtype=np.int64)
     order = np.empty(indices.numel(), dtype=np.int64)
-    count = lib.unique_rows(indices.data_ptr(), indices.numel(), table_rows, rows.ctypes.data, order.ctypes.data)
+    count = lib.unique_rows(indices.data_ptr(), indices.numel(), table_rows, *lib.addresses(rows, order))
     return rows[:count], order
 
 
@@ -99,9 +99,9 @@ def undo_chunk_counts(rows: np.ndarray, recorded: np.ndarray, chunk_rows: int, h
     chunks = -(-rows.size // chunk_rows)
     rec_first = np.empty(chunks + 1, dtype=np.int64)
     sizes = np.empty(chunks, dtype=np.int64)
-    records, total = lib.undo_chunk_counts(rows.ctypes.data, rows.size, recorded.ctypes.data, recorded.size,
-                                           chunk_rows, header_bytes, row_payload, align, rec_first.ctypes.data,
-                                           sizes.ctypes.data)
+    rows_at, recorded_at, rec_first_at, sizes_at = lib.addresses(rows, recorded, rec_first, sizes)
+    records, total = lib.undo_chunk_counts(rows_at, rows.size, recorded_at, recorded.size, chunk_rows, header_bytes,
+                                           row_payload, align, rec_first_at, sizes_at)
     return rec_first, sizes[:records], total
 
 
@@ -119,9 +119,10 @@ def undo_chunk_headers(template: bytes, seq: int, rec_first: np.ndarray, sizes: 
     lib = _fused_lib()
     rec_offset = np.empty(chunks, dtype=np.int64)
     headers = np.empty((chunks, 64), dtype=np.uint8)
-    lib.undo_chunk_headers(np.frombuffer(template, dtype=np.uint8).ctypes.data, seq, rec_first.ctypes.data, chunks,
-                           sizes.ctypes.data, 0 if offsets is None else offsets.ctypes.data, run_start, row_payload,
-                           rec_offset.ctypes.data, headers.ctypes.data)
+    template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at = lib.addresses(
+        template, rec_first, sizes, offsets, rec_offset, headers)
+    lib.undo_chunk_headers(template_at, seq, rec_first_at, chunks, sizes_at, offsets_at, run_start, row_payload,
+                           rec_offset_at, headers_at)
     return rec_offset, headers
 
 
@@ -187,8 +188,9 @@ def _fused_lib():
     return native.lib()
 
 
-def _fused_plan(undo: UndoChunks) -> np.ndarray:
-    """The int64 plan the kernel reads (kernels/rows.c enum fused_plan), after checking every array."""
+def _fused_plan(undo: UndoChunks, lib) -> np.ndarray:
+    """The int64 plan the kernel (`lib`: native.lib()) reads (kernels/rows.c enum fused_plan), after
+    checking every array."""
     chunks = undo.rec_offset.size
     # the kernel writes only the headers (their checksums); the rest it reads
     for name, block, dtype, shape in (("recorded", undo.recorded, np.int64, (undo.recorded.size,)),
@@ -208,11 +210,12 @@ def _fused_plan(undo: UndoChunks) -> np.ndarray:
         if crash_due(point):  # a crash test's stop, worked out only then
             stop_chunk = undo.stop_chunk()
             stop_phase = phase if stop_chunk >= 0 else 0
-    plan = np.array([undo.ring, undo.media, undo.recorded.ctypes.data, undo.recorded.size, undo.chunk_rows, chunks,
-                     undo.rec_offset.ctypes.data, undo.rec_first.ctypes.data, undo.headers.ctypes.data,
-                     undo.payload_seed, undo.header_seed, undo.tails.ctypes.data, undo.tail_offset,
-                     undo.order, stop_chunk, stop_phase, 0, undo.tail_seeds.ctypes.data,
-                     0 if lookups is None else lookups.ctypes.data, 0 if lookups is None else lookups.size,
+    recorded_at, rec_offset_at, rec_first_at, headers_at, tails_at, tail_seeds_at, lookups_at = lib.addresses(
+        undo.recorded, undo.rec_offset, undo.rec_first, undo.headers, undo.tails, undo.tail_seeds, lookups)
+    plan = np.array([undo.ring, undo.media, recorded_at, undo.recorded.size, undo.chunk_rows, chunks,
+                     rec_offset_at, rec_first_at, headers_at, undo.payload_seed, undo.header_seed, tails_at,
+                     undo.tail_offset, undo.order, stop_chunk, stop_phase, 0, tail_seeds_at,
+                     lookups_at, 0 if lookups is None else lookups.size,
                      *((0, 0, 0, 0) if undo.row_flush is None else
                        (undo.row_flush.kind, undo.row_flush.address, undo.row_flush.map_start,
                         undo.row_flush.map_end)), 0],
@@ -287,7 +290,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         unique = lib.sparse_update(*arguments)
     else:
         _fused_lib()  # refuses without the streamed stores
-        plan = _fused_plan(undo)
+        plan = _fused_plan(undo, lib)
         if not undo.recorded.size:  # no record to stop in (all rows recorded earlier in the window)
             for point in _STOPS.values():
                 crash_point(point)
@@ -296,7 +299,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             # then its header and the tail mark covering it, then stores into the chunk's rows
             # (kernels/rows.c undo_chunk), so no row is stored before its record is durable. With
             # undo.row_flush it then writes the chunk's rows back (no drain: U2a drains them).
-            unique = lib.sparse_update(*arguments, plan.ctypes.data)
+            unique = lib.sparse_update(*arguments, *lib.addresses(plan))
         undo.flushed_runs = int(plan[_PLAN_FLUSH_RUNS])
         stopped = int(plan[_PLAN_STOPPED])
         if stopped:

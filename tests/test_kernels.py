@@ -451,6 +451,25 @@ def test_crc32_folds_with_the_widest_carry_less_multiply_the_cpu_has():
         native.lib().crc32_path("crc32c")
 
 
+@needs_native
+def test_addresses_are_numpys_for_contiguous_buffers_only():
+    """One call for the addresses a kernel's arguments need: what `ndarray.ctypes.data` says, for
+    read-only arrays and bytes too; None is 0; a strided view is refused, not mis-addressed."""
+    lib = native.lib()
+    rows = np.arange(10, dtype=np.int64)
+    headers = np.zeros((3, 64), dtype=np.uint8)
+    frozen = np.frombuffer(bytes(64), dtype=np.uint8)
+    empty = np.empty(0, dtype=np.int64)
+    assert lib.addresses(rows, None, headers[1:], frozen, empty) == (
+        rows.ctypes.data, 0, headers.ctypes.data + 64, frozen.ctypes.data, empty.ctypes.data)
+    assert lib.addresses() == ()
+    assert native.address(rows[3:]) == rows.ctypes.data + 24
+    with pytest.raises(ValueError, match="contiguous"):
+        lib.addresses(rows[::2])
+    with pytest.raises(TypeError):
+        lib.addresses(5)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 3000), st.integers(0, 10**6), st.sampled_from([None, float("nan"), float("inf"), -float("inf")]))
 def test_all_finite_is_torchs(count, where, bad):

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import CheckpointError, PoolCorruptError
 from ..faults import CrashPoint, crash_point
+from ..kernels import native
 from ..pool import Pool
 from ..pool_format import Region, RegionKind, checksum_seed
 from . import layout
@@ -182,7 +183,7 @@ class UndoRing:
         """What every UndoChunks of this ring shares (the ring's addresses, the generation's seeds
         and tail mark templates, which the kernel only reads), worked out once per mapping."""
         device = self._record_device
-        ring = device.array.ctypes.data + self.region.offset  # raises once the device is closed
+        ring = native.address(device.array) + self.region.offset  # raises once the device is closed
         if self._streaming_fields is None or self._streaming_fields["ring"] != ring:
             uuid = self.pool.superblock.uuid
             tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,

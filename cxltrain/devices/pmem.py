@@ -12,6 +12,7 @@ import ctypes
 import numpy as np
 
 from ..errors import DeviceError
+from ..kernels import native
 from .base import Device
 from .libpmem import LibPmem
 
@@ -74,7 +75,7 @@ class PmemDevice(Device):
         if not self.is_pmem:
             return super()._store_persist(offset, src)
         # non-temporal stores for large copies, then one fence
-        self._pmem.pmem_memcpy_persist(self.address + offset, src.ctypes.data, src.size)
+        self._pmem.pmem_memcpy_persist(self.address + offset, native.address(src), src.size)
 
     def streamed_target(self, offset: int) -> int | None:
         # streamed stores go around the caches: a fence is all that is left (off DAX a persist is an msync)
