@@ -935,6 +935,98 @@ static PyObject *crc32(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLong(crc);
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * A dense snapshot's payload in one pass
+ * ------------------------------------------------------------------------------------------- */
+/* Pieces at least this long go around the caches (as libpmem's pmem_memcpy does for large copies);
+ * shorter ones, and the unaligned ends of long ones, are stored and written back line by line. */
+enum { STREAM_PIECE_BYTES = 16 << 10 };
+
+struct payload_write_back {
+    int kind;         /* enum row_flush_kind: CACHE_LINES or MEDIA_COPY */
+    flush_fn flush;   /* CACHE_LINES */
+    char *view;       /* MEDIA_COPY: the mapping's first byte, its media copy, and its size */
+    char *media;
+    size_t map_size;
+};
+
+/* Write back the lines of [at, at + n), stored with ordinary stores (no drain). */
+static void write_back(const struct payload_write_back *w, const char *at, size_t n)
+{
+    if (n && w->kind == ROW_FLUSH_CACHE_LINES)
+        w->flush(at, n);
+    /* MEDIA_COPY: the whole payload's lines are copied once, at the end */
+}
+
+/* The payload's pieces [n] (sources[i]: lengths[i] bytes), stored back to back from dst and made
+ * durable; returns their CRC-32 continued from seed, summed from the sources as they are copied. */
+static uint32_t stream_pieces_nogil(const struct payload_write_back *w, char *dst, const int64_t *sources,
+                                    const int64_t *lengths, Py_ssize_t n, uint32_t seed)
+{
+    char *const first = dst;
+    uint32_t crc = seed;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *src = (const char *)(uintptr_t)sources[i];
+        const size_t len = (size_t)lengths[i];
+        crc = crc32_update(crc, (const unsigned char *)src, len);
+        size_t head = len, body = 0;
+#if defined(__x86_64__)
+        if (len >= STREAM_PIECE_BYTES) {
+            head = (16 - ((uintptr_t)dst & 15)) & 15, body = (len - head) & ~(size_t)15;
+            for (size_t at = head; at < head + body; at += 16)
+                _mm_stream_si128((__m128i *)(dst + at), _mm_loadu_si128((const __m128i *)(src + at)));
+        }
+#endif
+        /* the ends around the streamed body (all of a short piece): stored, then written back */
+        const size_t tail = head + body;
+        memcpy(dst, src, head);
+        memcpy(dst + tail, src + tail, len - tail);
+        write_back(w, dst, head);
+        write_back(w, dst + tail, len - tail);
+        dst += len;
+    }
+    store_fence(); /* the streamed stores and the write-backs are complete before the caller's header */
+    if (w->kind == ROW_FLUSH_MEDIA_COPY)
+        copy_whole_lines(w->view, w->media, (size_t)(first - w->view), (size_t)(dst - w->view), w->map_size);
+    return crc;
+}
+
+/* stream_pieces(dst, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc */
+static PyObject *stream_pieces(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, flush, view, media, sources, lengths;
+    unsigned int seed;
+    struct payload_write_back w;
+    Py_ssize_t n, map_size;
+    if (!PyArg_ParseTuple(args, "KiKKKnKKnI", &dst, &w.kind, &flush, &view, &media, &map_size, &sources, &lengths,
+                          &n, &seed))
+        return NULL;
+    w.flush = flush_or_cpu((flush_fn)(uintptr_t)flush);
+    w.view = (char *)(uintptr_t)view, w.media = (char *)(uintptr_t)media, w.map_size = (size_t)map_size;
+    if ((w.kind != ROW_FLUSH_CACHE_LINES || !w.flush) && (w.kind != ROW_FLUSH_MEDIA_COPY || !view || !media)) {
+        PyErr_SetString(PyExc_ValueError, "stream_pieces: a write-back of cache lines (with a flush) or to a media copy");
+        return NULL;
+    }
+    const int64_t *len = (const int64_t *)(uintptr_t)lengths;
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (len[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "stream_pieces: a negative length");
+            return NULL;
+        }
+        total += (size_t)len[i];
+    }
+    if (w.kind == ROW_FLUSH_MEDIA_COPY && (dst < view || dst - view > (size_t)map_size || total > (size_t)map_size - (dst - view))) {
+        PyErr_SetString(PyExc_ValueError, "stream_pieces: the payload does not lie inside the mapping");
+        return NULL;
+    }
+    uint32_t crc;
+    Py_BEGIN_ALLOW_THREADS
+    crc = stream_pieces_nogil(&w, (char *)(uintptr_t)dst, (const int64_t *)(uintptr_t)sources, len, n, seed);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(crc);
+}
+
 /* addresses(a, b, ...): the address of each C-contiguous buffer's first byte (None: 0), in one call:
  * numpy's `ndarray.ctypes.data` builds an object per array, which the per-table path paid ~20 times. */
 static PyObject *addresses(PyObject *self, PyObject *args)
@@ -1369,6 +1461,9 @@ static PyMethodDef methods[] = {
      "copy_lines(view, media, map_size, offset, stride, table_rows, rows, count) -> runs copied"},
     {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
     {"crc32", crc32, METH_VARARGS, "crc32(buffer, seed) -> zlib.crc32 of a C-contiguous buffer's bytes, continuing seed"},
+    {"stream_pieces", stream_pieces, METH_VARARGS,
+     "stream_pieces(dst, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc32: pieces stored "
+     "back to back from dst, durably (kind 1: lines written back with flush; 2: copied to the media copy)"},
     {"addresses", addresses, METH_VARARGS,
      "addresses(*buffers) -> tuple of each C-contiguous buffer's address (None: 0)"},
     {"crc32_path", crc32_path_py, METH_VARARGS,

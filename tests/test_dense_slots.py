@@ -3,11 +3,15 @@ taken every k batches in relaxed mode, with the roots that name them flagged."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
+from cxltrain import knobs
+from cxltrain.checkpoint import codec, dense, layout, slots
 from cxltrain.errors import CheckpointError
-from cxltrain.pool import Pool
-from cxltrain.pool_format import ROOT_RELAXED
+from cxltrain.pool import Pool, RegionSpec
+from cxltrain.pool_format import ROOT_RELAXED, RegionKind
 from cxltrain.runtime import recover_pool
 from test_runtime import train_steps
 
@@ -28,3 +32,29 @@ def test_dense_slots_too_small_say_how_big_they_are(shm_dir):
     with pytest.raises(CheckpointError, match=r"does not fit the pool's dense slots \(4,032 bytes\)"):
         train_steps(shm_dir / "p.pool", 1, dense_slot_bytes=4096)
     assert not (shm_dir / "p.pool").exists()
+
+
+@pytest.mark.parametrize("path", ["streamed", "power-loss streamed", "loop"])
+def test_a_snapshot_payload_lands_whole_and_durable_whatever_path_copies_it(shm_dir, path):
+    """write_payload copies a snapshot in one native pass where the device lets a kernel persist by
+    itself (its long pieces streamed, the rest stored and written back; on the power-loss emulator
+    the lines copied to the media), else piece by piece: the same bytes and checksum either way.
+    On the power-loss emulator the file holds them once write_snapshot returns: a copy that skipped
+    any piece's persist would leave the file's old bytes there."""
+    torch.manual_seed(3)
+    tree = {"long": torch.randn(5003), "odd": torch.arange(40_001, dtype=torch.uint8), "short": torch.ones(3),
+            "ints": np.arange(9), "text": "x" * 100, "longer": torch.randn(70, 301, dtype=torch.float64)}
+    pool_file = shm_dir / "p.pool"
+    settings = {"power_loss": int(path.startswith("power-loss")), "native_kernels": int(path != "loop")}
+    with knobs.override(**settings), Pool.create(str(pool_file), 8 << 20) as pool:
+        pool.add_regions([RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (2 << 20,))
+                          for name in layout.DENSE_REGIONS])
+        assert (dense._stream_payload(pool.device, 0, 0, codec.lay_out({})) is not None) == (path != "loop")
+        dense.write_snapshot(pool, 2, 5, tree)
+        region = dense.slot_region(pool, 2)
+        stored = bytes(slots.checked_payload(pool, 2, 5))  # header and checksum hold
+        offset = region.offset
+    assert stored == codec.encode(tree)
+    on_file = np.fromfile(pool_file, dtype=np.uint8)[offset : offset + layout.DENSE_HEADER.size + len(stored)]
+    assert on_file[layout.DENSE_HEADER.size :].tobytes() == stored
+    assert layout.unpack_dense_header(on_file[: layout.DENSE_HEADER.size].tobytes(), pool.superblock.uuid, 2)[0] == 5

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, PoolCorruptError, RecoveryError
+from ..kernels import native
 from ..pool import Pool
 from ..pool_format import checksum_more
 from . import codec, layout, slots
@@ -120,6 +121,9 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
                               "with larger slots (Runtime(dense_slot_bytes=...))")
     device, start = pool.device, region.offset + layout.DENSE_HEADER.size
     crc = slots.payload_checksum_seed(pool.superblock.uuid, batch)
+    streamed = _stream_payload(device, start, crc, encoded)
+    if streamed is not None:
+        return encoded.nbytes, streamed
     stored = [0, 0]  # a run of small pieces stored and not yet flushed (they tile it): one flush, one sum
 
     def flush_stored(crc: int) -> int:
@@ -141,6 +145,30 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
     crc = flush_stored(crc)
     device.drain()
     return encoded.nbytes, crc
+
+
+def _stream_payload(device, start: int, seed: int, encoded: codec.Layout) -> int | None:
+    """write_payload's copy in one native pass (kernels/rows.c stream_pieces), where the device lets
+    a kernel persist by itself: long pieces streamed around the caches, the rest stored and written
+    back as the device writes back a table's rows, then one fence (and on the power-loss emulator the
+    lines copied to the media); the checksum summed from the sources as they are copied. Returns it,
+    or None where the device or the build cannot (write_payload's loop then copies)."""
+    lib = native.lib()
+    write_back = device.native_row_flush() if lib is not None and device.streamed_target(start) is not None else None
+    if write_back is None or write_back.kind not in (native.RowFlush.LINES, native.RowFlush.MEDIA):
+        return None
+    pieces = [raw for _, raw in encoded.pieces()]
+    sources = np.array(lib.addresses(*pieces), dtype=np.int64)
+    lengths = np.array([len(raw) for raw in pieces], dtype=np.int64)
+    if write_back.kind == native.RowFlush.MEDIA:
+        flush, view, media = 0, write_back.map_start, write_back.map_start + write_back.address
+    else:
+        flush, view, media = write_back.address, 0, 0
+    device.streamed_persisted(start, encoded.nbytes, 1)
+    with device.persist_lock:
+        return lib.stream_pieces(native.address(device.array) + start, write_back.kind, flush, view, media,
+                                 write_back.map_end - write_back.map_start, *lib.addresses(sources, lengths),
+                                 len(pieces), seed)
 
 
 def seal_snapshot(pool: Pool, slot: int, batch: int, nbytes: int, crc: int) -> None:
