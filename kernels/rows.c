@@ -972,7 +972,9 @@ static uint32_t stream_pieces_nogil(const struct payload_write_back *w, char *ds
         size_t head = len, body = 0;
 #if defined(__x86_64__)
         if (len >= STREAM_PIECE_BYTES) {
-            head = (16 - ((uintptr_t)dst & 15)) & 15, body = (len - head) & ~(size_t)15;
+            /* whole cache lines only: a line is either streamed or stored and written back */
+            head = (CACHE_LINE - ((uintptr_t)dst & (CACHE_LINE - 1))) & (CACHE_LINE - 1);
+            body = (len - head) & ~(size_t)(CACHE_LINE - 1);
             for (size_t at = head; at < head + body; at += 16)
                 _mm_stream_si128((__m128i *)(dst + at), _mm_loadu_si128((const __m128i *)(src + at)));
         }
@@ -991,32 +993,42 @@ static uint32_t stream_pieces_nogil(const struct payload_write_back *w, char *ds
     return crc;
 }
 
-/* stream_pieces(dst, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc */
+/* stream_pieces(dst, capacity, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc */
 static PyObject *stream_pieces(PyObject *self, PyObject *args)
 {
     unsigned long long dst, flush, view, media, sources, lengths;
     unsigned int seed;
     struct payload_write_back w;
-    Py_ssize_t n, map_size;
-    if (!PyArg_ParseTuple(args, "KiKKKnKKnI", &dst, &w.kind, &flush, &view, &media, &map_size, &sources, &lengths,
-                          &n, &seed))
+    Py_ssize_t capacity, n, map_size;
+    if (!PyArg_ParseTuple(args, "KniKKKnKKnI", &dst, &capacity, &w.kind, &flush, &view, &media, &map_size, &sources,
+                          &lengths, &n, &seed))
         return NULL;
     w.flush = flush_or_cpu((flush_fn)(uintptr_t)flush);
     w.view = (char *)(uintptr_t)view, w.media = (char *)(uintptr_t)media, w.map_size = (size_t)map_size;
-    if ((w.kind != ROW_FLUSH_CACHE_LINES || !w.flush) && (w.kind != ROW_FLUSH_MEDIA_COPY || !view || !media)) {
-        PyErr_SetString(PyExc_ValueError, "stream_pieces: a write-back of cache lines (with a flush) or to a media copy");
+    if (w.kind == ROW_FLUSH_CACHE_LINES && !w.flush) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "no flush available: libpmem is absent and the CPU has neither CLWB nor CLFLUSHOPT");
+        return NULL;
+    }
+    if (w.kind != ROW_FLUSH_CACHE_LINES && (w.kind != ROW_FLUSH_MEDIA_COPY || !view || !media)) {
+        PyErr_SetString(PyExc_ValueError, "stream_pieces: kind must be 1 (a flush) or 2 (a view and its media copy)");
+        return NULL;
+    }
+    if (capacity < 0 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "stream_pieces: a negative capacity or count");
         return NULL;
     }
     const int64_t *len = (const int64_t *)(uintptr_t)lengths;
     size_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (len[i] < 0) {
-            PyErr_SetString(PyExc_ValueError, "stream_pieces: a negative length");
+        if (len[i] < 0 || (size_t)len[i] > (size_t)capacity - total) {
+            PyErr_SetString(PyExc_ValueError, "stream_pieces: the pieces are longer than the room at dst");
             return NULL;
         }
         total += (size_t)len[i];
     }
-    if (w.kind == ROW_FLUSH_MEDIA_COPY && (dst < view || dst - view > (size_t)map_size || total > (size_t)map_size - (dst - view))) {
+    if (w.kind == ROW_FLUSH_MEDIA_COPY && (dst < view || dst - view > (size_t)map_size
+                                           || total > (size_t)map_size - (dst - view))) {
         PyErr_SetString(PyExc_ValueError, "stream_pieces: the payload does not lie inside the mapping");
         return NULL;
     }
@@ -1462,8 +1474,9 @@ static PyMethodDef methods[] = {
     {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
     {"crc32", crc32, METH_VARARGS, "crc32(buffer, seed) -> zlib.crc32 of a C-contiguous buffer's bytes, continuing seed"},
     {"stream_pieces", stream_pieces, METH_VARARGS,
-     "stream_pieces(dst, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc32: pieces stored "
-     "back to back from dst, durably (kind 1: lines written back with flush; 2: copied to the media copy)"},
+     "stream_pieces(dst, capacity, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc32: "
+     "pieces stored back to back from dst (at most capacity bytes), durably (kind 1: lines written back with "
+     "flush; 2: copied to the media copy)"},
     {"addresses", addresses, METH_VARARGS,
      "addresses(*buffers) -> tuple of each C-contiguous buffer's address (None: 0)"},
     {"crc32_path", crc32_path_py, METH_VARARGS,

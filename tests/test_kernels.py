@@ -451,21 +451,60 @@ def test_crc32_folds_with_the_widest_carry_less_multiply_the_cpu_has():
         native.lib().crc32_path("crc32c")
 
 
+@pytest.mark.skipif(not native.built() or not native.lib().STREAMS, reason="needs the native streamed stores")
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0, 1, 15, 63, 64, 100, 16383, 16384, 16385, 40_001]), max_size=6),
+       st.integers(0, 127), st.booleans(), st.integers(0, 2**32 - 1))
+def test_stream_pieces_stores_the_pieces_back_to_back_and_sums_them(lengths, start, to_media, seed):
+    """A snapshot's payload in one call (dense._stream_payload): the pieces, long and short, at any
+    alignment, land back to back and nothing else changes; the checksum is zlib's over them; on the
+    power-loss model's kind the lines they touch are in the media copy too."""
+    import zlib
+
+    rng = np.random.default_rng(len(lengths) * 1000 + start)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8)[n % 3 :] if n % 2 else
+              rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lengths]
+    expected = b"".join(bytes(p) for p in pieces)
+    view = np.full(len(expected) + 256, 0xEE, dtype=np.uint8)
+    media = np.full_like(view, 0x11)
+    lib = native.lib()
+    sources = np.array(lib.addresses(*pieces), dtype=np.int64)
+    sizes = np.array([len(p) for p in pieces], dtype=np.int64)
+    kind, flush, view_at, media_at = ((2, 0, view.ctypes.data, media.ctypes.data) if to_media
+                                      else (1, load_libpmem().flush_address if load_libpmem() else 0, 0, 0))
+    if kind == 1 and not flush and native.cpu_flush() == "none":
+        pytest.skip("no flush: neither libpmem nor CLWB/CLFLUSHOPT")
+    crc = lib.stream_pieces(view.ctypes.data + start, len(expected), kind, flush, view_at, media_at, view.size,
+                            sources.ctypes.data, sizes.ctypes.data, len(pieces), seed)
+    assert crc == zlib.crc32(expected, seed)
+    assert view[start : start + len(expected)].tobytes() == expected
+    assert (view[:start] == 0xEE).all() and (view[start + len(expected) :] == 0xEE).all()
+    if to_media:
+        assert media[start : start + len(expected)].tobytes() == expected
+    if expected:  # never past the room it is given
+        with pytest.raises(ValueError, match="longer than the room"):
+            lib.stream_pieces(view.ctypes.data, len(expected) - 1, kind, flush, view_at, media_at, view.size,
+                              sources.ctypes.data, sizes.ctypes.data, len(pieces), seed)
+
+
 @needs_native
 def test_addresses_are_numpys_for_contiguous_buffers_only():
     """One call for the addresses a kernel's arguments need: what `ndarray.ctypes.data` says, for
-    read-only arrays and bytes too; None is 0; a strided view is refused, not mis-addressed."""
+    read-only arrays and bytes too; None is 0; a strided or Fortran-order view is refused, not
+    mis-addressed."""
     lib = native.lib()
     rows = np.arange(10, dtype=np.int64)
     headers = np.zeros((3, 64), dtype=np.uint8)
-    frozen = np.frombuffer(bytes(64), dtype=np.uint8)
+    template = bytes(range(64))
+    frozen = np.frombuffer(template, dtype=np.uint8)
     empty = np.empty(0, dtype=np.int64)
-    assert lib.addresses(rows, None, headers[1:], frozen, empty) == (
-        rows.ctypes.data, 0, headers.ctypes.data + 64, frozen.ctypes.data, empty.ctypes.data)
+    assert lib.addresses(rows, None, headers[1:], frozen, empty, template) == (
+        rows.ctypes.data, 0, headers.ctypes.data + 64, frozen.ctypes.data, empty.ctypes.data, frozen.ctypes.data)
     assert lib.addresses() == ()
     assert native.address(rows[3:]) == rows.ctypes.data + 24
-    with pytest.raises(ValueError, match="contiguous"):
-        lib.addresses(rows[::2])
+    for strided in (rows[::2], headers.T):
+        with pytest.raises(ValueError, match="contiguous"):
+            lib.addresses(strided)
     with pytest.raises(TypeError):
         lib.addresses(5)
 

@@ -103,17 +103,11 @@ def write_snapshot(pool: Pool, slot: int, batch: int, tree: dict) -> None:
     seal_snapshot(pool, slot, batch, *write_payload(pool, slot, batch, codec.lay_out(tree)))
 
 
-# Pieces at least this big are copied with the device's copy_persist (non-temporal stores where it
-# has them); smaller ones (the manifest, padding, RNG states, scalars) are plain stores, flushed once.
-_STREAM_BYTES = 16 << 10
-
-
 def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> tuple[int, int]:
     """Copy an encoded snapshot straight from the live tensors into slot `slot`'s payload and make
-    it durable; returns its length and checksum (for the header of `batch`), summed as it goes while
-    the bytes are in cache: a big piece from its source just before its copy, a run of small pieces
-    from the slot just after they are stored. The slot stays invalid (its header untouched) until
-    seal_snapshot. Must not overlap a write of the dense state it copies."""
+    it durable; returns its length and checksum (for the header of `batch`), summed from the live
+    bytes as they are copied. The slot stays invalid (its header untouched) until seal_snapshot.
+    Must not overlap a write of the dense state it copies."""
     region = slot_region(pool, slot)
     if layout.DENSE_HEADER.size + encoded.nbytes > region.size:
         raise CheckpointError(f"the dense state ({encoded.nbytes:,} bytes encoded) does not fit the pool's dense "
@@ -121,9 +115,55 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
                               "with larger slots (Runtime(dense_slot_bytes=...))")
     device, start = pool.device, region.offset + layout.DENSE_HEADER.size
     crc = slots.payload_checksum_seed(pool.superblock.uuid, batch)
-    streamed = _stream_payload(device, start, crc, encoded)
-    if streamed is not None:
-        return encoded.nbytes, streamed
+    write_back = streamed_write_back(device, start)
+    if write_back is not None:
+        return encoded.nbytes, _stream_payload(device, start, region.offset + region.size, write_back, crc, encoded)
+    return encoded.nbytes, _copy_payload(device, start, crc, encoded)
+
+
+def streamed_write_back(device, start: int) -> native.RowFlush | None:
+    """How a native kernel writes back what it stores at `start` on `device` (Device.native_row_flush),
+    where the device also lets it persist by itself (Device.streamed_target) and the build streams:
+    write_payload then copies in one native pass. None: piece by piece through the device."""
+    lib = native.lib()
+    if lib is None or not lib.STREAMS or device.streamed_target(start) is None:
+        return None
+    write_back = device.native_row_flush()
+    if write_back is None or write_back.kind not in (native.RowFlush.LINES, native.RowFlush.MEDIA):
+        return None
+    return write_back
+
+
+def _stream_payload(device, start: int, end: int, write_back: native.RowFlush, seed: int,
+                    encoded: codec.Layout) -> int:
+    """write_payload's copy in one native pass (kernels/rows.c stream_pieces, never past `end`): long
+    pieces streamed around the caches, the rest stored and written back as `write_back` says, then
+    one fence (and on the power-loss emulator the lines copied to the media); returns the checksum,
+    summed from the sources as they are copied."""
+    lib = native.lib()
+    pieces = [raw for _, raw in encoded.pieces()]
+    sources = np.array(lib.addresses(*pieces), dtype=np.int64)
+    lengths = np.array([len(raw) for raw in pieces], dtype=np.int64)
+    if write_back.kind == native.RowFlush.MEDIA:
+        flush, view, media = 0, write_back.map_start, write_back.map_start + write_back.address
+    else:
+        flush, view, media = write_back.address, 0, 0
+    device.streamed_persisted(start, encoded.nbytes, 1)  # checked and counted (the crash tests' flush point)
+    with device.persist_lock:
+        return lib.stream_pieces(native.address(device.array) + start, end - start, write_back.kind, flush, view,
+                                 media, write_back.map_end - write_back.map_start, *lib.addresses(sources, lengths),
+                                 len(pieces), seed)
+
+
+# Pieces at least this big are copied with the device's copy_persist (non-temporal stores where it
+# has them); smaller ones (the manifest, padding, RNG states, scalars) are plain stores, flushed once.
+_STREAM_BYTES = 16 << 10
+
+
+def _copy_payload(device, start: int, crc: int, encoded: codec.Layout) -> int:
+    """write_payload's copy piece by piece through the device; returns the checksum, summed while the
+    bytes are in cache: a big piece from its source just before its copy, a run of small pieces from
+    the slot just after they are stored."""
     stored = [0, 0]  # a run of small pieces stored and not yet flushed (they tile it): one flush, one sum
 
     def flush_stored(crc: int) -> int:
@@ -144,31 +184,7 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
             stored[1] = offset + src.size
     crc = flush_stored(crc)
     device.drain()
-    return encoded.nbytes, crc
-
-
-def _stream_payload(device, start: int, seed: int, encoded: codec.Layout) -> int | None:
-    """write_payload's copy in one native pass (kernels/rows.c stream_pieces), where the device lets
-    a kernel persist by itself: long pieces streamed around the caches, the rest stored and written
-    back as the device writes back a table's rows, then one fence (and on the power-loss emulator the
-    lines copied to the media); the checksum summed from the sources as they are copied. Returns it,
-    or None where the device or the build cannot (write_payload's loop then copies)."""
-    lib = native.lib()
-    write_back = device.native_row_flush() if lib is not None and device.streamed_target(start) is not None else None
-    if write_back is None or write_back.kind not in (native.RowFlush.LINES, native.RowFlush.MEDIA):
-        return None
-    pieces = [raw for _, raw in encoded.pieces()]
-    sources = np.array(lib.addresses(*pieces), dtype=np.int64)
-    lengths = np.array([len(raw) for raw in pieces], dtype=np.int64)
-    if write_back.kind == native.RowFlush.MEDIA:
-        flush, view, media = 0, write_back.map_start, write_back.map_start + write_back.address
-    else:
-        flush, view, media = write_back.address, 0, 0
-    device.streamed_persisted(start, encoded.nbytes, 1)
-    with device.persist_lock:
-        return lib.stream_pieces(native.address(device.array) + start, write_back.kind, flush, view, media,
-                                 write_back.map_end - write_back.map_start, *lib.addresses(sources, lengths),
-                                 len(pieces), seed)
+    return crc
 
 
 def seal_snapshot(pool: Pool, slot: int, batch: int, nbytes: int, crc: int) -> None:
