@@ -302,7 +302,7 @@ class LayoutCache:
         # where a tensor's blob is a view of it (not a copy): the address it views
         self._views_of = [source.data_ptr() if type(source) is not np.ndarray and
                           _viewable(source, _TORCH_NAMES[source.dtype]) else 0 for source in enc.sources]
-        return _assemble(_json(["d", nodes]), enc.blobs, enc.end)
+        return _assemble('["d",[' + ",".join(self._items) + "]]", enc.blobs, enc.end)  # the items' texts, joined
 
 
 class _SkeletonPickler(pickle.Pickler):
