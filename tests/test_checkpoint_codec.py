@@ -591,6 +591,29 @@ def test_layout_cache_follows_a_scheduler_by_laying_out_afresh():
     assert cache.hits == 0  # its counters and the learning rate change every batch
 
 
+def test_layout_cache_that_keeps_missing_pauses_and_one_that_settles_hits_again():
+    """A tree that misses every time (a scheduler stepping every batch) stops paying for the
+    comparison: after MISSES_BEFORE_PAUSE misses the cache lays out plainly for PAUSE_CALLS calls,
+    then compares once, and one more miss pauses it again. A tree that settles during a pause hits
+    at the first comparison after it. Every layout is encode()'s, paused or not."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
+    cache = LayoutCache(counters=("batch",))
+    first, pause = LayoutCache.MISSES_BEFORE_PAUSE, LayoutCache.PAUSE_CALLS
+    calls = first + 3 * (pause + 1)
+    for batch in range(calls):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        assert_cached_is_encode(cache, dense_tree(model, optimizer, batch, scheduler))
+    assert (cache.hits, cache.compared) == (0, first + 3)
+    settled = dense_tree(model, optimizer, calls, scheduler)  # the scheduler stops: the tree keeps its shape
+    for batch in range(calls, calls + pause + 1):
+        assert_cached_is_encode(cache, {**settled, "batch": batch})
+    assert (cache.hits, cache.compared) == (1, first + 4)
+
+
 BASE = {"batch": 3, "a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "f": 0.5, "i": 1, "flag": True,
         "l": [1, 2], "d": {"x": 1, "y": 2}, "o": OrderedDict(p=torch.ones(2)), "b": b"abc",
         "n": np.arange(3, dtype=np.int64), "t": (torch.zeros(2, dtype=torch.int64), None)}

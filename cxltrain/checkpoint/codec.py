@@ -248,13 +248,24 @@ class LayoutCache:
     the counters' new values; its blobs are the new tree's tensors and arrays, found in the same
     order (pickle and the encoder both go depth first, a dict's items in order, then `_metadata`).
     Anything else (another shape, an object twice, a counter that is not an int) is laid out afresh.
-    Either way the result is what lay_out(tree) gives."""
+    Either way the result is what lay_out(tree) gives.
+
+    A miss costs the pickling on top of lay_out, and some trees miss every time (a scheduler that
+    steps every batch changes the learning rate; Python's RNG state is in the tree): after
+    MISSES_BEFORE_PAUSE misses in a row the cache lays out plainly for PAUSE_CALLS calls, then
+    compares again (one more miss pauses it again, a hit ends the streak)."""
+
+    MISSES_BEFORE_PAUSE = 4
+    PAUSE_CALLS = 8
 
     def __init__(self, counters: tuple[str, ...] = ()) -> None:
         if not all(type(key) is str for key in counters):
             raise TypeError(f"LayoutCache counters are top-level str keys, got {counters!r}")
         self.counters = counters
         self.hits = self.misses = 0
+        self.compared = 0                 # calls that pickled a skeleton to compare
+        self._misses_in_a_row = 0
+        self._paused = 0                  # calls left to lay out plainly, without comparing
         self._skeleton: bytes | None = None
         self._items: list[str] = []       # each top-level item's manifest text ([key, value] node)
         self._blobs: list = []            # the last layout's blobs
@@ -267,6 +278,10 @@ class LayoutCache:
                                              for key in self.counters):
             self._skeleton = None
             return lay_out(tree)
+        if self._paused:  # the last compared layout stays: a tree that settled meanwhile hits at once
+            self._paused -= 1
+            return lay_out(tree)
+        self.compared += 1
         try:
             skeleton, sources = _skeleton({key: None if key in self.counters else value for key, value in tree.items()})
         except Exception:  # noqa: BLE001 — what pickle refuses, lay_out refuses with its own message, or lays out
@@ -287,10 +302,14 @@ class LayoutCache:
                 blobs[index] = offset, raw
             else:
                 self.hits += 1
+                self._misses_in_a_row = 0
                 items = [_json([key, tree[key]]) if key in self.counters else text
                          for key, text in zip(tree, self._items)]
                 return _assemble('["d",[' + ",".join(items) + "]]", blobs, self._end)
         self.misses += 1
+        self._misses_in_a_row += 1
+        if self._misses_in_a_row >= self.MISSES_BEFORE_PAUSE:  # and after a pause, one more miss pauses again
+            self._misses_in_a_row, self._paused = self.MISSES_BEFORE_PAUSE - 1, self.PAUSE_CALLS
         enc = _Encoder()
         nodes = [enc.item(key, value, (), 1) for key, value in tree.items()]
         # Reused only where pickle met the very tensors and arrays the encoder wrote, in its order: not
