@@ -172,6 +172,16 @@ typedef void (*drain_fn)(void);
 enum row_flush_kind { ROW_FLUSH_CALLER = 0, ROW_FLUSH_CACHE_LINES = 1, ROW_FLUSH_MEDIA_COPY = 2,
                      ROW_FLUSH_PLANTED_SKIP = 3 /* planted U2 bug: the runs counted, nothing written back */ };
 
+/* How a native kernel writes back what it stored (U2's flush, no drain), as the device would: a
+ * Python RowFlush (kernels/native.py), read by read_write_back. */
+struct write_back {
+    int kind;           /* enum row_flush_kind */
+    flush_fn flush;     /* ROW_FLUSH_CACHE_LINES: this flush of each range */
+    const char *view;   /* ROW_FLUSH_MEDIA_COPY: whole lines copied from the mapping at view ... */
+    char *media;        /* ... to its media mapping, ... */
+    size_t map_size;    /* ... never past this size */
+};
+
 /* sparse_update's undo side, with an undo plan (the fused capture): the batch's unique rows U are taken in chunks of `chunk_rows`; before
  * the update reaches a chunk's first row, the chunk's rows that need a record (`recorded`, a sorted
  * subset of the unique rows: capture once per commit window) are written into that chunk's own
@@ -205,11 +215,7 @@ struct fused_undo {
     int order;                    /* 0 as above; planted bugs: 1 header before payload, 2 update before header */
     Py_ssize_t stop_chunk;        /* crash tests: stop in this chunk ... */
     int stop_phase;               /* ... after step 1 (1) or step 2 (2); 0: never */
-    int row_flush;                /* enum row_flush_kind: step 4 by ... */
-    flush_fn flush;               /* ... ROW_FLUSH_CACHE_LINES: this flush; */
-    const char *row_view;         /* ... ROW_FLUSH_MEDIA_COPY: whole lines copied from the table's mapping ... */
-    char *row_media;              /* ... to its media mapping, ... */
-    size_t row_map_size;          /* ... never past this size (read_plan checked the table lies inside) */
+    struct write_back rows;       /* step 4 (read_plan checked a media copy's mapping holds the table) */
     /* progress */
     Py_ssize_t next, next_start;  /* the chunk to capture next, and the unique row it starts at (-1: none) */
     int stopped;                  /* the phase a crash test stopped at (the update loop stops too) */
@@ -732,6 +738,48 @@ static void copy_whole_lines(const char *view, char *media, size_t start, size_t
     memcpy(media + start, view + start, end - start);
 }
 
+/* w from a RowFlush's fields (kind, its address, map_start, map_end); 0, or -1 with an exception
+ * set (its message starts with `who`). */
+static int read_write_back(struct write_back *w, int64_t kind, int64_t address, int64_t map_start, int64_t map_end,
+                           const char *who)
+{
+    *w = (struct write_back){.kind = (int)kind};
+    if (kind == ROW_FLUSH_CACHE_LINES) {
+        w->flush = flush_or_cpu((flush_fn)(uintptr_t)address);
+        if (!w->flush) {
+            PyErr_Format(PyExc_RuntimeError, "%s: a write-back of cache lines, and libpmem is absent and the CPU has "
+                         "neither CLWB nor CLFLUSHOPT", who);
+            return -1;
+        }
+    } else if (kind == ROW_FLUSH_MEDIA_COPY) {
+        if (map_start % CACHE_LINE || map_end < map_start || !map_start || !address) {
+            PyErr_Format(PyExc_ValueError, "%s: the mapping a media copy is told of is not line-aligned, or has "
+                         "no media; nothing was written", who);
+            return -1;
+        }
+        w->view = (const char *)(uintptr_t)map_start;
+        w->media = (char *)(uintptr_t)(map_start + address); /* address: media - view */
+        w->map_size = (size_t)(map_end - map_start);
+    } else if (kind != ROW_FLUSH_CALLER && kind != ROW_FLUSH_PLANTED_SKIP) {
+        PyErr_Format(PyExc_ValueError, "%s: unknown row flush %lld", who, (long long)kind);
+        return -1;
+    }
+    return 0;
+}
+
+/* Write [at, at + n) back as w says: each range flushed, or on the power-loss emulator its whole
+ * lines copied to the media (the caller holds the media lock); nothing for the caller's or the
+ * planted skip's kind. No drain. */
+static void write_back_span(const struct write_back *w, const char *at, size_t n)
+{
+    if (w->kind == ROW_FLUSH_CACHE_LINES) {
+        w->flush(at, n);
+    } else if (w->kind == ROW_FLUSH_MEDIA_COPY) {
+        const size_t start = (size_t)(at - w->view);
+        copy_whole_lines(w->view, w->media, start, start + n, w->map_size);
+    }
+}
+
 struct line_copy {
     const char *view;
     char *media;
@@ -942,25 +990,9 @@ static PyObject *crc32(PyObject *self, PyObject *args)
  * shorter ones, and the unaligned ends of long ones, are stored and written back line by line. */
 enum { STREAM_PIECE_BYTES = 16 << 10 };
 
-struct payload_write_back {
-    int kind;         /* enum row_flush_kind: CACHE_LINES or MEDIA_COPY */
-    flush_fn flush;   /* CACHE_LINES */
-    char *view;       /* MEDIA_COPY: the mapping's first byte, its media copy, and its size */
-    char *media;
-    size_t map_size;
-};
-
-/* Write back the lines of [at, at + n), stored with ordinary stores (no drain). */
-static void write_back(const struct payload_write_back *w, const char *at, size_t n)
-{
-    if (n && w->kind == ROW_FLUSH_CACHE_LINES)
-        w->flush(at, n);
-    /* MEDIA_COPY: the whole payload's lines are copied once, at the end */
-}
-
 /* The payload's pieces [n] (sources[i]: lengths[i] bytes), stored back to back from dst and made
  * durable; returns their CRC-32 continued from seed, summed from the sources as they are copied. */
-static uint32_t stream_pieces_nogil(const struct payload_write_back *w, char *dst, const int64_t *sources,
+static uint32_t stream_pieces_nogil(const struct write_back *w, char *dst, const int64_t *sources,
                                     const int64_t *lengths, Py_ssize_t n, uint32_t seed)
 {
     char *const first = dst;
@@ -979,39 +1011,39 @@ static uint32_t stream_pieces_nogil(const struct payload_write_back *w, char *ds
                 _mm_stream_si128((__m128i *)(dst + at), _mm_loadu_si128((const __m128i *)(src + at)));
         }
 #endif
-        /* the ends around the streamed body (all of a short piece): stored, then written back */
+        /* the ends around the streamed body (all of a short piece): stored, then written back (on the
+         * power-loss emulator the whole payload's lines are copied once, at the end) */
         const size_t tail = head + body;
         memcpy(dst, src, head);
         memcpy(dst + tail, src + tail, len - tail);
-        write_back(w, dst, head);
-        write_back(w, dst + tail, len - tail);
+        if (w->kind == ROW_FLUSH_CACHE_LINES) {
+            write_back_span(w, dst, head);
+            write_back_span(w, dst + tail, len - tail);
+        }
         dst += len;
     }
     store_fence(); /* the streamed stores and the write-backs are complete before the caller's header */
     if (w->kind == ROW_FLUSH_MEDIA_COPY)
-        copy_whole_lines(w->view, w->media, (size_t)(first - w->view), (size_t)(dst - w->view), w->map_size);
+        write_back_span(w, first, (size_t)(dst - first));
     return crc;
 }
 
-/* stream_pieces(dst, capacity, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc */
+/* stream_pieces(dst, capacity, kind, address, map_start, map_end, sources, lengths, n, seed) -> crc: the
+ * write-back is a RowFlush's fields, of kind CACHE_LINES or MEDIA_COPY */
 static PyObject *stream_pieces(PyObject *self, PyObject *args)
 {
-    unsigned long long dst, flush, view, media, sources, lengths;
+    unsigned long long dst, sources, lengths;
+    long long kind, address, map_start, map_end;
     unsigned int seed;
-    struct payload_write_back w;
-    Py_ssize_t capacity, n, map_size;
-    if (!PyArg_ParseTuple(args, "KniKKKnKKnI", &dst, &capacity, &w.kind, &flush, &view, &media, &map_size, &sources,
+    struct write_back w;
+    Py_ssize_t capacity, n;
+    if (!PyArg_ParseTuple(args, "KnLLLLKKnI", &dst, &capacity, &kind, &address, &map_start, &map_end, &sources,
                           &lengths, &n, &seed))
         return NULL;
-    w.flush = flush_or_cpu((flush_fn)(uintptr_t)flush);
-    w.view = (char *)(uintptr_t)view, w.media = (char *)(uintptr_t)media, w.map_size = (size_t)map_size;
-    if (w.kind == ROW_FLUSH_CACHE_LINES && !w.flush) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "no flush available: libpmem is absent and the CPU has neither CLWB nor CLFLUSHOPT");
+    if (read_write_back(&w, kind, address, map_start, map_end, "stream_pieces") < 0)
         return NULL;
-    }
-    if (w.kind != ROW_FLUSH_CACHE_LINES && (w.kind != ROW_FLUSH_MEDIA_COPY || !view || !media)) {
-        PyErr_SetString(PyExc_ValueError, "stream_pieces: kind must be 1 (a flush) or 2 (a view and its media copy)");
+    if (w.kind != ROW_FLUSH_CACHE_LINES && w.kind != ROW_FLUSH_MEDIA_COPY) {
+        PyErr_SetString(PyExc_ValueError, "stream_pieces: the write-back must flush lines or copy them to the media");
         return NULL;
     }
     if (capacity < 0 || n < 0) {
@@ -1027,8 +1059,8 @@ static PyObject *stream_pieces(PyObject *self, PyObject *args)
         }
         total += (size_t)len[i];
     }
-    if (w.kind == ROW_FLUSH_MEDIA_COPY && (dst < view || dst - view > (size_t)map_size
-                                           || total > (size_t)map_size - (dst - view))) {
+    const uintptr_t view = (uintptr_t)w.view;
+    if (w.kind == ROW_FLUSH_MEDIA_COPY && (dst < view || dst - view > w.map_size || total > w.map_size - (dst - view))) {
         PyErr_SetString(PyExc_ValueError, "stream_pieces: the payload does not lie inside the mapping");
         return NULL;
     }
@@ -1237,29 +1269,17 @@ static int undo_chunk(struct fused_undo *u)
  * back, weights and then state, as the table's device flushes them (a CLWB-like flush of each range,
  * or on the power-loss emulator its whole lines copied to the media, under the media lock the caller
  * holds). No drain: the commit drains before its root (U2). */
-static void undo_flush_span(const struct fused_undo *u, const char *at, size_t n)
-{
-    if (u->row_flush == ROW_FLUSH_CACHE_LINES) {
-        u->flush(at, n);
-        return;
-    }
-    if (u->row_flush == ROW_FLUSH_PLANTED_SKIP)
-        return;
-    const size_t start = (size_t)(at - u->row_view);
-    copy_whole_lines(u->row_view, u->row_media, start, start + n, u->row_map_size);
-}
-
 static void undo_flush_run(const void *args, int64_t first, Py_ssize_t length)
 {
     const struct fused_undo *u = args;
-    undo_flush_span(u, u->weights + first * u->row_bytes, (size_t)(length * u->row_bytes));
+    write_back_span(&u->rows, u->weights + first * u->row_bytes, (size_t)(length * u->row_bytes));
     if (u->state_bytes)
-        undo_flush_span(u, u->state + first * u->state_bytes, (size_t)(length * u->state_bytes));
+        write_back_span(&u->rows, u->state + first * u->state_bytes, (size_t)(length * u->state_bytes));
 }
 
 static void undo_flush_rows(struct fused_undo *u, const int64_t *updated, Py_ssize_t count)
 {
-    if (u->row_flush == ROW_FLUSH_CALLER || count <= u->flushed)
+    if (u->rows.kind == ROW_FLUSH_CALLER || count <= u->flushed)
         return;
     u->flush_runs += for_each_run(u, updated + u->flushed, count - u->flushed, undo_flush_run);
     u->flushed = count;
@@ -1325,31 +1345,19 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
         .order = (int)plan[PLAN_ORDER],
         .stop_chunk = (Py_ssize_t)plan[PLAN_STOP_CHUNK],
         .stop_phase = (int)plan[PLAN_STOP_PHASE],
-        .row_flush = (int)plan[PLAN_ROW_FLUSH],
     };
-    if (u->row_flush == ROW_FLUSH_CACHE_LINES) {
-        u->flush = flush_or_cpu((flush_fn)(uintptr_t)plan[PLAN_ROW_FLUSH_ARG]);
-        if (!u->flush) {
-            PyErr_SetString(PyExc_RuntimeError, "sparse_update: the undo plan asks for a row flush, and libpmem is "
-                            "absent and the CPU has neither CLWB nor CLFLUSHOPT");
-            return -1;
-        }
-    } else if (u->row_flush == ROW_FLUSH_MEDIA_COPY) {
-        const uintptr_t map_start = (uintptr_t)plan[PLAN_MAP_START], map_end = (uintptr_t)plan[PLAN_MAP_END];
-        u->row_view = (const char *)map_start;
-        u->row_media = (char *)(map_start + (uintptr_t)plan[PLAN_ROW_FLUSH_ARG]); /* media - view */
-        u->row_map_size = map_end - map_start;
-        /* every line a copy touches lies in the mapping: the table's rows, rounded out to lines */
-        if (map_start % CACHE_LINE || map_end < map_start
-            || !rows_inside(u->weights, u->row_bytes, a->table_rows, map_start, map_end)
+    if (read_write_back(&u->rows, plan[PLAN_ROW_FLUSH], plan[PLAN_ROW_FLUSH_ARG], plan[PLAN_MAP_START],
+                        plan[PLAN_MAP_END], "sparse_update's row write-back") < 0)
+        return -1;
+    /* every line a copy touches lies in the mapping: the table's rows, rounded out to lines */
+    if (u->rows.kind == ROW_FLUSH_MEDIA_COPY) {
+        const uintptr_t map_start = (uintptr_t)u->rows.view, map_end = map_start + u->rows.map_size;
+        if (!rows_inside(u->weights, u->row_bytes, a->table_rows, map_start, map_end)
             || (u->state_bytes && !rows_inside(u->state, u->state_bytes, a->table_rows, map_start, map_end))) {
             PyErr_SetString(PyExc_ValueError, "sparse_update: the table does not lie inside the mapping its "
                             "row write-back copies; nothing was written");
             return -1;
         }
-    } else if (u->row_flush != ROW_FLUSH_CALLER && u->row_flush != ROW_FLUSH_PLANTED_SKIP) {
-        PyErr_Format(PyExc_ValueError, "sparse_update: unknown row flush %d in the undo plan", u->row_flush);
-        return -1;
     }
     u->next_start = u->chunks > 0 ? 0 : -1;
     if (u->chunk_rows < 1 || u->chunks < 0 || u->rec_first[0] != 0
@@ -1474,9 +1482,9 @@ static PyMethodDef methods[] = {
     {"cpu_flush", cpu_flush_name, METH_NOARGS, "the cache-line flush instruction used without libpmem"},
     {"crc32", crc32, METH_VARARGS, "crc32(buffer, seed) -> zlib.crc32 of a C-contiguous buffer's bytes, continuing seed"},
     {"stream_pieces", stream_pieces, METH_VARARGS,
-     "stream_pieces(dst, capacity, kind, flush, view, media, map_size, sources, lengths, n, seed) -> crc32: "
-     "pieces stored back to back from dst (at most capacity bytes), durably (kind 1: lines written back with "
-     "flush; 2: copied to the media copy)"},
+     "stream_pieces(dst, capacity, kind, address, map_start, map_end, sources, lengths, n, seed) -> crc32: "
+     "pieces stored back to back from dst (at most capacity bytes), durably, written back as a RowFlush of "
+     "kind 1 (lines flushed) or 2 (copied to the media) says"},
     {"addresses", addresses, METH_VARARGS,
      "addresses(*buffers) -> tuple of each C-contiguous buffer's address (None: 0)"},
     {"crc32_path", crc32_path_py, METH_VARARGS,

@@ -465,17 +465,22 @@ def test_stream_pieces_stores_the_pieces_back_to_back_and_sums_them(lengths, sta
     pieces = [rng.integers(0, 256, n, dtype=np.uint8)[n % 3 :] if n % 2 else
               rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in lengths]
     expected = b"".join(bytes(p) for p in pieces)
-    view = np.full(len(expected) + 256, 0xEE, dtype=np.uint8)
+    mapping = np.full(len(expected) + 256 + 64, 0xEE, dtype=np.uint8)
+    view = mapping[-mapping.ctypes.data % 64 :][: len(expected) + 256]  # a mapping starts on a line
     media = np.full_like(view, 0x11)
     lib = native.lib()
     sources = np.array(lib.addresses(*pieces), dtype=np.int64)
     sizes = np.array([len(p) for p in pieces], dtype=np.int64)
-    kind, flush, view_at, media_at = ((2, 0, view.ctypes.data, media.ctypes.data) if to_media
-                                      else (1, load_libpmem().flush_address if load_libpmem() else 0, 0, 0))
-    if kind == 1 and not flush and native.cpu_flush() == "none":
-        pytest.skip("no flush: neither libpmem nor CLWB/CLFLUSHOPT")
-    crc = lib.stream_pieces(view.ctypes.data + start, len(expected), kind, flush, view_at, media_at, view.size,
-                            sources.ctypes.data, sizes.ctypes.data, len(pieces), seed)
+    if to_media:
+        write_back = native.RowFlush(native.RowFlush.MEDIA, media.ctypes.data - view.ctypes.data, view.ctypes.data,
+                                     view.ctypes.data + view.size)
+    else:
+        write_back = native.RowFlush(native.RowFlush.LINES, load_libpmem().flush_address if load_libpmem() else 0)
+        if not write_back.address and native.cpu_flush() == "none":
+            pytest.skip("no flush: neither libpmem nor CLWB/CLFLUSHOPT")
+    fields = (write_back.kind, write_back.address, write_back.map_start, write_back.map_end)
+    crc = lib.stream_pieces(view.ctypes.data + start, len(expected), *fields, sources.ctypes.data,
+                            sizes.ctypes.data, len(pieces), seed)
     assert crc == zlib.crc32(expected, seed)
     assert view[start : start + len(expected)].tobytes() == expected
     assert (view[:start] == 0xEE).all() and (view[start + len(expected) :] == 0xEE).all()
@@ -483,8 +488,8 @@ def test_stream_pieces_stores_the_pieces_back_to_back_and_sums_them(lengths, sta
         assert media[start : start + len(expected)].tobytes() == expected
     if expected:  # never past the room it is given
         with pytest.raises(ValueError, match="longer than the room"):
-            lib.stream_pieces(view.ctypes.data, len(expected) - 1, kind, flush, view_at, media_at, view.size,
-                              sources.ctypes.data, sizes.ctypes.data, len(pieces), seed)
+            lib.stream_pieces(view.ctypes.data, len(expected) - 1, *fields, sources.ctypes.data, sizes.ctypes.data,
+                              len(pieces), seed)
 
 
 @needs_native

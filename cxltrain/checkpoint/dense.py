@@ -144,15 +144,13 @@ def _stream_payload(device, start: int, end: int, write_back: native.RowFlush, s
     pieces = [raw for _, raw in encoded.pieces()]
     sources = np.array(lib.addresses(*pieces), dtype=np.int64)
     lengths = np.array([len(raw) for raw in pieces], dtype=np.int64)
-    if write_back.kind == native.RowFlush.MEDIA:
-        flush, view, media = 0, write_back.map_start, write_back.map_start + write_back.address
-    else:
-        flush, view, media = write_back.address, 0, 0
     device.streamed_persisted(start, encoded.nbytes, 1)  # checked and counted (the crash tests' flush point)
     with device.persist_lock:
-        return lib.stream_pieces(native.address(device.array) + start, end - start, write_back.kind, flush, view,
-                                 media, write_back.map_end - write_back.map_start, *lib.addresses(sources, lengths),
-                                 len(pieces), seed)
+        # the payload is durable (its fence, or its lines in the media) when this returns: what
+        # seal_snapshot's ordering, payload before header, rests on
+        return lib.stream_pieces(native.address(device.array) + start, end - start, write_back.kind,
+                                 write_back.address, write_back.map_start, write_back.map_end,
+                                 *lib.addresses(sources, lengths), len(pieces), seed)
 
 
 # Pieces at least this big are copied with the device's copy_persist (non-temporal stores where it
