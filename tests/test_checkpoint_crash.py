@@ -389,8 +389,10 @@ def test_kill_inside_the_fused_capture_recovers_exactly(shm_dir, ref_dir, point,
     pool = str(shm_dir / "t.pool")
     killed = run_child(pool, env={**CHUNKS, CRASH_ENV: f"{point}:{count}", "CXLTRAIN_POWER_LOSS": power_loss})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
+    killed_in = (count - 1) // TABLES  # one hit per table per batch: hit `count` is in this batch
     batch, problems = exactness_problems(pool, ref_dir)
-    assert problems == [] and batch in range(count // TABLES - 1, count // TABLES + 1), (batch, problems)
+    # the commit handed over at the end of the batch before may not be durable yet (lag of one)
+    assert problems == [] and batch in (killed_in - 1, killed_in), (batch, problems)
 
 
 @pytest.mark.parametrize("fault", [pytest.param(Planted.HEADER_BEFORE_PAYLOAD, marks=pytest.mark.slow),
