@@ -767,6 +767,12 @@ static int read_write_back(struct write_back *w, int64_t kind, int64_t address, 
     return 0;
 }
 
+/* Whether the n bytes from `at` lie inside [start, end): what a media copy may reach. */
+static int span_inside(uintptr_t at, size_t n, uintptr_t start, uintptr_t end)
+{
+    return at >= start && at <= end && n <= end - at;
+}
+
 /* Write [at, at + n) back as w says: each range flushed, or on the power-loss emulator its whole
  * lines copied to the media (the caller holds the media lock); nothing for the caller's or the
  * planted skip's kind. No drain. */
@@ -1060,7 +1066,7 @@ static PyObject *stream_pieces(PyObject *self, PyObject *args)
         total += (size_t)len[i];
     }
     const uintptr_t view = (uintptr_t)w.view;
-    if (w.kind == ROW_FLUSH_MEDIA_COPY && (dst < view || dst - view > w.map_size || total > w.map_size - (dst - view))) {
+    if (w.kind == ROW_FLUSH_MEDIA_COPY && !span_inside(dst, total, view, view + w.map_size)) {
         PyErr_SetString(PyExc_ValueError, "stream_pieces: the payload does not lie inside the mapping");
         return NULL;
     }
@@ -1314,13 +1320,6 @@ static void undo_finish(struct fused_undo *u)
 }
 
 
-/* Whether `rows` rows of `row_bytes` from `base` lie inside [start, end). */
-static int rows_inside(const char *base, Py_ssize_t row_bytes, int64_t rows, uintptr_t start, uintptr_t end)
-{
-    const uintptr_t at = (uintptr_t)base;
-    return at >= start && at <= end && (uintptr_t)rows * (uintptr_t)row_bytes <= end - at;
-}
-
 /* Fill u from a plan (sparse_update's optional last argument); 0, or -1 with an exception set. */
 static int read_plan(const int64_t *plan, const struct update_args *a, struct fused_undo *u)
 {
@@ -1352,8 +1351,10 @@ static int read_plan(const int64_t *plan, const struct update_args *a, struct fu
     /* every line a copy touches lies in the mapping: the table's rows, rounded out to lines */
     if (u->rows.kind == ROW_FLUSH_MEDIA_COPY) {
         const uintptr_t map_start = (uintptr_t)u->rows.view, map_end = map_start + u->rows.map_size;
-        if (!rows_inside(u->weights, u->row_bytes, a->table_rows, map_start, map_end)
-            || (u->state_bytes && !rows_inside(u->state, u->state_bytes, a->table_rows, map_start, map_end))) {
+        const size_t rows = (size_t)a->table_rows;
+        if (!span_inside((uintptr_t)u->weights, rows * (size_t)u->row_bytes, map_start, map_end)
+            || (u->state_bytes && !span_inside((uintptr_t)u->state, rows * (size_t)u->state_bytes, map_start,
+                                               map_end))) {
             PyErr_SetString(PyExc_ValueError, "sparse_update: the table does not lie inside the mapping its "
                             "row write-back copies; nothing was written");
             return -1;
