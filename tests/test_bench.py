@@ -66,6 +66,7 @@ def test_quick_bench_end_to_end(shm_dir):
     [paired] = out["paired"]
     assert paired["method"] == "ours-strict" and paired["base_ms"] > 0 and paired["method_ms"] > 0
     assert len(paired["block_ratios"]) == paired["blocks"] == 2 and out["targets"][0]["value"] == paired["ratio"]
+    assert paired["ratio_low"] <= paired["ratio"] <= paired["ratio_high"]
     assert "side by side in one process" in result.stdout
     [floors] = out["floors"]  # the quick plan's one pooling: every method with its bytes and floor
     assert floors["pooling"] == 1 and "reason" not in floors and floors["copy_gbps"] > 0 and floors["base_ms"] > 0
@@ -207,9 +208,10 @@ def test_targets_hold_and_miss():
                     "embedding sgd pooling 1: ours / nn.EmbeddingBag time": False}
     floors = [FloorSection(pooling=1, floors=Floors(pooling=1, copy_gbps=10.0, base_ms=5.0, rows=[
         FloorRow(pooling=1, method="strict", ms_per_step=5.2, ratio=1.04, median_block_ratio=1.03,
-                 durable_mb_per_batch=2.0, undo_mb_per_batch=0.5, floor_ms=0.2, floor_ratio=1.04)])),
+                 durable_mb_per_batch=2.0, undo_mb_per_batch=0.5, floor_ms=0.2, floor_ratio=1.04,
+                 ratio_low=1.01, ratio_high=1.07)])),
         FloorSection(pooling=20, reason="timed out after 1200 s")]
     # each pooling's floors next to its ratios, or why there are none
     text = format_text(dataclasses.replace(results, floors=floors, recovery=Recovery(None, None, [])))
-    assert "  1 strict           5.2  1.040  1.030  1.040         2.00      0.50     0.20" in text
+    assert "  1 strict           5.2  1.040 1.010-1.070  1.030  1.040         2.00      0.50     0.20" in text
     assert "pooling 20: timed out after 1200 s" in text

@@ -21,9 +21,11 @@ def test_floor_rows_side_by_side(shm_dir):
     for r in rows:
         assert r.durable_mb_per_batch > r.undo_mb_per_batch > 0 and r.ms_per_step > 0
         assert r.floor_ms == pytest.approx(r.durable_mb_per_batch / 10) and r.floor_ratio > 1
+        assert r.ratio_low <= r.ratio <= r.ratio_high  # two blocks: the interval spans their two ratios
     assert k10.undo_mb_per_batch < strict.undo_mb_per_batch  # one record per row per window
     assert list(shm_dir.iterdir()) == []  # the pools are removed
-    assert "strict-k10" in format_rows(rows, {5: 1.0}, 10.0)
+    text = format_rows(rows, {5: 1.0}, 10.0)
+    assert "strict-k10" in text and f"{strict.ratio_low:.3f}-{strict.ratio_high:.3f}" in text
 
 
 def test_measuring_the_copy_bandwidth_leaves_torchs_threads_alone():

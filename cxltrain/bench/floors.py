@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..config import TrainConfig
 from ..modes import OFF, RELAXED, UNDO
+from .interval import LEVEL, interval_text, ratio_interval
 from .records import FloorRow, Floors
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ def _row(pooling: int, name: str, run: SideBySide, base: SideBySide, copy_gbps: 
     floor_ms = 1000.0 * durable / (copy_gbps * 1e9)
     return FloorRow(pooling, name, run.mean_ms, run.mean_ms / base.mean_ms,
                     statistics.median(b / a for a, b in zip(base.block_seconds, run.block_seconds)),
-                    durable / 1e6, undo / 1e6, floor_ms, 1.0 + floor_ms / base.mean_ms)
+                    durable / 1e6, undo / 1e6, floor_ms, 1.0 + floor_ms / base.mean_ms,
+                    *ratio_interval(base.block_seconds, run.block_seconds))
 
 
 def measure_floors(config: TrainConfig, methods: list[str], folder: str, *, warmup: int, blocks: int,
@@ -82,15 +84,17 @@ def measure_floors(config: TrainConfig, methods: list[str], folder: str, *, warm
 
 
 def format_rows(rows: list[FloorRow], base_ms: dict[int, float], copy_gbps: float) -> str:
-    lines = [f"copy bandwidth {copy_gbps:.1f} GB/s (numpy, one thread); floor = durable bytes / that bandwidth",
-             f"{'pooling':>7} {'method':<11} {'ms/step':>8} {'ratio':>6} {'median':>6} {'floor':>6} "
+    lines = [f"copy bandwidth {copy_gbps:.1f} GB/s (numpy, one thread); floor = durable bytes / that bandwidth; "
+             f"interval: the ratio's {LEVEL:.0%} bootstrap interval over the blocks",
+             f"{'pooling':>7} {'method':<11} {'ms/step':>8} {'ratio':>6} {'interval':>11} {'median':>6} {'floor':>6} "
              f"{'durable MB/b':>12} {'undo MB/b':>9} {'floor ms':>8}"]
     for pooling, ms in base_ms.items():
         lines.append(f"{pooling:>7} {'off':<11} {ms:>8.1f}")
         for r in (r for r in rows if r.pooling == pooling):
             lines.append(f"{r.pooling:>7} {r.method:<11} {r.ms_per_step:>8.1f} {r.ratio:>6.3f} "
-                         f"{r.median_block_ratio:>6.3f} {r.floor_ratio:>6.3f} {r.durable_mb_per_batch:>12.2f} "
-                         f"{r.undo_mb_per_batch:>9.2f} {r.floor_ms:>8.2f}")
+                         f"{interval_text(r.ratio_low, r.ratio_high):>11} {r.median_block_ratio:>6.3f} "
+                         f"{r.floor_ratio:>6.3f} {r.durable_mb_per_batch:>12.2f} {r.undo_mb_per_batch:>9.2f} "
+                         f"{r.floor_ms:>8.2f}")
     return "\n".join(lines)
 
 

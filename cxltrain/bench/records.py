@@ -109,6 +109,8 @@ class PairedTiming(Record):
     block_ratios: list[float]
     blocks: int
     block_steps: int
+    ratio_low: float | None = optional()   # interval.ratio_interval of the blocks: how sure the ratio is
+    ratio_high: float | None = optional()
 
 
 @dataclasses.dataclass
@@ -124,6 +126,8 @@ class FloorRow(Record):
     undo_mb_per_batch: float
     floor_ms: float            # durable bytes per batch at the copy bandwidth
     floor_ratio: float         # 1 + floor_ms / the off run's ms per step
+    ratio_low: float | None = optional()   # interval.ratio_interval of the blocks: how sure the ratio is
+    ratio_high: float | None = optional()
 
 
 @dataclasses.dataclass
