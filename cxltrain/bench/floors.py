@@ -68,7 +68,7 @@ def _row(pooling: int, name: str, run: SideBySide, base: SideBySide, copy_gbps: 
     return FloorRow(pooling, name, run.mean_ms, run.mean_ms / base.mean_ms,
                     statistics.median(b / a for a, b in zip(base.block_seconds, run.block_seconds)),
                     durable / 1e6, undo / 1e6, floor_ms, 1.0 + floor_ms / base.mean_ms,
-                    *ratio_interval(base.block_seconds, run.block_seconds))
+                    *(ratio_interval(base.block_seconds, run.block_seconds) or (None, None)))
 
 
 def measure_floors(config: TrainConfig, methods: list[str], folder: str, *, warmup: int, blocks: int,

@@ -54,7 +54,7 @@ def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str],
     steps each (after `warmup` steps each), their ratio, and each block pair's ratio."""
     first, second = paired_runs([base, method], list(pools), warmup=warmup, blocks=blocks, block_steps=block_steps)
     block_ratios = [b / a for a, b in zip(first.block_seconds, second.block_seconds)]
-    low, high = ratio_interval(first.block_seconds, second.block_seconds)
+    low, high = ratio_interval(first.block_seconds, second.block_seconds) or (None, None)
     return PairedTiming(base_ms=first.mean_ms, method_ms=second.mean_ms, ratio=second.mean_ms / first.mean_ms,
                         median_block_ratio=statistics.median(block_ratios), block_ratios=block_ratios,
                         blocks=blocks, block_steps=block_steps, ratio_low=low, ratio_high=high)

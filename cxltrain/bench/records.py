@@ -110,7 +110,7 @@ class PairedTiming(Record):
     blocks: int
     block_steps: int
     ratio_low: float | None = optional()   # interval.ratio_interval of the blocks: how sure the ratio is
-    ratio_high: float | None = optional()
+    ratio_high: float | None = optional()  # (None: too few blocks for one)
 
 
 @dataclasses.dataclass
@@ -127,7 +127,7 @@ class FloorRow(Record):
     floor_ms: float            # durable bytes per batch at the copy bandwidth
     floor_ratio: float         # 1 + floor_ms / the off run's ms per step
     ratio_low: float | None = optional()   # interval.ratio_interval of the blocks: how sure the ratio is
-    ratio_high: float | None = optional()
+    ratio_high: float | None = optional()  # (None: too few blocks for one)
 
 
 @dataclasses.dataclass
