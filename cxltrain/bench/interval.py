@@ -18,7 +18,7 @@ import numpy as np
 
 LEVEL = 0.95
 RESAMPLES = 4000
-MIN_BLOCKS = 10  # tests/test_interval.py: 95% intervals of 2 blocks hold the true ratio about half the time
+MIN_BLOCKS = 10  # docs/speed.md: on fewer blocks a 95% interval holds the true ratio far less often
 
 
 def ratio_interval(base: list[float], method: list[float], *, level: float = LEVEL, resamples: int = RESAMPLES,
