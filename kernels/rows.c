@@ -775,9 +775,12 @@ static int span_inside(uintptr_t at, size_t n, uintptr_t start, uintptr_t end)
 
 /* Write [at, at + n) back as w says: each range flushed, or on the power-loss emulator its whole
  * lines copied to the media (the caller holds the media lock); nothing for the caller's or the
- * planted skip's kind. No drain. */
+ * planted skip's kind, or for an empty range (a flush rounds its start down to a line, so it would
+ * write back a neighbour's line). No drain. */
 static void write_back_span(const struct write_back *w, const char *at, size_t n)
 {
+    if (!n)
+        return;
     if (w->kind == ROW_FLUSH_CACHE_LINES) {
         w->flush(at, n);
     } else if (w->kind == ROW_FLUSH_MEDIA_COPY) {
