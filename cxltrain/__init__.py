@@ -16,14 +16,14 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "CxlTrainError": "cxltrain.errors",
-    "Pool": "cxltrain.pool",
-    "Runtime": "cxltrain.runtime",
-    "PersistentEmbeddingBag": "cxltrain.tables",
-    "PersistentEmbeddingBagCollection": "cxltrain.collection",
-    "EmbeddingBagConfig": "cxltrain.collection",
-    "SGD": "cxltrain.optim",
-    "RowWiseAdagrad": "cxltrain.optim",
-    "TableLR": "cxltrain.optim",
+    "Pool": "cxltrain.pool.handle",
+    "Runtime": "cxltrain.runtime.runtime",
+    "PersistentEmbeddingBag": "cxltrain.tables.bag",
+    "PersistentEmbeddingBagCollection": "cxltrain.tables.collection",
+    "EmbeddingBagConfig": "cxltrain.tables.collection",
+    "SGD": "cxltrain.tables.optim",
+    "RowWiseAdagrad": "cxltrain.tables.optim",
+    "TableLR": "cxltrain.tables.optim",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -47,7 +47,7 @@ class CrashPoint:
     COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
     CACHE_MID_ADMISSION = "cache:mid-admission"            # cache.py: half a table's slots filled (admission, re-placement)
     CACHE_AFTER_WRITE_BACK = "cache:after-write-back"      # cache.py: re-placement's evicted rows written back, slots not refilled
-    # distributed runs (cxltrain/dist/), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
+    # distributed runs (models/exchange.py, runtime/group.py), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # dist/step.py: this rank's commit durable, peers' maybe not
     DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # dist/step.py: a step done, G not yet agreed
     DIST_RECOVER_BEFORE_ROOT = "dist:recover-before-root"  # dist/recovery.py: rolled back to G, no root yet
@@ -88,7 +88,7 @@ class Planted:
 
 
 class PlantedDist:
-    """The planted bugs of distributed runs (cxltrain/dist/); a single process never reaches them."""
+    """The planted bugs of distributed runs (models/exchange.py, runtime/group.py); a single process never reaches them."""
 
     RECLAIM_ABOVE_AGREED = "reclaim-above-agreed"    # U3b: a rank reclaims records above the agreed target G
     COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"  # a rank commits as if its batch were agreed

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cxltrain.config import TrainConfig
-from cxltrain.crashtest import References
 from cxltrain.data import Batch
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.crashtest import References
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 SHARED_CRITEO_SAMPLE = SHARED_DATA / "criteo_sample.csv"   # CI checks shared/ out beside the repo

@@ -22,8 +22,8 @@ from cxltrain.bench.results import (
     StepTiming,
 )
 from cxltrain.bench.suite import _step_row
-from cxltrain.config import TrainConfig
-from cxltrain.trainer import build_model, build_source
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import build_model, build_source
 from test_cli import assert_one_line_error, cxltrain
 
 TINY = TrainConfig(batch_size=32, num_tables=2, rows=500, dim=8, bottom_mlp=(16,), top_mlp=(16,))

@@ -1,4 +1,4 @@
-"""The persistent hot-row cache (cxltrain/cache.py, docs/tiers.md): cached rows looked up and
+"""The persistent hot-row cache (cxltrain/tables/cache.py, docs/tiers.md): cached rows looked up and
 updated in the fast tier; a cached run ends bit-identical to an uncached one; admission and
 re-placement (write-back, refill) are logged, so a run killed in the middle of them recovers the
 map as it was and resumes bit-exactly; the crash tests catch planted ordering bugs at each of the
@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from cxltrain import knobs
-from cxltrain.cache_format import region_names
-from cxltrain.config import TrainConfig
 from cxltrain.errors import ConfigError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
-from cxltrain.pool import Pool
-from cxltrain.runtime import export_state, recover_pool
-from cxltrain.trainer import train
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import train
+from cxltrain.pool.cache_format import region_names
+from cxltrain.pool.handle import Pool
+from cxltrain.runtime.runtime import export_state, recover_pool
 from helpers import assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
@@ -181,8 +181,8 @@ def test_bad_cache_rows_are_refused_in_one_line_and_nothing_written(folders, arg
                                     {"scale_grad_by_freq": True}])
 def test_a_table_the_cached_lookup_cannot_serve_is_refused(kwargs):
     """Tables whose lookups take the general path (which reads the capacity rows) get no cache."""
-    from cxltrain.cache import check_table
-    from cxltrain.tables import PersistentEmbeddingBag
+    from cxltrain.tables.bag import PersistentEmbeddingBag
+    from cxltrain.tables.cache import check_table
 
     with pytest.raises(ConfigError, match="hot-row cache needs a plain sum/mean table"):
         check_table(PersistentEmbeddingBag(100, 4, name="t", **kwargs), 10)
@@ -207,7 +207,7 @@ def test_a_cached_table_reads_through_the_cache(folders):
 @pytest.mark.slow
 def test_eval_reads_the_cached_rows(folders, tmp_path):
     """`cxltrain eval` of a cached set scores the model as training left it: as an uncached set's."""
-    from cxltrain.evaluation import evaluate_pool
+    from cxltrain.jobs.evaluate import evaluate_pool
     from helpers import write_criteo
 
     data = str(write_criteo(tmp_path / "day_0", lines=400))

@@ -33,11 +33,11 @@ import subprocess
 import pytest
 import torch
 
-from cxltrain.crashtest import TRIAL_CONFIG, check_recovery, differences
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
-from cxltrain.pool import Pool
-from cxltrain.runtime import export_state, recover_pool
-from cxltrain.trainer import train
+from cxltrain.jobs.crashtest import TRIAL_CONFIG, check_recovery, differences
+from cxltrain.jobs.train import train
+from cxltrain.pool.handle import Pool
+from cxltrain.runtime.runtime import export_state, recover_pool
 from helpers import cxltrain, cxltrain_command, reference_export, references, run_and_kill, shm_tempdir
 
 STEPS = TRIAL_CONFIG.steps

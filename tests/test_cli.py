@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cxltrain.pool import Pool
+from cxltrain.pool.handle import Pool
 from helpers import cxltrain, write_criteo  # test_bench imports cxltrain from here
 from test_pool import REFUSALS, small_pool
 
@@ -486,5 +486,5 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch, caps
 
 def test_the_command_line_imports_no_torch_before_it_runs():
     """So the OMP_WAIT_POLICY default reaches libgomp: torch starts OpenMP when it is imported."""
-    probe = "import sys, cxltrain.cli; sys.exit('torch' in sys.modules)"
+    probe = "import sys, cxltrain.cli.main; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe]).returncode == 0

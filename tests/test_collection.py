@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 import cxltrain
 from cxltrain.cli import main as cli_main
-from cxltrain.collection import EmbeddingBagConfig, PersistentEmbeddingBagCollection
 from cxltrain.data import SyntheticCriteo
 from cxltrain.errors import ConfigError
-from cxltrain.interop import from_torchrec, to_torchrec
 from cxltrain.models import DLRM
+from cxltrain.runtime.interop import from_torchrec, to_torchrec
+from cxltrain.tables.collection import EmbeddingBagConfig, PersistentEmbeddingBagCollection
 
 CONFIGS = [EmbeddingBagConfig("t_user", 60, 8, ["user"], "sum"),
            EmbeddingBagConfig("t_item", 40, 8, ["item", "history"], "mean")]
@@ -125,7 +125,7 @@ def test_export_loads_into_torchrecs_embedding_bag_collection(pool_path, tmp_pat
 
 def test_torchrec_interaction_order_is_a_column_permutation():
     """The top MLP's first layer, its columns permuted, gives the same logits on TorchRec's order."""
-    from cxltrain.interop import torchrec_interaction_order
+    from cxltrain.runtime.interop import torchrec_interaction_order
 
     net = DLRM(embedding_rows=[10, 10, 10], embedding_dim=4, bottom_mlp=(8,), top_mlp=(8,))
     net.materialize()

@@ -14,8 +14,8 @@ import subprocess
 import pytest
 
 from cxltrain import knobs
-from cxltrain.crashtest import KINDS, DeviceModel, Torture
 from cxltrain.faults import PLANTED, Planted
+from cxltrain.jobs.crashtest import KINDS, DeviceModel, Torture
 from helpers import cxltrain
 
 CLI = ["crashtest", "--no-progress", "--json"]

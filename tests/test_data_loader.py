@@ -13,8 +13,8 @@ import cxltrain
 from cxltrain.data import Batch, ResumableSampler, SyntheticCriteo
 from cxltrain.errors import ConfigError
 from cxltrain.models import DLRM
-from cxltrain.optim import TableLR
-from cxltrain.runtime import export_state
+from cxltrain.runtime.runtime import export_state
+from cxltrain.tables.optim import TableLR
 from helpers import assert_same_export
 
 ROWS = [50, 30]

@@ -12,9 +12,9 @@ from cxltrain.checkpoint import codec, dense, layout, slots
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.errors import CheckpointError
 from cxltrain.kernels import native
-from cxltrain.pool import Pool, RegionSpec
-from cxltrain.pool_format import ROOT_RELAXED, RegionKind
-from cxltrain.runtime import recover_pool
+from cxltrain.pool.format import ROOT_RELAXED, RegionKind
+from cxltrain.pool.handle import Pool, RegionSpec
+from cxltrain.runtime.runtime import recover_pool
 from test_runtime import train_steps
 
 

@@ -13,8 +13,8 @@ from cxltrain.devices import libpmem, resolve_backend
 from cxltrain.devices.mounts import mount_of
 from cxltrain.errors import DeviceError
 from cxltrain.knobs import KNOBS, override
-from cxltrain.pool import Pool
-from cxltrain.pool_format import RegionKind
+from cxltrain.pool.format import RegionKind
+from cxltrain.pool.handle import Pool
 
 BACKENDS = ["msync", "emulated"] + (["pmem"] if libpmem.load() is not None else [])
 
@@ -68,7 +68,7 @@ def test_device_rejects_out_of_range_persist(shm_dir):
 def test_pmem_is_pmem_force_switches_to_cache_line_flushes(tmp_path):
     """PMEM_IS_PMEM_FORCE is libpmem's own switch, read when the library loads: check it in a child."""
     path = tmp_path / "f.pool"
-    probe = ("import sys; from cxltrain.pool import Pool; "
+    probe = ("import sys; from cxltrain.pool.handle import Pool; "
              "p = Pool.create(sys.argv[1], 1 << 20, backend='pmem'); print(p.device.is_pmem); p.close()")
     results = {}
     for force in ("0", "1"):

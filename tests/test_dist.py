@@ -1,4 +1,4 @@
-"""Distributed runs (cxltrain/dist, docs/distributed.md): 2 ranks here, 4 behind `-m slow`.
+"""Distributed runs (docs/distributed.md): 2 ranks here, 4 behind `-m slow`.
 
 Every run is launched by torchrun (`cxltrain train --nproc-per-node N`, or torch.distributed.run
 itself) on loopback, with a port found free at run time (--standalone), a timeout on every
@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from cxltrain.dist import manifest as run_dir
-from cxltrain.dist.plan import DATA_PARALLEL, ROW_WISE, TABLE_WISE, make_plan, parse_kinds
-from cxltrain.dist.recovery import RankState, agree
-from cxltrain.dist.reshard import export_dir
 from cxltrain.errors import ConfigError, RecoveryError
 from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, FAULT_ENV, CrashPoint, PlantedDist
+from cxltrain.jobs.reshard import export_dir
+from cxltrain.placement.sharding import DATA_PARALLEL, ROW_WISE, TABLE_WISE, make_plan, parse_kinds
+from cxltrain.runtime import manifest as run_dir
+from cxltrain.runtime.group_recovery import RankState, agree
 from helpers import assert_same_export, cxltrain, shm_tempdir
 
 STEPS, AT_G = 8, 4

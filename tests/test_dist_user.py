@@ -1,4 +1,4 @@
-"""A user's own model under torchrun (cxltrain/dist/group.py): the example of docs/distributed.md,
+"""A user's own model under torchrun (cxltrain/runtime/group.py): the example of docs/distributed.md,
 run as written by `python -m torch.distributed.run` on 2 ranks (loopback, a free port found at run
 time, a timeout on every collective and on the child). Rank 1 is killed by SIGKILL before its
 commit of batch 5 reaches the root (rank 0 commits it: G = 4), torchrun restarts the group, and
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, FAULT_ENV, CrashPoint, PlantedDist
-from cxltrain.runtime import export_state
+from cxltrain.runtime.runtime import export_state
 from helpers import assert_same_export
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "distributed.md"

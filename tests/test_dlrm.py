@@ -9,10 +9,10 @@ import torch
 
 from cxltrain.data import SyntheticCriteo
 from cxltrain.errors import ConfigError
-from cxltrain.metrics import logloss, roc_auc
 from cxltrain.models import DLRM
-from cxltrain.optim import RowWiseAdagrad
-from cxltrain.pool import Pool
+from cxltrain.models.metrics import logloss, roc_auc
+from cxltrain.pool.handle import Pool
+from cxltrain.tables.optim import RowWiseAdagrad
 
 ROWS = [300, 500, 200]
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from cxltrain.errors import ConfigError
-from cxltrain.optim import SGD, RowWiseAdagrad
-from cxltrain.pool import Pool
-from cxltrain.tables import PersistentEmbeddingBag
+from cxltrain.pool.handle import Pool
+from cxltrain.tables.bag import PersistentEmbeddingBag
+from cxltrain.tables.optim import SGD, RowWiseAdagrad
 
 opinfo = pytest.importorskip("torch.testing._internal.common_methods_invocations",
                              reason="torch's OpInfo samples need torch's test dependency expecttest")

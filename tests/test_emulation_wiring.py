@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cxltrain.config import TrainConfig
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import train
 from cxltrain.knobs import override
-from cxltrain.pool import Pool
-from cxltrain.trainer import train
+from cxltrain.pool.handle import Pool
 
 
 def test_bandwidth_cap_charges_every_flushed_byte(shm_dir):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cxltrain.knobs import override
-from cxltrain.pool import Pool
+from cxltrain.pool.handle import Pool
 from emulation.evictor import MAX_CREDIT_SECONDS
 
 SIZE = 1 << 20
@@ -108,7 +108,7 @@ def test_a_killed_process_keeps_early_written_lines(shm_dir):
     pool.close()
     body = f"""
 import os, signal, time
-from cxltrain.pool import Pool
+from cxltrain.pool.handle import Pool
 from emulation.evictor import MAX_CREDIT_SECONDS
 pool = Pool.open({path!r})
 dev = pool.device

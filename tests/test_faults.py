@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from cxltrain import faults, knobs
-from cxltrain.crashtest import FLUSH_POINT, PROTOCOL_POINTS, RECOVERY_POINTS
 from cxltrain.emulation import cxl
 from cxltrain.faults import CRASH_POINTS, PLANTED, CrashPoint, Planted
+from cxltrain.jobs.crashtest import FLUSH_POINT, PROTOCOL_POINTS, RECOVERY_POINTS
 from cxltrain.kernels import ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ import torch
 from cxltrain.bench.bandwidth import copy_bandwidth, gather_bandwidth
 from cxltrain.bench.floors import floor_rows, format_rows
 from cxltrain.bench.interval import MIN_BLOCKS
-from cxltrain.config import TrainConfig
+from cxltrain.jobs.config import TrainConfig
 
 TINY = TrainConfig(batch_size=64, num_tables=2, rows=2000, dim=8, pooling=5, seed=1)
 

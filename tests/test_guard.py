@@ -11,7 +11,7 @@ import cxltrain
 from cxltrain.checkpoint import Checkpointer, GuardState, NoCheckpoint, ordering
 from cxltrain.errors import CheckpointError
 from cxltrain.faults import DIST_PLANTED, PLANTED, Planted
-from cxltrain.tables import PersistentEmbeddingBag
+from cxltrain.tables.bag import PersistentEmbeddingBag
 
 
 class OneTable(nn.Module):
@@ -47,7 +47,7 @@ def test_a_failed_update_stops_every_later_commit_even_when_caught(shm_dir, chec
     """An update that raises after the guard let it store (here: out of memory in the kernel) may
     have stored rows or marked rows recorded: a caller that catches the error and goes on gets a
     clear refusal at the batch's end, and the pool stays at its last commit."""
-    from cxltrain.runtime import export_state
+    from cxltrain.runtime.runtime import export_state
 
     path = shm_dir / "f.pool"
     model = OneTable()

@@ -55,20 +55,20 @@ import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-import cxltrain.trainer as trainer
-from cxltrain import cli
-from cxltrain import pool_format as fmt
+import cxltrain.jobs.train as trainer
 from cxltrain.checkpoint import layout, ring
-from cxltrain.config import TrainConfig
+from cxltrain.cli import main as cli
 from cxltrain.errors import CxlTrainError, NonFiniteError, PoolError
 from cxltrain.faults import CRASH_ENV
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import build_model, train
 from cxltrain.knobs import override
-from cxltrain.pool import Pool
-from cxltrain.pool_format import RegionKind
-from cxltrain.pool_inspect import inspect
-from cxltrain.runtime import Runtime, check_checkpoint, export_state, recover_pool
-from cxltrain.tables import PersistentEmbeddingBag
-from cxltrain.trainer import build_model, train
+from cxltrain.pool import format as fmt
+from cxltrain.pool.format import RegionKind
+from cxltrain.pool.handle import Pool
+from cxltrain.pool.info import inspect
+from cxltrain.runtime.runtime import Runtime, check_checkpoint, export_state, recover_pool
+from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import assert_same_export, cxltrain, reference_export, run_python, shm_tempdir
 from test_checkpoint_crash import differences
 from test_cli import assert_one_line_error
@@ -95,7 +95,7 @@ class SeedImage:
 
 def _run_killed(path: str) -> None:
     """`train` of CONFIG in a child process, SIGKILLed before the root of batch 3 is written."""
-    code = ("from cxltrain.config import TrainConfig; from cxltrain.trainer import train; "
+    code = ("from cxltrain.jobs.config import TrainConfig; from cxltrain.jobs.train import train; "
             f"train({CONFIG!r}, pool_path={path!r}, progress=False)")
     env = {CRASH_ENV: "commit:before-root:3", "CXLTRAIN_UNDO_RING_BYTES": str(RING_BYTES)}
     child = run_python(code, env=env, timeout=300)

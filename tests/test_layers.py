@@ -10,54 +10,41 @@ contain the importer: a package's own __init__ runs before its modules anyway).
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Folders of the repository and the module names they are installed as (pyproject.toml's package-dir).
 SOURCES = {"cxltrain": "cxltrain", "emulation": "cxltrain.emulation", "kernels": "cxltrain.kernels"}
+# The modules that are files directly in cxltrain/, not folders: the leaves.
+ROOT_LEAVES = {f"cxltrain.{p.stem}" for p in (ROOT / "cxltrain").glob("*.py")} - {"cxltrain.__init__",
+                                                                                  "cxltrain.__main__"}
 
-# docs/architecture.md §1, bottom to top. A module belongs to the layer of its longest matching prefix.
+# docs/architecture.md §1, bottom to top: a layer is a folder. The modules directly in cxltrain/ (errors,
+# knobs, faults, modes) are the leaves every layer reads, and read only each other; the package's own
+# __init__ (lazy re-exports) and __main__ sit at the top with the command line.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    # Leaves everything reads and that read nothing of ours (only each other): errors; knobs (the
-    # tunables: kernels read native_kernels, devices read device/power_loss, so knobs must sit
-    # below both, and names the device backends itself rather than asking devices); faults (crash
-    # points called from the kernels' callers up to the pool and the emulated device's flush);
-    # modes (the checkpointing choices' names, spelled once for the command line and the checkpointer).
-    ("leaves", ("cxltrain.errors", "cxltrain.knobs", "cxltrain.faults", "cxltrain.modes")),
-    # The ground floor proper: row kernels and the on-media format (which checksums with them).
-    ("kernels", ("cxltrain.kernels", "cxltrain.pool_format")),
+    ("leaves", (ROOT_MODULES := "cxltrain.<module>",)),
+    ("kernels", ("cxltrain.kernels",)),
     ("devices", ("cxltrain.devices", "cxltrain.emulation")),
-    # The pool handle, and beside it what opens, locks, checks and inspects a pool file.
-    ("pool", ("cxltrain.pool", "cxltrain.pool_files", "cxltrain.pool_check", "cxltrain.pool_inspect",
-              "cxltrain.pool_set", "cxltrain.cache_format")),
+    ("pool", ("cxltrain.pool",)),
     ("checkpoint", ("cxltrain.checkpoint",)),
     ("data", ("cxltrain.data",)),
-    # metrics scores a model's outputs (AUC, log loss): nothing below the models needs it.
-    # cxltrain/dist is split over the layers: its plan, shards and exchange are model pieces, its
-    # runtime and recovery the training loop's, the rest (the rank's job, export/import) jobs.
-    ("model", ("cxltrain.models", "cxltrain.collection", "cxltrain.tables", "cxltrain.cache", "cxltrain.optim",
-               "cxltrain.metrics",
-               "cxltrain.dist.plan", "cxltrain.dist.shards", "cxltrain.dist.exchange")),
-    # tiering places a Runtime's tables in a pool set's tiers (docs/tiers.md), as the planner decides
-    # (docs/planner.md); interop converts exports
-    # to and from TorchRec's key names; pool_import builds a pool from one.
-    ("runtime", ("cxltrain.runtime", "cxltrain.tiering", "cxltrain.planner", "cxltrain.interop", "cxltrain.pool_import",
-                 "cxltrain.dist.runtime", "cxltrain.dist.recovery", "cxltrain.dist.manifest",
-                 "cxltrain.dist.group")),
-    # config is TrainConfig, the `train` job's settings: read by the jobs and the command line only.
-    ("jobs", ("cxltrain.trainer", "cxltrain.crashtest", "cxltrain.bench", "cxltrain.config", "cxltrain.training_data",
-              "cxltrain.run_metrics", "cxltrain.evaluation", "cxltrain.dist",
-              "cxltrain.planning")),
-    # The package's own __init__ re-exports public names from several layers (lazily), and
-    # __main__ runs the command line: both sit at the top with it.
-    ("cli", ("cxltrain.cli", "cxltrain.cli_data", "cxltrain.__main__", "cxltrain", "cxltrain.dist.cli")),
+    ("placement", ("cxltrain.placement",)),
+    ("model", ("cxltrain.tables", "cxltrain.models")),
+    ("runtime", ("cxltrain.runtime",)),
+    ("jobs", ("cxltrain.jobs", "cxltrain.bench")),
+    ("cli", ("cxltrain.cli", "cxltrain", "cxltrain.__main__")),
 ]
 RANK = {prefix: rank for rank, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes}
 
 
 def layer_of(module: str) -> int | None:
-    """Rank of the layer `module` belongs to (longest matching prefix), or None."""
+    """Rank of the layer `module` belongs to: its folder (the longest matching prefix), or the leaves
+    for a module directly in cxltrain/ that is not a folder of its own; None outside cxltrain."""
     parts = module.split(".")
+    if len(parts) == 2 and parts[0] == "cxltrain" and module not in RANK and module in ROOT_LEAVES:
+        return RANK[ROOT_MODULES]
     for n in range(len(parts), 0, -1):
         rank = RANK.get(".".join(parts[:n]))
         if rank is not None:
@@ -65,12 +52,12 @@ def layer_of(module: str) -> int | None:
     return None
 
 
-def source_modules() -> dict[str, Path]:
+def source_modules(root: Path = ROOT) -> dict[str, Path]:
     """Module name -> file, for every .py file of the installed packages."""
     modules = {}
     for folder, package in SOURCES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             modules[".".join([package, *parts])] = path
@@ -226,6 +213,29 @@ def test_no_import_circles():
     assert not found, "import circles (docs/architecture.md §1):\n" + "\n".join(found)
 
 
+def test_every_folder_of_the_package_is_a_layer():
+    """A new folder must be placed in LAYERS: a folder is never left to fall into the leaves."""
+    folders = {f"cxltrain.{p.parent.name}" for p in (ROOT / "cxltrain").glob("*/__init__.py")}
+    assert folders <= set(RANK), f"folders in no layer: {sorted(folders - set(RANK))}"
+
+
+def test_a_planted_upward_import_in_the_real_tree_is_caught(tmp_path):
+    """The rule on a copy of the tree with one planted upward import: the pool's format reaching up
+    into the runtime is named, with its file and line."""
+    for folder in SOURCES:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / "cxltrain" / "pool" / "format.py"
+    planted.write_text(planted.read_text() + "\n\ndef _planted():\n    from ..runtime import runtime  # noqa\n")
+    modules = source_modules(tmp_path)
+    graph = import_graph(modules)
+    assert not upward_imports(import_graph(source_modules()))
+    problems = upward_imports(graph)
+    assert problems == ["cxltrain.pool.format -> cxltrain.runtime: pool may not import runtime "
+                        "(layer 'runtime' is above 'pool')",
+                        "cxltrain.pool.format -> cxltrain.runtime.runtime: pool may not import runtime.runtime "
+                        "(layer 'runtime' is above 'pool')"]
+
+
 def test_leaves_import_nothing_below_them():
     """errors, knobs and faults are read by every layer: they may import only each other."""
     leaves = {m: edges for m, edges in GRAPH.items() if layer_of(m) == 0}
@@ -247,7 +257,7 @@ def test_circles_are_found_within_one_layer_and_across_layers():
              "cxltrain.devices.registry": {"cxltrain.emulation.cxl": 1},
              "cxltrain.emulation.cxl": {"cxltrain.devices": 1},
              "cxltrain.knobs": {"cxltrain.knobs": 1},
-             "cxltrain.pool": {"cxltrain.knobs": 1}}
+             "cxltrain.pool.handle": {"cxltrain.knobs": 1}}
     assert import_circles(graph) == [
         ["cxltrain.devices", "cxltrain.devices.registry", "cxltrain.emulation.cxl", "cxltrain.devices"],
         ["cxltrain.knobs", "cxltrain.knobs"]]

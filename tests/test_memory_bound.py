@@ -17,7 +17,7 @@ import tempfile
 import pytest
 
 from cxltrain.faults import CRASH_ENV, CrashPoint
-from cxltrain.runtime import export_state
+from cxltrain.runtime.runtime import export_state
 from helpers import assert_same_export, cxltrain, cxltrain_command, shm_tempdir
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"

@@ -56,7 +56,7 @@ def test_recover_check_and_info_import_no_torch(interrupted, shm_dir):
 
 def test_check_without_torch_still_refuses_a_damaged_snapshot(interrupted):
     from cxltrain.checkpoint import layout
-    from cxltrain.pool import Pool
+    from cxltrain.pool.handle import Pool
 
     with Pool.open(str(interrupted)) as pool:
         region = pool.region(layout.DENSE_REGIONS[pool.root.dense_slot - 1])

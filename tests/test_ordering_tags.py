@@ -16,11 +16,11 @@ TAG = re.compile(r"^\s*# ORDERING (U[1-4])([a-z]?): \S")
 WHERE = {
     "U1a": "cxltrain/checkpoint/ring.py",          # payload durable before the header that makes it valid
     "U1b": "cxltrain/checkpoint/checkpointer.py",  # tail mark durable before the table's first store
-    "U1c": "cxltrain/tables.py",                   # before_update (record durable) precedes the update
+    "U1c": "cxltrain/tables/bag.py",                   # before_update (record durable) precedes the update
     "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
-    "U1e": "cxltrain/cache.py",                    # hot-row cache: the slots' record durable before admission fills them
-    "U1f": "cxltrain/cache.py",                    # hot-row cache: the slots' record durable before the hits' update
-    "U1g": "cxltrain/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
+    "U1e": "cxltrain/tables/cache.py",                    # hot-row cache: the slots' record durable before admission fills them
+    "U1f": "cxltrain/tables/cache.py",                    # hot-row cache: the slots' record durable before the hits' update
+    "U1g": "cxltrain/tables/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
     "U1h": "kernels/ops.py",                       # fused capture: each chunk's record durable before its rows' update
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
@@ -65,7 +65,7 @@ def test_u1_holds_for_the_tables_by_call_order():
     """The table calls before_update (which returns once the undo record is durable) before its
     update stores anything (every lookup's backward goes through _guarded_update); the U1c tag is
     on that call."""
-    lines = (ROOT / "cxltrain/tables.py").read_text().splitlines()
+    lines = (ROOT / "cxltrain/tables/bag.py").read_text().splitlines()
     _, _, number, _ = next(t for t in tags() if t[0] == "U1c")
     after = lines[number:]
     call = next(i for i, line in enumerate(after) if not line.strip().startswith("#"))

@@ -16,13 +16,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cxltrain import planner
 from cxltrain.cli import main
-from cxltrain.config import TrainConfig
 from cxltrain.errors import ConfigError, PoolError
-from cxltrain.planner import CAPACITY, FAST, make_plan, profile_ids
-from cxltrain.runtime import Runtime
-from cxltrain.trainer import build_model, train
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import build_model, train
+from cxltrain.placement import planner
+from cxltrain.placement.planner import CAPACITY, FAST, make_plan, profile_ids
+from cxltrain.runtime.runtime import Runtime
 from helpers import shm_tempdir
 from test_pool_set import digest
 

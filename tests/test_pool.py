@@ -14,7 +14,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cxltrain import pool_format as fmt
 from cxltrain.errors import (
     ConfigError,
     CxlTrainError,
@@ -26,9 +25,10 @@ from cxltrain.errors import (
     PoolVersionError,
 )
 from cxltrain.knobs import override
-from cxltrain.pool import Pool, RegionSpec
-from cxltrain.pool_format import RegionKind
-from cxltrain.pool_inspect import inspect
+from cxltrain.pool import format as fmt
+from cxltrain.pool.format import RegionKind
+from cxltrain.pool.handle import Pool, RegionSpec
+from cxltrain.pool.info import inspect
 
 
 def small_pool(path, regions=2):

@@ -20,14 +20,14 @@ import pytest
 
 from cxltrain.errors import NotAPoolError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV
-from cxltrain.pool import Pool
-from cxltrain.pool_inspect import inspect
+from cxltrain.pool.handle import Pool
+from cxltrain.pool.info import inspect
 from helpers import run_and_kill
 
 CHILD = """
 import sys
-from cxltrain.pool import Pool, RegionSpec
-from cxltrain.pool_format import RegionKind
+from cxltrain.pool.handle import Pool, RegionSpec
+from cxltrain.pool.format import RegionKind
 pool = Pool.create(sys.argv[1], 64 << 20, dir_capacity=16384)
 print("created", flush=True)
 for i in range(int(sys.argv[2])):

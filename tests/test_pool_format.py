@@ -2,7 +2,7 @@
 
 import struct
 
-from cxltrain import pool_format as fmt
+from cxltrain.pool import format as fmt
 
 
 def test_structure_sizes():

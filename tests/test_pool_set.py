@@ -17,14 +17,14 @@ import shutil
 import pytest
 
 from cxltrain import knobs
-from cxltrain.config import TrainConfig
 from cxltrain.devices.capacity import open_capacity
 from cxltrain.errors import PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
-from cxltrain.pool import Pool
-from cxltrain.pool_inspect import inspect
-from cxltrain.runtime import export_state
-from cxltrain.trainer import train
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import train
+from cxltrain.pool.handle import Pool
+from cxltrain.pool.info import inspect
+from cxltrain.runtime.runtime import export_state
 from helpers import assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)

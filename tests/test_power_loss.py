@@ -19,8 +19,8 @@ import pytest
 
 from cxltrain.errors import ConfigError
 from cxltrain.knobs import KNOBS, override
-from cxltrain.pool import Pool
-from cxltrain.pool_inspect import inspect
+from cxltrain.pool.handle import Pool
+from cxltrain.pool.info import inspect
 from helpers import run_python
 
 SIZE = 64 << 10
@@ -123,8 +123,8 @@ dev.copy_persist(8192, np.array([1.5, -2.25, 3.0], dtype=np.float64))
 def test_pool_killed_after_a_commit_opens_with_the_committed_root(shm_dir):
     path = shm_dir / "train.pool"
     body = """
-from cxltrain.pool import Pool
-from cxltrain.pool_format import RegionKind
+from cxltrain.pool.handle import Pool
+from cxltrain.pool.format import RegionKind
 pool = Pool.create(sys.argv[1], 1 << 20, backend="emulated")
 print(repr(pool.device), flush=True)
 pool.add_region("t0.weight", RegionKind.TABLE_WEIGHTS, "float32", (100, 16), aligned_rows=True)

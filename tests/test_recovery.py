@@ -15,9 +15,9 @@ from torch import nn
 import cxltrain
 from cxltrain.checkpoint import layout, ring
 from cxltrain.errors import PoolCorruptError
-from cxltrain.pool import Pool
-from cxltrain.runtime import recover_pool
-from cxltrain.tables import PersistentEmbeddingBag
+from cxltrain.pool.handle import Pool
+from cxltrain.runtime.runtime import recover_pool
+from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import assert_same_export
 from test_runtime import make_batch, make_run, state_of, train_steps
 

@@ -19,9 +19,9 @@ import torch
 import cxltrain
 from cxltrain.checkpoint import layout, ring
 from cxltrain.errors import CheckpointError
-from cxltrain.pool import Pool, RegionSpec
-from cxltrain.pool_format import RegionKind
-from cxltrain.tables import PersistentEmbeddingBag
+from cxltrain.pool.format import RegionKind
+from cxltrain.pool.handle import Pool, RegionSpec
+from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import assert_same_export
 from test_runtime import BATCH, DIM, ROWS, state_of, train_steps
 
@@ -52,7 +52,7 @@ def _ring_pool(path, ring_bytes):
     pool = Pool.create(str(path), 8 << 20)
     table = PersistentEmbeddingBag(ROWS, DIM, name="t", seed=4)
     pool.add_regions([*table.region_specs(),
-                      cxltrain.pool.RegionSpec(layout.RING_REGION, cxltrain.pool_format.RegionKind.UNDO_RING,
+                      cxltrain.pool.handle.RegionSpec(layout.RING_REGION, cxltrain.pool.format.RegionKind.UNDO_RING,
                                                "uint8", (ring_bytes,))])
     table.attach(pool, initialize=True)
     pool.commit(batches_done=0, ring_generation=5)

@@ -13,10 +13,10 @@ from torch import nn
 
 import cxltrain
 from cxltrain.errors import CheckpointError, ConfigError, PoolError, RecoveryError
-from cxltrain.optim import SGD
-from cxltrain.pool import Pool
-from cxltrain.runtime import export_state, recover_pool
-from cxltrain.tables import PersistentEmbeddingBag
+from cxltrain.pool.handle import Pool
+from cxltrain.runtime.runtime import export_state, recover_pool
+from cxltrain.tables.bag import PersistentEmbeddingBag
+from cxltrain.tables.optim import SGD
 from helpers import assert_same_export
 
 ROWS, DIM, BATCH = 500, 4, 16
@@ -198,7 +198,7 @@ def test_checkpoint_off_on_committed_batches_is_refused_unless_discarded(shm_dir
 def test_export_needs_write_access_only_to_roll_back(shm_dir, monkeypatch):
     """A committed pool exports read-only; one with records to roll back in place
     says why it needs write access."""
-    from cxltrain import runtime
+    from cxltrain.runtime import runtime
 
     path = shm_dir / "p.pool"
     with pytest.raises(KeyboardInterrupt):
@@ -216,7 +216,7 @@ def test_export_needs_write_access_only_to_roll_back(shm_dir, monkeypatch):
 
 
 def test_a_crash_while_creating_leaves_no_pool_under_the_name(shm_dir):
-    from cxltrain.pool_format import BUILDING_MAGIC
+    from cxltrain.pool.format import BUILDING_MAGIC
 
     path = shm_dir / "p.pool"
     # what a run killed before its superblock leaves: the mark of an unfinished pool of ours

@@ -12,10 +12,10 @@ import cxltrain
 from cxltrain.cli import main as cli_main
 from cxltrain.data import SyntheticCriteo
 from cxltrain.errors import ConfigError
-from cxltrain.interop import to_torchrec
 from cxltrain.models import DLRM
-from cxltrain.pool_import import import_state
-from cxltrain.runtime import export_state
+from cxltrain.runtime.interop import to_torchrec
+from cxltrain.runtime.runtime import export_state
+from cxltrain.runtime.state_import import import_state
 from helpers import assert_same_export
 
 ROWS = [60, 40]

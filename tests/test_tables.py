@@ -10,10 +10,10 @@ from torch import nn
 
 from cxltrain.errors import PoolError
 from cxltrain.kernels import native
-from cxltrain.optim import SGD, RowWiseAdagrad
-from cxltrain.pool import Pool
-from cxltrain.pool_format import RegionKind
-from cxltrain.tables import PersistentEmbeddingBag
+from cxltrain.pool.format import RegionKind
+from cxltrain.pool.handle import Pool
+from cxltrain.tables.bag import PersistentEmbeddingBag
+from cxltrain.tables.optim import SGD, RowWiseAdagrad
 
 ROWS, DIM = 500, 10  # DIM 10: rows are padded to 64 bytes, so the padded-storage path is exercised
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from cxltrain.cli import main
-from cxltrain.config import TrainConfig
 from cxltrain.data.converted import convert
 from cxltrain.errors import ConfigError, PoolCorruptError
-from cxltrain.evaluation import evaluate_pool
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
-from cxltrain.runtime import export_state
-from cxltrain.trainer import train
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.evaluate import evaluate_pool
+from cxltrain.jobs.train import train
+from cxltrain.runtime.runtime import export_state
 from helpers import assert_same_export, cxltrain, shm_tempdir, write_criteo
 
 ROWS = 500

@@ -20,12 +20,12 @@ import time
 import torch
 
 from cxltrain.checkpoint import layout, ring
-from cxltrain.config import TrainConfig
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import build_source
 from cxltrain.kernels import ops
-from cxltrain.pool import Pool, RegionSpec
-from cxltrain.pool_format import RegionKind
-from cxltrain.tables import PersistentEmbeddingBag
-from cxltrain.trainer import build_source
+from cxltrain.pool.format import RegionKind
+from cxltrain.pool.handle import Pool, RegionSpec
+from cxltrain.tables.bag import PersistentEmbeddingBag
 
 
 def main() -> None:

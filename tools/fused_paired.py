@@ -19,7 +19,7 @@ import time
 
 from cxltrain.bench.paired import paired_runs
 from cxltrain.checkpoint import checkpointer
-from cxltrain.config import TrainConfig
+from cxltrain.jobs.config import TrainConfig
 
 
 def main() -> None:

@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
+from ..jobs.train import build_source
 from ..kernels import ops
-from ..trainer import build_source
 from .records import Bandwidth
 
 

@@ -3,7 +3,7 @@
 with a fixed gradient, and the optimizer update of the rows it touched.
 
 Contenders (each with a plain SGD and an Adagrad flavour):
-    ours     PersistentEmbeddingBag on pool tables, fused SGD / row-wise Adagrad (cxltrain.optim)
+    ours     PersistentEmbeddingBag on pool tables, fused SGD / row-wise Adagrad (cxltrain.tables.optim)
     torch    nn.EmbeddingBag(sparse=True) in DRAM + torch.optim.SGD / torch.optim.Adagrad
              (torch's Adagrad keeps one accumulator per element, [R, D], not per row)
     torchrec torchrec FusedEmbeddingBagCollection on the CPU, FBGEMM's table-batched kernels with the
@@ -19,13 +19,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
+from ..jobs.train import build_source
 from ..knobs import KNOBS
-from ..optim import SGD, RowWiseAdagrad
-from ..pool import Pool
-from ..pool_format import pool_size_for
-from ..tables import PersistentEmbeddingBag
-from ..trainer import build_source
+from ..pool.format import pool_size_for
+from ..pool.handle import Pool
+from ..tables.bag import PersistentEmbeddingBag
+from ..tables.optim import SGD, RowWiseAdagrad
 from .plain import remove
 from .records import EmbeddingTiming
 

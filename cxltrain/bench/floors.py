@@ -24,7 +24,7 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
 from ..modes import OFF, RELAXED, UNDO
 from .interval import LEVEL, interval_text, ratio_interval
 from .records import FloorRow, Floors

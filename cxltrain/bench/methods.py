@@ -1,6 +1,6 @@
 """The checkpointing methods `cxltrain bench` compares, and what a crash costs under each.
 
-Each method is one training run in its own process: either ours (`cxltrain.trainer.train` with
+Each method is one training run in its own process: either ours (`cxltrain.jobs.train.train` with
 TrainConfig overrides) or plain PyTorch (`plain.py`: nn.EmbeddingBag(sparse=True) tables, the same
 MLPs and data) with a checkpoint policy. Torch-free, so the command line starts fast.
 """

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
 from .interval import ratio_interval
 from .records import PairedTiming
 
@@ -66,7 +66,7 @@ def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, bl
     steps each); who goes first rotates from block to block. They share the data source of the
     first config, so every config must have the same data settings (pooling included).
     probe(rt) -> {name: counter} is read before and after every timed block (SideBySide.probe_totals)."""
-    from ..trainer import build_model, build_source, make_runtime, train_step
+    from ..jobs.train import build_model, build_source, make_runtime, train_step
 
     source = build_source(configs[0])
     stop = warmup + blocks * block_steps

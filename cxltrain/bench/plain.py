@@ -17,10 +17,10 @@ import time
 import torch
 from torch import nn
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
+from ..jobs.train import build_source
 from ..models import DLRM
-from ..optim import SGD
-from ..trainer import build_source
+from ..tables.optim import SGD
 from .records import PlainSteps
 
 SPARSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}

@@ -71,7 +71,7 @@ class Unmeasured(Record):
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class OursSteps(Record):
-    """One `cxltrain.trainer.train` run's timed steps."""
+    """One `cxltrain.jobs.train.train` run's timed steps."""
 
     mean_ms: float
     split_ms: dict                     # trainer.StepSplit as JSON

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import platform
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
 from .floors import format_rows
 from .interval import LEVEL, interval_text
 from .records import Unmeasured

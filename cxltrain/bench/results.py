@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
 from .records import Bandwidth, EmbeddingTiming, Floors, PairedTiming, Record, Unmeasured, flattened, optional
 
 

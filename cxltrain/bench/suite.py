@@ -23,8 +23,8 @@ import time
 import traceback
 from typing import Callable
 
-from ..config import TrainConfig
 from ..emulation.cxl import memory_dir
+from ..jobs.config import TrainConfig
 from ..knobs import KNOBS
 from .methods import Method, step_methods
 from .records import (
@@ -321,7 +321,7 @@ def _floors(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[FloorSection]
 
 
 def _step_job(method: Method, config: TrainConfig, plan: BenchPlan, prefix: str, to_json) -> dict:
-    from ..trainer import WARMUP_STEPS
+    from ..jobs.train import WARMUP_STEPS
 
     if method.family == "ours":
         config = dataclasses.replace(config, steps=WARMUP_STEPS + plan.ours_timed, **method.overrides)

@@ -24,7 +24,7 @@ import resource
 import shutil
 import tempfile
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
 from ..modes import OFF
 from .records import Record
 

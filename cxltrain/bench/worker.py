@@ -5,7 +5,7 @@ state or threads. The job's result is the last stdout line, a JSON object; a job
 non-zero with its error on stderr.
 
 Jobs ("job" names one; "config" is a TrainConfig as a dict):
-    ours-steps   {config, pool}                          cxltrain.trainer.train: step ms, checkpoint stats
+    ours-steps   {config, pool}                          cxltrain.jobs.train.train: step ms, checkpoint stats
     ours-crash   {config, pool}                          the same, run under CXLTRAIN_CRASH_AT (dies)
     ours-paired  {config, overrides, pools, warmup, blocks, block_steps}   paired.paired_steps: config
                  with checkpoints off against config with overrides, in alternating blocks
@@ -30,10 +30,10 @@ import warnings
 
 import torch
 
-from ..config import TrainConfig
+from ..jobs.config import TrainConfig
+from ..jobs.train import build_source
 from ..knobs import KNOBS
 from ..modes import OFF
-from ..trainer import build_source
 from . import plain
 from .records import LoadTime, OursSteps, Record, SavedCheckpoint, Unmeasured
 
@@ -53,7 +53,7 @@ def config_from_json(fields: dict) -> TrainConfig:
 
 
 def _ours_steps(config: TrainConfig, pool: str) -> OursSteps:
-    from ..trainer import build_model, train
+    from ..jobs.train import build_model, train
 
     try:
         result = train(config, pool_path=pool, progress=False)

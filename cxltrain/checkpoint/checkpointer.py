@@ -80,7 +80,7 @@ from ..faults import CrashPoint, crash_point, planted_faults
 from ..kernels import ops as row_ops
 from ..knobs import KNOBS
 from ..modes import MODES, RELAXED, STRICT
-from ..pool import Pool
+from ..pool.handle import Pool
 from . import codec, dense, ordering
 from .commit import CommitPipeline, DirtyRows
 from .guard import BatchGuard
@@ -124,7 +124,7 @@ class Checkpointer(BatchGuard):
         self.flush_at_update = (pool.device.is_pmem and not self.background_capture
                                 and self._ordering.flush_at_update)
         self._commit_ticket: Ticket | None = None
-        # a distributed run's last agreed recovery target G (cxltrain/dist): commits keep the undo
+        # a distributed run's last agreed recovery target G (runtime/group.py): commits keep the undo
         # records of batches >= G whatever their own target (U3b); None in a single process
         self.agreed: int | None = None
         self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs (background)

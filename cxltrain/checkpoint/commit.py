@@ -23,8 +23,8 @@ import torch
 
 from ..devices.base import Device
 from ..faults import CrashPoint, crash_point
-from ..pool import Pool
-from ..pool_format import ROOT_RELAXED, Region
+from ..pool.format import ROOT_RELAXED, Region
+from ..pool.handle import Pool
 from . import dense
 from .ordering import Ordering
 from .ring import UndoRing

@@ -24,8 +24,8 @@ import torch
 
 from ..errors import CheckpointError, PoolCorruptError, RecoveryError
 from ..kernels import native
-from ..pool import Pool
-from ..pool_format import checksum_more
+from ..pool.format import checksum_more
+from ..pool.handle import Pool
 from . import codec, layout, slots
 from .seam import dense_only
 

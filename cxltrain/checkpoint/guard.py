@@ -20,7 +20,7 @@ import enum
 import torch
 
 from ..errors import CheckpointError
-from ..pool import Pool
+from ..pool.handle import Pool
 from . import dense
 from .seam import LoggedTable
 from .stats import CheckpointStats

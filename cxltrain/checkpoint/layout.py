@@ -50,7 +50,7 @@ import zlib
 
 import numpy as np
 
-from ..pool_format import align_up, checksum_more, checksum_seed, is_sealed, seal
+from ..pool.format import align_up, checksum_more, checksum_seed, is_sealed, seal
 
 RING_REGION = "cxltrain.undo"
 DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 and 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from ..pool import Pool
+from ..pool.handle import Pool
 from .recovery import RecoveryReport, has_checkpoint, recover, verify
 
 

@@ -19,8 +19,8 @@ import time
 
 from ..errors import RecoveryError
 from ..faults import CrashPoint, crash_point
-from ..pool import Pool
-from ..pool_format import ROOT_RELAXED
+from ..pool.format import ROOT_RELAXED
+from ..pool.handle import Pool
 from . import layout, ring, slots
 
 

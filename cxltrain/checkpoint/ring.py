@@ -16,8 +16,8 @@ import numpy as np
 from ..errors import CheckpointError, PoolCorruptError
 from ..faults import CrashPoint, crash_point
 from ..kernels import native
-from ..pool import Pool
-from ..pool_format import Region, RegionKind, checksum_seed
+from ..pool.format import Region, RegionKind, checksum_seed
+from ..pool.handle import Pool
 from . import layout
 
 if TYPE_CHECKING:  # the writer's tensors; the reading side (scan, restore) is recovery's, which needs no torch

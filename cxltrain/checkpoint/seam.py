@@ -24,7 +24,7 @@ import torch
 
 class LoggedTable(Protocol):
     """A table whose in-place updates a guard keeps inside batches and a checkpointer undo-logs
-    (cxltrain.tables.PersistentEmbeddingBag)."""
+    (cxltrain.tables.bag.PersistentEmbeddingBag)."""
 
     name: str
     checkpointer: TableGuard | None   # the guard it reports to; set by the guard, None when detached

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PoolCorruptError
-from ..pool import Pool
+from ..pool.handle import Pool
 from . import layout
 
 

@@ -26,12 +26,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..collection import EmbeddingBagConfig, PersistentEmbeddingBagCollection
 from ..data.batch import Batch
 from ..errors import ConfigError
-from ..optim import RowWiseAdagrad, SparseOptimizer
-from ..pool import Pool
-from ..tables import PersistentEmbeddingBag, pool_holds
+from ..pool.handle import Pool
+from ..tables.bag import PersistentEmbeddingBag, pool_holds
+from ..tables.collection import EmbeddingBagConfig, PersistentEmbeddingBagCollection
+from ..tables.optim import RowWiseAdagrad, SparseOptimizer
 
 
 class DLRM(nn.Module):

@@ -1,0 +1,208 @@
+"""The command line's data side: `train`'s file-data options, `data convert`, `eval` and `plot`.
+
+Kept out of cli.py so the main command table stays small; cli.py calls `add_train_data_options`
+from its `train` parser, `resolve_train_data` before building the TrainConfig, and `add_commands`
+from build_parser. Imports stay lazy (the command line starts without torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..errors import ConfigError
+
+CRITEO_TABLES = 26
+SYNTHETIC_STEPS = 400
+
+
+def parse_rows(text: str) -> int | tuple[int, ...]:
+    """--rows: one count for every table, or one per table ("40000000,39060,...")."""
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer or a comma-separated list of them") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text}: every row count must be at least 1")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def add_train_data_options(p, positive_int, non_negative_int) -> None:
+    g = p.add_argument_group("file data and evaluation (docs/criteo.md)")
+    g.add_argument("--epochs", type=positive_int, default=None,
+                   help="with --data: passes over the file's batches (less the held-out ones); sets the steps")
+    g.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
+                   help="evaluate AUC and log loss on held-out batches every N steps (with --data: the file's "
+                        "last --eval-batches batches, never trained on)")
+    g.add_argument("--eval-batches", type=positive_int, default=4, metavar="K",
+                   help="held-out batches evaluated (default 4)")
+    g.add_argument("--metrics", metavar="FILE",
+                   help="append a JSON line of metrics every --eval-every (else 10) steps; `cxltrain plot FILE`")
+    g.add_argument("--prefetch", type=non_negative_int, default=2, metavar="N",
+                   help="batches made ahead on a background thread (default 2; 0: on the training thread)")
+
+
+def resolve_train_data(args) -> dict:
+    """The TrainConfig fields the data options decide, after refusing what means nothing for the data."""
+    if args.data is not None:
+        for flag, value in (("--pooling", args.pooling), ("--zipf", args.zipf_exponent)):
+            if value is not None:
+                raise ConfigError(f"{flag} shapes synthetic data only; a Criteo file has one id per table per "
+                                  "sample and its own distribution (leave it out with --data)")
+    elif args.epochs is not None:
+        raise ConfigError("--epochs needs file data (--data): synthetic data is endless; use --steps")
+    if args.epochs is not None and args.steps is not None:
+        raise ConfigError("give --steps or --epochs, not both (--epochs sets the steps)")
+    num_tables = args.num_tables if args.num_tables is not None else (
+        CRITEO_TABLES if args.data is not None else args.default_num_tables)
+    rows, table_rows = args.rows, None
+    if isinstance(rows, tuple):
+        if len(rows) != num_tables:
+            raise ConfigError(f"--rows lists {len(rows)} row counts but there are {num_tables} tables")
+        rows, table_rows = max(rows), rows
+    fields = {"num_tables": num_tables, "rows": rows, "table_rows": table_rows, "epochs": args.epochs,
+              "eval_every": args.eval_every, "eval_batches": args.eval_batches, "metrics": args.metrics,
+              "prefetch": args.prefetch, "steps": args.steps if args.steps is not None else SYNTHETIC_STEPS}
+    if args.pooling is not None:
+        fields["pooling"] = args.pooling
+    if args.zipf_exponent is not None:
+        fields["zipf_exponent"] = args.zipf_exponent
+    return fields
+
+
+def add_commands(sub, positive_int, non_negative_int) -> None:
+    _add_data(sub, non_negative_int)
+    _add_eval(sub, positive_int, non_negative_int)
+    _add_plot(sub)
+
+
+# -- data convert ----------------------------------------------------------------------------------
+
+def _add_data(sub, non_negative_int) -> None:
+    d = sub.add_parser("data", help="prepare Criteo data for training (convert raw files to columns)",
+                       description="Prepare Criteo data: `data convert` parses raw Criteo files once into a "
+                                   "folder of numpy columns that `train --data FOLDER` reads by batch with no "
+                                   "parsing.")
+    dsub = d.add_subparsers(dest="data_command", metavar="ACTION", parser_class=type(d))
+    dsub.required = True
+    c = dsub.add_parser("convert", help="raw Criteo files (plain or .gz, e.g. day_0 .. day_23) -> a columnar folder",
+                        description="Parse SRC files in order (raw tab-separated or CSV layout, plain or gzipped) "
+                                    "into OUT/: dense.npy, sparse.npy, labels.npy and manifest.json. The "
+                                    "categorical hashes become row ids here, with --rows and --seed, so "
+                                    "training must use the same ones (checked).")
+    c.add_argument("paths", nargs="+", metavar="PATH", help="source files, then the output folder last")
+    c.add_argument("--rows", type=parse_rows, default=1_000_000,
+                   help="hash buckets per categorical feature: one count, or 26 comma-separated "
+                        "(default 1,000,000)")
+    c.add_argument("--seed", type=non_negative_int, default=0, help="the hash seed (default 0)")
+    c.add_argument("--json", action="store_true", help="print the manifest as the last line")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(run=_run_convert)
+
+
+def _run_convert(args) -> int:
+    from tqdm import tqdm
+
+    from ..data.converted import convert
+    from ..data.stream import file_size
+
+    if len(args.paths) < 2:
+        raise ConfigError("data convert: give one or more source files, then the output folder")
+    *sources, out = args.paths
+    total = sum(file_size(s) for s in sources)
+    bar = tqdm(total=total, desc="convert", unit="B", unit_scale=True, disable=None if not args.no_progress else True,
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    try:
+        manifest = convert(sources, out, rows=args.rows, seed=args.seed, progress=bar.update)
+    finally:
+        bar.close()
+    print(f"converted {len(sources)} file(s), {manifest['lines']:,} lines, into {out}")
+    if args.json:
+        print(json.dumps(manifest))
+    return 0
+
+
+# -- eval ------------------------------------------------------------------------------------------
+
+def _add_eval(sub, positive_int, non_negative_int) -> None:
+    e = sub.add_parser("eval", help="AUC and log loss of a pool's model on data (read-only: never writes the pool)",
+                       description="Evaluate the model committed in POOL on batches of --data (a raw Criteo file "
+                                   "or a converted folder), read with the settings the pool was trained with. "
+                                   "The pool is opened read-only; a pool with a batch to roll back is refused "
+                                   "(run `cxltrain recover` first).")
+    e.add_argument("pool", metavar="POOL")
+    e.add_argument("--data", required=True, metavar="PATH", help="raw Criteo file or converted folder")
+    e.add_argument("--batches", type=positive_int, default=None, metavar="N",
+                   help="evaluate the last N batches of the data (default: all of it)")
+    e.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    e.set_defaults(run=_run_eval)
+
+
+def _run_eval(args) -> int:
+    from ..jobs.evaluate import evaluate_pool
+
+    result = evaluate_pool(args.pool, args.data, batches=args.batches)
+    print(f"{args.pool} at batch {result['batch']}: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} "
+          f"on {result['batches']} batches ({result['samples']:,} samples) of {args.data}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+# -- plot ------------------------------------------------------------------------------------------
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="draw the loss and AUC curves of a --metrics file (needs matplotlib)",
+                       description="Draw training loss and held-out AUC against steps from a `train --metrics` "
+                                   "JSONL file into a PNG (matplotlib: `pip install cxltrain[bench]`).")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--out", metavar="PNG", help="where the picture goes (default FILE with .png)")
+    p.set_defaults(run=_run_plot)
+
+
+def _run_plot(args) -> int:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("plot needs matplotlib, which is not installed (pip install 'cxltrain[bench]')") from None
+    points = _read_metrics(args.file)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = args.out or os.path.splitext(args.file)[0] + ".png"
+    figure, (loss_axes, auc_axes) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
+    loss_axes.plot([p["step"] for p in points], [p["loss"] for p in points])
+    loss_axes.set_ylabel("training loss")
+    evaluated = [p for p in points if p.get("eval_auc") is not None]
+    auc_axes.plot([p["step"] for p in evaluated], [p["eval_auc"] for p in evaluated], marker="o")
+    auc_axes.set_ylabel("held-out AUC")
+    auc_axes.set_xlabel("step")
+    figure.tight_layout()
+    try:
+        figure.savefig(out)
+    except OSError as e:
+        raise ConfigError(f"{out}: cannot write: {e.strerror}") from None
+    print(f"plot: {out} ({len(points)} points, {len(evaluated)} evaluations)")
+    return 0
+
+
+def _read_metrics(path: str) -> list[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    points = []
+    for n, line in enumerate(lines, 1):
+        try:
+            point = json.loads(line)
+            float(point["step"]), float(point["loss"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path}, line {n}: not a metrics line of `train --metrics`") from None
+        points.append(point)
+    if not points:
+        raise ConfigError(f"{path}: no metrics lines")
+    return points

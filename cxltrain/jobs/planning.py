@@ -1,0 +1,118 @@
+"""The planner's job side (docs/planner.md): profile a `train` configuration's data, plan a new pool
+set, or read an existing set's stored plan back; measure the tiers for `cxltrain plan`.
+
+    plan = plan_for(config, model, source, pool_path)   # None without a capacity pool
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..emulation.cxl import free_bytes
+from ..errors import ConfigError
+from ..knobs import KNOBS
+from ..placement import planner
+from ..pool.handle import Pool
+from .config import TrainConfig
+
+PROFILE_BATCHES = 16
+# The hot-row caches' hot lists rank the rows of this many batches (or of the plan's profile, when it
+# has more): a 16-batch profile sees too few distinct rows to fill a large cache with hot ones
+# (measured, docs/tiers.md: 25,000 of 250,000 rows cached serve 71.7% of held-out lookups ranked
+# on 16 batches, 81.0% on 128).
+HOT_LIST_BATCHES = 128
+PROBE_BYTES = 8 << 20     # the capacity tier's read probe: a file this big, read back at random
+PROBE_SECONDS = 0.2
+
+
+def table_profiles(config: TrainConfig, model, source, batches: int | None = None) -> list[planner.TableProfile]:
+    """Each table's size and the ids of `source`'s first batches (`batches`, else config.profile_batches)."""
+    tables = []
+    for table in model.tables:
+        row_bytes = sum(spec.nbytes(KNOBS.row_align) for spec in table.region_specs()) // table.num_embeddings
+        tables.append((table.name, table.num_embeddings, row_bytes))
+    return planner.profile_source(source, tables, batches or config.profile_batches or PROFILE_BATCHES)
+
+
+def plan_for(config: TrainConfig, model, source, pool_path: str) -> planner.Plan | None:
+    """The plan of the pool set `config` trains in: the one stored in an existing set (options
+    that would plan differently refused), or a new one. None without a capacity pool."""
+    return plan_and_hot_rows(config, model, source, pool_path)[0]
+
+
+def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str) -> tuple[planner.Plan | None, dict]:
+    """plan_for's plan, and for a new set the rows each capacity table's hot-row cache admits
+    ({table: row ids, hottest first}, as many as the plan's cached_rows; empty for an existing set,
+    which holds its own)."""
+    if config.capacity_pool is None:
+        if config.fast_bytes is not None or config.profile_batches is not None or config.cache_rows is not None:
+            raise ConfigError("--fast-bytes, --profile-batches and --cache-rows plan a pool set: they need "
+                              "--capacity-pool")
+        return None, {}
+    if pool_path and os.path.exists(pool_path):
+        with Pool.open(pool_path, writable=False) as pool:
+            stored = planner.stored_plan(pool) if pool.members else None
+        if stored is not None:
+            planner.check_options(stored, config.fast_bytes, config.profile_batches, pool_path, config.cache_rows)
+            return stored, {}
+        if config.fast_bytes is not None or config.cache_rows is not None:
+            raise ConfigError(f"{pool_path}: this pool set was made without a placement plan; resume without "
+                              "--fast-bytes and --cache-rows, or use another pool")
+        return None, {}
+    profiles = table_profiles(config, model, source)
+    plan = planner.make_plan(profiles, config.fast_bytes or 0, config.cache_rows)
+    cached = plan.cached_rows
+    if any(cached.values()) and plan.profile_batches < HOT_LIST_BATCHES:
+        profiles = table_profiles(config, model, source, HOT_LIST_BATCHES)
+    hot = {p.name: p.hot_rows(cached[p.name]) for p in profiles if cached.get(p.name)}
+    return plan, hot
+
+
+def measure_tiers(pool_path: str, capacity_path: str) -> dict:
+    """Each tier's free space and read speed, measured quickly: the fast tier by a copy in memory,
+    the capacity tier by random page reads of a probe file beside the capacity pool, with the
+    page cache bypassed (O_DIRECT) where the file system allows it."""
+    fast_dir = os.path.dirname(os.path.abspath(pool_path))
+    cap_dir = os.path.dirname(os.path.abspath(capacity_path))
+    src = np.ones(PROBE_BYTES // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    started = time.perf_counter()
+    np.copyto(dst, src)
+    fast_mb_s = src.nbytes / (time.perf_counter() - started) / 1e6
+    return {planner.FAST: {"path": fast_dir, "free_bytes": free_bytes(fast_dir), "read_mb_s": fast_mb_s,
+                           "how": "a copy in memory"},
+            planner.CAPACITY: {"path": cap_dir, "free_bytes": free_bytes(cap_dir), **_probe_reads(cap_dir)}}
+
+
+def _probe_reads(folder: str) -> dict:
+    path = os.path.join(folder, f".cxltrain-probe-{os.getpid()}")
+    page = planner.PAGE_BYTES
+    try:
+        with open(path, "wb") as f:
+            f.write(os.urandom(PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            fd, how = os.open(path, os.O_RDONLY | os.O_DIRECT), f"random {page}-byte reads, O_DIRECT"
+        except OSError:  # tmpfs and a few others have no O_DIRECT
+            fd, how = os.open(path, os.O_RDONLY), f"random {page}-byte reads, through the page cache"
+        try:
+            import mmap
+
+            buffer = mmap.mmap(-1, page)  # page-aligned, as O_DIRECT wants
+            offsets = np.random.default_rng(0).integers(0, PROBE_BYTES // page, 1 << 16) * page
+            reads, started = 0, time.perf_counter()
+            while time.perf_counter() - started < PROBE_SECONDS and reads < offsets.size:
+                os.preadv(fd, [buffer], int(offsets[reads]))
+                reads += 1
+            seconds = time.perf_counter() - started
+        finally:
+            os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return {"read_mb_s": reads * page / seconds / 1e6, "how": how}

@@ -1,0 +1,389 @@
+"""The main job: DLRM on deterministic synthetic Criteo-like data, tables in a persistent pool.
+
+    result = train(TrainConfig(steps=200, rows=100_000))
+    print(result.timings.steps_per_s, result.quality.eval_auc)
+
+The loop runs inside a `cxltrain.Runtime`: with `checkpoint="undo"` (the default) every batch is
+durable, and running again on the same pool after a crash recovers the last committed batch and
+resumes from there, bit for bit. With `checkpoint="off"` the pool is made consistent only when the
+run ends normally; a run that dies part-way starts over from batch 0 the next time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from ..checkpoint.layout import record_bytes
+from ..data.batch import BatchSource
+from ..data.prefetch import Prefetcher
+from ..devices import DeviceCounters
+from ..errors import NonFiniteError, TrainingStopped
+from ..knobs import KNOBS
+from ..models import DLRM
+from ..models.metrics import logloss, roc_auc
+from ..runtime.runtime import Runtime
+from ..tables import cache as hot_cache
+from ..tables.optim import RowWiseAdagrad
+from .config import TrainConfig
+from .data_source import TrainingData, training_data
+from .metrics_log import MetricsLog
+from .planning import plan_and_hot_rows
+
+# Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up).
+WARMUP_STEPS = 5
+# The smallest undo ring `train` gives a pool.
+MIN_UNDO_RING_BYTES = 8 << 20
+
+
+@dataclasses.dataclass
+class StepSplit:
+    """Mean milliseconds per step, after warm-up."""
+
+    data: float
+    embedding_forward: float
+    embedding_backward_update: float
+    checkpoint: float                  # the training thread's share of checkpointing: undo capture,
+                                       # commits (inline) or handing them over and waiting (pipelined)
+    mlp: float                         # MLP forward + backward + dense optimizer, and the rest
+    total: float
+
+
+@dataclasses.dataclass
+class RunProgress:
+    """Where the run started and ended, in the pool's batches."""
+
+    batch: int                         # batches whose updates are in the pool's state
+    steps: int                         # batches run by this invocation
+    start_batch: int                   # the first of them (0 unless the pool was recovered)
+    restarted: bool                    # the pool held the tables but no committed checkpoint: started over
+    recovered_batch: int | None        # the batch recovery rolled the pool back to (None: a fresh pool)
+    recovery_seconds: float
+
+
+@dataclasses.dataclass
+class RunTimings:
+    seconds: float                     # the training loop only
+    steps_per_s: float
+    split_ms: StepSplit
+
+
+@dataclasses.dataclass
+class ModelQuality:
+    first_loss: float | None           # None: nothing left to train (the pool was at --steps already)
+    final_loss: float | None           # mean over the last 10% of batches
+    train_auc: float | None            # over the last 10% of batches
+    eval_auc: float | None             # held-out batches, after training (None: a file with none left)
+    eval_logloss: float | None
+
+
+@dataclasses.dataclass
+class CheckpointSummary:
+    method: str                        # "undo" or "off"
+    mode: str                          # "strict" or "relaxed"
+    pipeline: bool                     # commits on a background worker
+    background_capture: bool           # undo captures on the worker too
+    stats: dict | None                 # CheckpointStats.to_json() of this run (None with checkpoint "off")
+
+
+@dataclasses.dataclass
+class PoolUse:
+    """The pool, its device, and what the run did to them."""
+
+    path: str
+    device: str                        # the device kind
+    rows_updated_per_batch: float      # unique rows written per batch, all tables
+    device_model: str | None = None    # what the emulated device modelled (power loss, domain, write-back)
+    cost_model: dict | None = None     # per batch: pool traffic and what it would take on each memory preset
+    early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What `train` did and measured, grouped; `to_json()` is the flat `cxltrain train --json`."""
+
+    pool: PoolUse
+    progress: RunProgress
+    timings: RunTimings
+    quality: ModelQuality
+    checkpoint: CheckpointSummary
+
+    def to_json(self) -> dict:
+        """The flat layout `--json` has always printed: same keys, same order."""
+        pool, progress, timings, quality, checkpoint = (self.pool, self.progress, self.timings, self.quality,
+                                                         self.checkpoint)
+        return {"pool": pool.path, "device": pool.device, "batch": progress.batch, "steps": progress.steps,
+                "start_batch": progress.start_batch, "seconds": timings.seconds, "steps_per_s": timings.steps_per_s,
+                "first_loss": quality.first_loss, "final_loss": quality.final_loss, "train_auc": quality.train_auc,
+                "eval_auc": quality.eval_auc, "eval_logloss": quality.eval_logloss,
+                "rows_updated_per_batch": pool.rows_updated_per_batch, "split_ms": dataclasses.asdict(timings.split_ms),
+                "restarted": progress.restarted, "checkpoint": checkpoint.method, "mode": checkpoint.mode,
+                "pipeline": checkpoint.pipeline, "background_capture": checkpoint.background_capture,
+                "recovered_batch": progress.recovered_batch, "recovery_seconds": progress.recovery_seconds,
+                "checkpoint_stats": checkpoint.stats, "device_model": pool.device_model,
+                "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks}
+
+
+def build_model(config: TrainConfig) -> DLRM:
+    return DLRM(embedding_rows=list(config.rows_per_table()), embedding_dim=config.dim,
+                bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
+                sparse_optimizer=RowWiseAdagrad(lr=config.sparse_lr), seed=config.seed)
+
+
+def build_source(config: TrainConfig) -> BatchSource:
+    """The batches a run with `config` trains on (training_data.py: synthetic, or file data)."""
+    return training_data(config).train
+
+
+def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = None) -> int:
+    """Ring room for a few of the largest batches this config can make (each table's rows: at most
+    batch_size x pooling, at most the table; a cached table's slots twice more: the admission's
+    record and the hits' in the first batch, and its evicted rows once more when it re-places): a
+    commit reclaims them every dense_every batches.
+    The `undo_ring_bytes` knob, when set, decides instead."""
+    if KNOBS.undo_ring_bytes:
+        return KNOBS.undo_ring_bytes
+    rows = min(max(config.rows_per_table()), config.batch_size * config.pooling)
+    largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
+                               table.optimizer.state_columns * 4)
+                  for table in model.tables for spec in table.region_specs()[:1])
+    for table in model.tables:
+        if table.name in (hot_rows or {}):
+            slots = len(hot_rows[table.name])
+            spec = hot_cache.region_specs(table, slots)[0]
+            largest += 2 * record_bytes(slots, spec.row_stride(KNOBS.row_align),
+                                        (table.optimizer.state_columns + hot_cache.MAP_COLUMNS) * 4)
+            if config.cache_replace_every:  # and a re-placing batch's evicted capacity rows
+                largest += record_bytes(slots, spec.row_stride(KNOBS.row_align), table.optimizer.state_columns * 4)
+    return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
+
+
+def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
+                 source: BatchSource | None = None) -> Runtime:
+    metadata = config.run_metadata(getattr(source, "fingerprint", None))
+    if source is None and config.capacity_pool is not None:
+        source = build_source(config)  # profiled to plan a new pool set
+    plan, hot_rows = plan_and_hot_rows(config, model, source, pool_path)
+    return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
+                   mode=config.mode, pipeline=config.pipeline,
+                   background_capture=config.background_capture, metadata=metadata,
+                   undo_ring_bytes=undo_ring_bytes(config, model, hot_rows), discard_checkpoint=config.discard_checkpoint,
+                   capacity_pool=config.capacity_pool,
+                   prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
+                   hot_rows=hot_rows, cache_replace_every=config.cache_replace_every)
+
+
+def pool_bytes(config: TrainConfig) -> int:
+    """Size of the pool `train` creates for `config`: tables, undo ring, dense snapshot slots."""
+    return make_runtime(config, build_model(config), None, "").pool_bytes()
+
+
+def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
+          on_ready: Callable[[Runtime], None] | None = None, stop: threading.Event | None = None) -> TrainResult:
+    """Run batches up to `config.steps` (resuming a pool after its last committed batch); returns
+    what the run did and measured. `on_ready(rt)` is called once the pool is open (and recovered),
+    before the first batch. A NaN or inf loss or table gradient stops the run with NonFiniteError
+    before that batch is committed; the pool keeps the previous commit. Setting `stop` ends the run
+    at the next batch boundary, with the batches done committed: TrainingStopped says which."""
+    config.validate()
+    KNOBS.validate()
+    torch.set_num_threads(KNOBS.threads)
+    data = training_data(config)  # first: a bad data file is refused before any pool is touched
+    if data.steps != config.steps:  # --epochs: the steps are the epochs' batches
+        config = dataclasses.replace(config, steps=data.steps)
+    source = data.train
+    model = build_model(config)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
+    with make_runtime(config, model, dense_opt, pool_path, source) as rt:
+        if on_ready is not None:
+            on_ready(rt)
+        result = _run(config, model, data, rt, progress, stop)
+    if result is None:  # after the block: its normal exit has committed the batches done
+        raise TrainingStopped(f"stopped by SIGTERM at a batch boundary; {rt.path} is committed at batch "
+                              f"{rt.batch} (run the same command to resume)")
+    return result
+
+
+def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step on batch `b`: forward, the loss (checked before backward), backward (the tables
+    update their rows in place in the pool), the dense optimizers' steps. Returns (logits [B], loss)."""
+    logits = model(batch)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    if not bool(torch.isfinite(loss)):  # before backward: neither tables nor MLPs take a NaN step
+        raise NonFiniteError(f"batch {b}: the loss is {loss.item()}; stopped before its backward, and the "
+                             "batch is not committed")
+    loss.backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return logits, loss
+
+
+def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, progress: bool,
+         stop: threading.Event | None = None) -> TrainResult | None:
+    source = data.train
+    first = rt.start_batch
+    steps = max(0, config.steps - first)
+    tail = max(1, steps // 10)
+    losses: list[float] = []
+    tail_logits, tail_labels = [], []
+    timed_from = first + (WARMUP_STEPS if steps > WARMUP_STEPS else 0)
+    clock = _StepClock(model, rt)
+
+    prefetcher = Prefetcher(source, first, config.steps, config.prefetch) if config.prefetch else None
+    metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data)
+
+    def fetch(b: int):
+        started = time.perf_counter()
+        batch = prefetcher.get(b) if prefetcher is not None else source.batch(b)
+        if b > timed_from:  # fetched inside the timed window (the window opens at batch timed_from)
+            clock.data += time.perf_counter() - started
+        return batch
+
+    # disable=None: tqdm shows the bar on a terminal and stays quiet in logs and pipes
+    bar = tqdm(total=config.steps, initial=first, desc="train", unit="batch", disable=None if progress else True,
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    device = rt.pool.device
+    device_before = device.counters.copy()
+    loop_start = time.perf_counter()
+    try:
+        for batch in rt.batches(fetch, stop=config.steps):
+            if stop is not None and stop.is_set():
+                bar.close()
+                return None  # before the batch touches anything: the Runtime drops it, commits the rest
+            _step(config, model, data, rt, batch, clock, timed_from, tail, losses, tail_logits, tail_labels, metrics)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
+        metrics.close()
+    split = clock.stop(config.steps - timed_from)  # the generator has committed the last batch
+    seconds = time.perf_counter() - loop_start
+    device_work = device.counters - device_before
+    bar.close()
+
+    eval_auc, eval_loss = evaluate(model, data.evaluation, data.heldout)
+    rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
+    stats = rt.stats
+    return TrainResult(
+        pool=PoolUse(path=rt.path, device=device.kind, rows_updated_per_batch=rows_updated,
+                     device_model=device.model, cost_model=modelled_costs(model, rt, steps, device_work),
+                     early_writebacks=None if device.evictor is None else device.evictor.lines_written),
+        progress=RunProgress(batch=rt.batch, steps=steps, start_batch=first, restarted=rt.restarted,
+                             recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds),
+        timings=RunTimings(seconds=seconds, steps_per_s=steps / seconds if steps else 0.0, split_ms=split),
+        quality=ModelQuality(first_loss=losses[0] if losses else None,
+                             final_loss=sum(losses[-tail:]) / tail if losses else None,
+                             train_auc=roc_auc(torch.cat(tail_logits), torch.cat(tail_labels)) if losses else None,
+                             eval_auc=eval_auc, eval_logloss=eval_loss),
+        checkpoint=CheckpointSummary(method=config.checkpoint, mode=config.mode, pipeline=config.pipeline,
+                                     background_capture=config.background_capture and config.pipeline,
+                                     stats=None if stats is None else stats.to_json()))
+
+def _step(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, batch, clock, timed_from: int,
+          tail: int, losses: list, tail_logits: list, tail_labels: list, metrics: MetricsLog) -> None:
+    """One training step of the loop, and what it records; every eval_every steps, an evaluation."""
+    b = rt.batch
+    if b == timed_from:
+        clock.start()
+    logits, loss = train_step(model, batch, rt.optimizers, b)
+    losses.append(loss.item())
+    if b >= config.steps - tail:
+        tail_logits.append(logits.detach())
+        tail_labels.append(batch.labels)
+    evaluated = None
+    if config.eval_every and (b + 1) % config.eval_every == 0:
+        evaluated = evaluate(model, data.evaluation, data.heldout)   # reads the tables, writes nothing
+    metrics.step(b, losses[-1], evaluated)
+
+
+class _StepClock:
+    """Splits the wall time of the timed batches: data, embedding lookups, embedding updates,
+    checkpointing (undo capture + commits), and the rest (MLPs, dense optimizer)."""
+
+    def __init__(self, model: DLRM, rt: Runtime) -> None:
+        self.model, self.rt = model, rt
+        self.data = 0.0
+        self.started: float | None = None
+
+    def _totals(self) -> tuple[float, ...]:
+        stats = self.rt.stats
+        return (self.model.embedding_forward_seconds, sum(t.stats.update_seconds for t in self.model.tables),
+                *((stats.training_lookup_seconds,
+                   stats.training_capture_seconds + stats.capture_wait_seconds + stats.training_flush_seconds,
+                   stats.training_boundary_seconds) if stats else (0.0, 0.0, 0.0)))
+
+    def start(self) -> None:
+        self.started = time.perf_counter()
+        self.before = self._totals()
+
+    def stop(self, timed_steps: int) -> StepSplit:
+        if self.started is None or timed_steps <= 0:
+            return StepSplit(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        total = time.perf_counter() - self.started
+        emb_fwd, emb_upd, lookup, capture, boundary = (a - b for a, b in zip(self._totals(), self.before))
+        ms = 1000.0 / timed_steps
+        # the checkpointer's time inside the table lookups (handing captures over) and updates
+        # (capturing, or waiting for the worker's capture) counts as checkpointing; its time at
+        # batch ends is outside both
+        return StepSplit(data=self.data * ms, embedding_forward=(emb_fwd - lookup) * ms,
+                         embedding_backward_update=(emb_upd - capture) * ms,
+                         checkpoint=(lookup + capture + boundary) * ms,
+                         mlp=(total - self.data - emb_fwd - emb_upd - boundary) * ms, total=total * ms)
+
+
+def traffic_per_batch(model: DLRM, rt: Runtime, steps: int, device_work: DeviceCounters):
+    """What one batch of this run did to the pool, on average (emulation.costmodel.AccessCounts):
+    lookups and undo captures read rows, updates write them (the tables count both); the device
+    counted the flushes, fences and bytes persisted (`device_work`, over the run's batches); the
+    checkpointer counted the undo records and dense snapshots appended."""
+    from ..emulation.costmodel import AccessCounts
+
+    stats = rt.stats
+    gather_rows = gather_bytes = write_rows = write_bytes = 0
+    for table in model.tables:
+        weights = rt.pool.region(table.weight_region)
+        state_stride = rt.pool.region(table.state_region).row_stride if table.optimizer.state_columns else 0
+        row_bytes = table.embedding_dim * 4
+        captured = table.stats.rows_updated if stats is not None else 0
+        gather_rows += table.stats.lookups + captured
+        gather_bytes += table.stats.lookups * row_bytes + captured * (weights.row_stride + state_stride)
+        write_rows += table.stats.rows_updated
+        write_bytes += table.stats.rows_updated * (row_bytes + table.optimizer.state_columns * 4)
+    log_bytes = stats.undo_bytes + stats.dense_bytes if stats is not None else 0
+    totals = dict(gather_bytes=gather_bytes, gather_rows=gather_rows, write_bytes=write_bytes, write_rows=write_rows,
+                  persist_bytes=device_work.persisted_bytes, flush_calls=device_work.flushes,
+                  drains=device_work.drains, log_bytes=log_bytes)
+    return AccessCounts(**{name: round(value / steps) for name, value in totals.items()})
+
+
+def modelled_costs(model: DLRM, rt: Runtime, steps: int, device_work: DeviceCounters) -> dict | None:
+    """Per batch: the run's pool traffic and the time it would take on each memory preset (ms)."""
+    if not steps:
+        return None
+    from ..emulation.costmodel import PRESETS, estimate
+
+    counts = traffic_per_batch(model, rt, steps, device_work)
+    return {"counts": counts.to_json(),
+            "ms_per_batch": {name: estimate(counts, preset).total_s * 1e3 for name, preset in PRESETS.items()}}
+
+
+def evaluate(model: DLRM, source: BatchSource, indices: range) -> tuple[float | None, float | None]:
+    """(AUC, log loss) on the given batches; reads the tables, writes nothing. (None, None) if none."""
+    if not indices:
+        return None, None
+    logits, labels = [], []
+    with torch.no_grad():
+        for b in indices:
+            batch = source.batch(b)
+            logits.append(model(batch))
+            labels.append(batch.labels)
+    logits_all, labels_all = torch.cat(logits), torch.cat(labels)
+    return roc_auc(logits_all, labels_all), logloss(logits_all, labels_all)

@@ -1,0 +1,185 @@
+"""The step's exchanges (DESIGN §8): ids to the ranks that hold their rows, pooled embeddings back,
+gradients to the owners in backward. Every one is an `all_to_all_single` over gloo (NCCL where
+there are GPUs), in table order, summed in rank order: deterministic for a given world size.
+
+Per step, with B samples in the global batch, B_r of them on rank r (its slice), D dims:
+
+    1  counts    [W, 2] int64: the length of the id message for each rank, and this rank's durable
+                 recovery target, piggy-backed: the minimum over the ranks is the agreed target G
+    2  ids       per owner, for each table it holds: the slice's bag lengths [B_r] and ids (row-wise:
+                 only those in the owner's rows, made local to them)
+    3  pooled    each owner looks its tables up for the whole batch ([B, D], one fused lookup), then
+                 sends rank r its rows [B_r, D]; a row-wise table's partial sums are added up by the
+                 receiver in rank order (the reduce-scatter, done as an all-to-all plus a fixed-order
+                 sum: deterministic, and gloo has no reduce-scatter); a data-parallel table is looked
+                 up on every rank, which keeps its own rows
+    back         the gradients [B_r, D] go to every rank holding the table (1/W each: the loss is a
+                 mean over the slice, DDP averages the dense gradients over the ranks) and each owner
+                 applies its fused update to its rows, for the whole batch at once
+
+`bytes_sent` counts what left this rank for another (never what it sent itself).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from ..data.batch import Batch
+from ..faults import CrashPoint, PlantedDist, crash_point, planted
+from ..placement.sharding import DATA_PARALLEL, ROW_WISE, ShardingPlan
+from .sharded import RankModel
+
+
+class Comm:
+    """The process group of a run, and the bytes this rank sent to others."""
+
+    def __init__(self, rank: int, world_size: int, group=None) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.bytes_sent = 0
+
+    def all_to_all(self, pieces: list[torch.Tensor], receive: list[int]) -> list[torch.Tensor]:
+        """Send pieces[r] (flat) to rank r; returns what each rank sent here (receive[r] elements)."""
+        send = torch.cat(pieces) if pieces else torch.empty(0)
+        out = torch.empty(sum(receive), dtype=send.dtype)
+        dist.all_to_all_single(out, send, receive, [p.numel() for p in pieces], group=self.group)
+        self.bytes_sent += sum(p.numel() for r, p in enumerate(pieces) if r != self.rank) * send.element_size()
+        return list(out.split(receive))
+
+
+def slice_of(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Samples [lo, hi) of a global batch that `rank` trains on (equal slices)."""
+    per = batch_size // world_size
+    return rank * per, (rank + 1) * per
+
+
+def local_slice(batch: Batch, world_size: int, rank: int) -> Batch:
+    """This rank's samples of the global batch (a real loader would read only these)."""
+    lo, hi = slice_of(batch.size, world_size, rank)
+    values, offsets = [], []
+    for v, o in zip(batch.values, batch.offsets):
+        ends = torch.cat([o, torch.tensor([v.numel()])])
+        values.append(v[ends[lo] : ends[hi]])
+        offsets.append(o[lo:hi] - ends[lo])
+    return Batch(batch.index, batch.dense[lo:hi], tuple(values), tuple(offsets), batch.labels[lo:hi])
+
+
+class SparseExchange:
+    """The sparse half of a step for one rank: `forward(batch_slice, durable)` returns the
+    embeddings of every table for this rank's samples (F x [B_r, D]) and the agreed target G."""
+
+    def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm, batch_size: int) -> None:
+        self.plan, self.model, self.comm = plan, model, comm
+        self.slices = [slice_of(batch_size, comm.world_size, r) for r in range(comm.world_size)]
+        self.dim = model.dense.bottom[-2].out_features
+
+    def forward(self, local: Batch, durable: int) -> tuple[list[torch.Tensor], int]:
+        comm, plan = self.comm, self.plan
+        crash_point(CrashPoint.DIST_BEFORE_AGREEMENT)
+        messages = []
+        for owner in range(comm.world_size):
+            parts = []
+            for t in range(len(plan.tables)):
+                if owner in plan.owners(t):
+                    lengths, ids = _bags_for(plan, t, owner, local.values[t], local.offsets[t])
+                    parts += [lengths, ids]
+            messages.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
+        header = torch.tensor([[m.numel(), durable] for m in messages], dtype=torch.int64)
+        received_header = torch.cat(comm.all_to_all(list(header), [2] * comm.world_size)).view(-1, 2)
+        agreed = int(received_header[:, 1].min())
+        if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT):
+            agreed = local.index + 1  # as if every rank had this batch's commit durable already
+        received = comm.all_to_all(messages, received_header[:, 0].tolist())
+        pooled = self._look_up(received)
+        return list(_Exchange.apply(self, *pooled)), agreed
+
+    def _look_up(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each held table looked up for the whole batch: [B, D] per held table, in table order."""
+        cursors = [0] * len(received)
+        pooled = []
+        for t in self.model.table_index:
+            ids, lengths = [], []
+            for source, message in enumerate(received):
+                lo, hi = self.slices[source]
+                n = hi - lo
+                bag_lengths = message[cursors[source] : cursors[source] + n]
+                count = int(bag_lengths.sum())
+                ids.append(message[cursors[source] + n : cursors[source] + n + count])
+                lengths.append(bag_lengths)
+                cursors[source] += n + count
+            all_lengths = torch.cat(lengths)
+            offsets = torch.cumsum(all_lengths, 0) - all_lengths
+            pooled.append(self.model.shard(t)(torch.cat(ids), offsets))
+        return pooled
+
+
+def _bags_for(plan: ShardingPlan, t: int, owner: int, values: torch.Tensor,
+              offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bag lengths [B_r], ids) of table t's lookups that `owner` serves, ids local to its rows."""
+    ends = torch.cat([offsets, torch.tensor([values.numel()])])
+    if plan.tables[t].kind != ROW_WISE:
+        return ends[1:] - ends[:-1], values
+    lo, hi = plan.rows_of(t, owner)
+    mine = (values >= lo) & (values < hi)
+    counted = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mine.to(torch.int64), 0)])
+    return counted[ends[1:]] - counted[ends[:-1]], values[mine] - lo
+
+
+class _Exchange(torch.autograd.Function):
+    """pooled (held tables, [B, D] each) -> embeddings of every table for this rank's slice
+    ([B_r, D] each); backward sends the slice's gradients to the holders (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, exchange: SparseExchange, *pooled: torch.Tensor):
+        ctx.exchange = exchange
+        plan, comm, rank = exchange.plan, exchange.comm, exchange.comm.rank
+        held = dict(zip(exchange.model.table_index, pooled))
+        lo, hi = exchange.slices[rank]
+        pieces = []
+        for r in range(comm.world_size):
+            a, b = exchange.slices[r]
+            parts = [held[t][a:b].reshape(-1) for t in exchange.model.table_index
+                     if plan.tables[t].kind != DATA_PARALLEL]
+            pieces.append(torch.cat(parts) if parts else torch.empty(0))
+        dim = exchange.dim
+        receive = [(hi - lo) * dim * sum(1 for t in plan.held_by(o) if plan.tables[t].kind != DATA_PARALLEL)
+                   for o in range(comm.world_size)]
+        received = [m.view(-1, hi - lo, dim) if m.numel() else m for m in comm.all_to_all(pieces, receive)]
+        cursor = [0] * comm.world_size
+        out = []
+        for t, table in enumerate(plan.tables):
+            if table.kind == DATA_PARALLEL:
+                out.append(held[t][lo:hi].clone())
+                continue
+            total = None
+            for o in table.ranks:  # rank order: the row-wise sum is the same on every run
+                part = received[o][cursor[o]]
+                cursor[o] += 1
+                total = part.clone() if total is None else total + part
+            out.append(total)
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        exchange = ctx.exchange
+        plan, comm = exchange.plan, exchange.comm
+        lo, hi = exchange.slices[comm.rank]
+        dim, scale = exchange.dim, 1.0 / comm.world_size
+        grads = [torch.zeros(hi - lo, dim) if g is None else g * scale for g in grads]
+        pieces = []
+        for o in range(comm.world_size):
+            parts = [grads[t].reshape(-1) for t in plan.held_by(o)]
+            pieces.append(torch.cat(parts) if parts else torch.empty(0))
+        held = exchange.model.table_index
+        receive = [(b - a) * dim * len(held) for a, b in exchange.slices]
+        received = comm.all_to_all(pieces, receive)
+        out = []
+        for i in range(len(held)):
+            out.append(torch.cat([m.view(len(held), -1, dim)[i] for m in received]))
+        return (None, *out)
+
+
+def timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)

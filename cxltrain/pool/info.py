@@ -1,0 +1,127 @@
+"""Inspection (`pool info`, `pool check`): every check of pool_check, every problem reported, never a
+write. The pool is read with pread under a shared lock, never mapped.
+
+A pool a writer holds is still inspected, without the lock, as LMDB's readers run beside its
+writer: a commit writes the root slot the current root does not use, so the valid root with the
+higher sequence number is always a whole commit (a slot torn mid-write fails its checksum), and the
+directory entries a root counts were durable before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..errors import PoolError, PoolLockedError
+from . import set_format as pool_set
+from .check import (
+    Reader,
+    SlotStatus,
+    check_regions_disjoint,
+    pick_root,
+    read_region,
+    read_root_slot,
+    validate_superblock,
+)
+from .files import lock_pool, open_pool_file, pread_reader
+from .format import Region, Root, Superblock
+
+
+@dataclasses.dataclass
+class PoolReport:
+    path: str
+    file_size: int
+    superblock: Superblock | None = None
+    slots: list[SlotStatus] = dataclasses.field(default_factory=list)
+    root: Root | None = None
+    regions: list[Region] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    in_use: bool = False  # a writer held the pool: this is its last committed root, read beside it
+    members: list["PoolReport"] = dataclasses.field(default_factory=list)  # a pool set's capacity pools
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def inspect(path: str) -> PoolReport:
+    """Check a pool without mapping or changing it. Raises PoolError only when the file cannot be
+    read at all; every other problem goes in the report. A pool a writer holds is read without the
+    lock (`in_use` says so)."""
+    with open_pool_file(path, writable=False) as (fd, file_size):
+        try:
+            lock_fd = lock_pool(path, writable=False)
+        except PoolLockedError:
+            lock_fd = None
+        try:
+            report = _inspect(path, pread_reader(fd), file_size)
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+        report.in_use = lock_fd is None
+        return report
+
+
+def _inspect(path: str, read: Reader, file_size: int) -> PoolReport:
+    report = PoolReport(path, file_size)
+    try:
+        sb = report.superblock = validate_superblock(read, file_size)
+    except PoolError as e:
+        report.problems.append(str(e))
+        return report
+    report.slots = [read_root_slot(read, sb, slot) for slot in (0, 1)]
+    try:
+        winner = pick_root(report.slots)
+    except PoolError as e:
+        report.problems.append(str(e))
+        return report
+    report.root = winner.root
+    for index in range(winner.root.dir_count):
+        try:
+            report.regions.append(read_region(read, sb, index))
+        except PoolError as e:
+            report.problems.append(str(e))
+    try:
+        check_regions_disjoint(report.regions)
+    except PoolError as e:
+        report.problems.append(str(e))
+    set_region = next((r for r in report.regions if r.name == pool_set.SET_REGION), None)
+    if set_region is not None and not report.problems:
+        _inspect_members(report, read(set_region.offset, set_region.size))
+    return report
+
+
+def _inspect_members(report: PoolReport, raw: bytes) -> None:
+    """Inspect the capacity pools a primary names, and check each belongs to it, now (problems go
+    in the primary's report, one line each)."""
+    try:
+        entries = pool_set.unpack_set(raw, report.superblock.uuid, "its list of capacity pools")
+    except PoolError as e:
+        report.problems.append(str(e))
+        return
+    for entry in entries:
+        where = f"capacity pool {entry.path}"
+        if not os.path.exists(entry.path):
+            report.problems.append(f"{where} is missing; a pool set needs all its pools")
+            continue
+        try:
+            member = inspect(entry.path)
+        except PoolError as e:
+            report.problems.append(f"{where}: {e}")
+            continue
+        report.members.append(member)
+        report.problems.extend(f"{where}: {problem}" for problem in member.problems)
+        if member.problems:
+            continue
+        region = next((r for r in member.regions if r.name == pool_set.MEMBER_REGION), None)
+        try:
+            pool_set.check_identity(entry, member.superblock.uuid, where)
+            if region is None:
+                raise PoolError(f"{where}: is not a capacity pool of a pool set")
+            with open(entry.path, "rb") as f:
+                f.seek(region.offset)
+                pool_set.check_member(f.read(region.size), entry, report.superblock.uuid, member.superblock.uuid,
+                                      where)
+            pool_set.check_epoch(member.root, report.root, where)
+        except PoolError as e:
+            report.problems.append(str(e))

@@ -1,0 +1,152 @@
+"""A user's own model under torchrun: one `Runtime` per rank, one recovery point for all (DESIGN §8).
+
+    # torchrun --standalone --nproc-per-node 2 --max-restarts 3 my_train.py
+    model = MyModel(rank)          # this rank's PersistentEmbeddingBags (own shards or replicas) + dense part
+    with TorchrunRuntime("/dev/shm/my-run", model, dense_opt) as rt:
+        for batch in rt.batches(source, stop=1000):   # each batch: the ranks agree on G first
+            loss = model.loss(batch); loss.backward(); dense_opt.step(); dense_opt.zero_grad()
+
+It joins the gloo group torchrun's environment describes (unless one is up already), keeps the
+rank's pool in DIR/rank-<r>.pool beside a manifest (manifest.py) whose plan records which rank
+holds which table (a table on one rank: table-wise; on every rank: data-parallel), checked at
+every start; on a restart every rank recovers to the agreed batch G (recovery.py) before the block
+begins. The user owns the exchange between ranks; the dense state must be the same on every rank
+(DDP, or every rank computing it alike), since a rank rolled back past its own snapshot takes it
+from another. The agreement is one all-reduce (MIN) per batch, on the group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CxlTrainError
+from ..faults import CrashPoint, PlantedDist, crash_point, planted
+from ..placement.sharding import DATA_PARALLEL, TABLE_WISE, ShardingPlan, TablePlan
+from . import manifest as run_dir
+from .group_recovery import recover_group
+from .group_runtime import DistRuntime
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def join_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+    """(rank, world size): a gloo group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*),
+    or one rank in this process without it; every collective times out after timeout_s."""
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:
+        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
+        # gloo may read a dead rank's address from the attempt before
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
+                                world_size=world_size, timeout=timeout)
+    else:  # one rank in this process: no rendezvous, no port
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return rank, world_size
+
+
+def refuse_together(error: str | None, world_size: int) -> None:
+    """Every rank raises the first rank's error, or none does: one clear line on each."""
+    errors: list = [None] * world_size
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CxlTrainError(first)
+
+
+def open_run_dir(directory: str, plan: ShardingPlan, settings: dict, rank: int, world_size: int) -> tuple[dict, bool]:
+    """(the manifest, whether the pools are to be made): checked on every rank, written by rank 0."""
+    error, found = None, None
+    try:
+        if run_dir.is_run_dir(directory):
+            found = run_dir.read(directory)
+            run_dir.check(directory, found, world_size, plan, settings)
+        elif os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
+            error = f"{directory}: exists and is not a distributed run's directory (no {run_dir.MANIFEST})"
+    except CxlTrainError as e:
+        error = str(e)
+    refuse_together(error, world_size)
+    fresh = found is None or found["state"] == run_dir.CREATING
+    if found is None and rank == 0:
+        run_dir.write(directory, run_dir.new(world_size, plan, settings))
+    dist.barrier()
+    if fresh:  # a start that died while making the pools: none holds a commit, make them again
+        for leftover in (run_dir.pool_path(directory, rank), run_dir.pool_path(directory, rank) + ".creating"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return run_dir.read(directory), fresh
+
+
+def plan_of(tables: dict, world_size: int) -> ShardingPlan:
+    """Where the user put the tables: every rank's (name, rows) gathered, in name order."""
+    mine = sorted((t.name or path, t.num_embeddings) for path, t in tables.items())
+    every: list = [None] * world_size
+    dist.all_gather_object(every, mine)
+    holders: dict[tuple[str, int], list[int]] = {}
+    for rank, held in enumerate(every):
+        for table in held:
+            holders.setdefault(tuple(table), []).append(rank)
+    return ShardingPlan(world_size, tuple(
+        TablePlan(name, rows, DATA_PARALLEL if len(ranks) > 1 else TABLE_WISE, tuple(ranks))
+        for (name, rows), ranks in sorted(holders.items())))
+
+
+class TorchrunRuntime(DistRuntime):
+    """TorchrunRuntime(directory, model, optimizers, **Runtime kwargs): the Runtime of this rank of
+    a torchrun job (see the module docstring). settings: a JSON-like dict describing the run,
+    stored in the manifest; a restart with other settings, another world size or other tables is
+    refused on every rank before anything is written. Constructing and entering it are collective:
+    every rank together, in the same order as its other collectives. After entering: `rank`, `world_size`,
+    `group_recovery` (recovery.RankRecovery, or None on a fresh run) besides the Runtime's own."""
+
+    def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, optimizers=None, *,
+                 settings: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> None:
+        self.directory = os.fspath(directory)
+        if dist.is_initialized():
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        else:
+            self.rank, self.world_size = join_group(timeout_s)
+        DistRuntime.__init__(self, run_dir.pool_path(self.directory, self.rank), model, optimizers,
+                             run_metadata={}, **kwargs)
+        plan = plan_of(self.tables, self.world_size)
+        self.manifest, self._fresh = open_run_dir(self.directory, plan, run_dir.settings_of(settings or {}),
+                                                  self.rank, self.world_size)
+        self._state.metadata.update(run=self.manifest["run"], rank=self.rank)
+        self.group_recovery = None
+
+    def __enter__(self) -> "TorchrunRuntime":
+        if not self._fresh:
+            self.group_recovery = recover_group(self.directory, self.rank, self.world_size, self.manifest["run"])
+        super().__enter__()
+        if self._fresh:  # every rank's pool holds its first commit: a restart recovers from now on
+            dist.barrier()
+            if self.rank == 0:
+                self.manifest = {**self.manifest, "state": run_dir.CREATED}
+                run_dir.write(self.directory, self.manifest)
+            self._fresh = False
+        return self
+
+    def batches(self, source, stop: int | None = None):
+        """Runtime.batches, each batch agreeing on G with the other ranks before it is handed out."""
+        for batch in super().batches(source, stop):
+            self.agree_with_peers()
+            yield batch
+
+    def agree_with_peers(self) -> int:
+        """G = the minimum of the ranks' durable targets (one all-reduce), handed to agree()."""
+        crash_point(CrashPoint.DIST_BEFORE_AGREEMENT)
+        target = self.durable_target
+        if target > self._state.metadata["agreed"]:
+            crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
+        agreed = torch.tensor([target], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        g = int(agreed[0])
+        if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT):
+            g = self.batch + 1  # as if every rank had this batch's commit durable already
+        self.agree(g)
+        return g
