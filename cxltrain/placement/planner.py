@@ -28,8 +28,8 @@ import numpy as np
 from ..errors import ConfigError, PoolError
 from ..pool import format as fmt
 from ..pool.format import RegionKind
+from .table import CAPACITY, FAST, TablePlacement
 
-FAST, CAPACITY = "fast", "capacity"
 PLAN_REGION = "cxltrain.plan"
 PLAN_BYTES = 16 << 10
 PLAN_HEADER = struct.Struct("<IIII")      # magic, version, JSON length, zero
@@ -78,21 +78,10 @@ class TableProfile:
 
 
 @dataclasses.dataclass(frozen=True)
-class TablePlan:
-    name: str
-    rows: int
-    bytes: int
-    tier: str                              # FAST or CAPACITY
-    cached_rows: int                       # capacity tables: hot rows the fast tier caches (0 for fast ones)
-    hit_rate: float                        # expected share of lookups served by the fast tier
-    lookups_per_batch: float
-
-
-@dataclasses.dataclass(frozen=True)
 class Plan:
     fast_bytes: int                        # the fast tier's budget for tables and cached rows
     profile_batches: int
-    tables: tuple[TablePlan, ...]
+    tables: tuple[TablePlacement, ...]
     cache_rows: int | None = None          # `--cache-rows`: every capacity table caches this many (None: planned)
 
     @property
@@ -110,14 +99,14 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"fast_bytes": self.fast_bytes, "profile_batches": self.profile_batches,
-                "tables": [dataclasses.asdict(t) for t in self.tables],
+                "tables": [t.tier_fields() for t in self.tables],
                 **({} if self.cache_rows is None else {"cache_rows": self.cache_rows})}
 
     @classmethod
     def from_json(cls, data: dict) -> "Plan":
         cache_rows = data.get("cache_rows")  # absent from plans made before the cache
         return cls(int(data["fast_bytes"]), int(data["profile_batches"]),
-                   tuple(TablePlan(**t) for t in data["tables"]), None if cache_rows is None else int(cache_rows))
+                   tuple(TablePlacement(**t) for t in data["tables"]), None if cache_rows is None else int(cache_rows))
 
 
 def make_plan(profiles: list[TableProfile], fast_bytes: int, cache_rows: int | None = None) -> Plan:
@@ -139,10 +128,10 @@ def make_plan(profiles: list[TableProfile], fast_bytes: int, cache_rows: int | N
     for p in profiles:
         per_batch = p.lookups / p.batches if p.batches else 0.0
         if p.name in fast:
-            plans.append(TablePlan(p.name, p.rows, p.bytes, FAST, 0, 1.0, per_batch))
+            plans.append(TablePlacement(p.name, p.rows, p.bytes, FAST, 0, 1.0, per_batch))
             continue
         n = cached.get(p.name, 0)
-        plans.append(TablePlan(p.name, p.rows, p.bytes, CAPACITY, n, p.hit_rate(n), per_batch))
+        plans.append(TablePlacement(p.name, p.rows, p.bytes, CAPACITY, n, p.hit_rate(n), per_batch))
     batches = max((p.batches for p in profiles), default=0)
     return Plan(fast_bytes, batches, tuple(plans), cache_rows)
 

@@ -22,34 +22,17 @@ import json
 from typing import Sequence
 
 from ..errors import ConfigError
+from .table import DATA_PARALLEL, ROW_WISE, TABLE_WISE, TablePlacement
 
-TABLE_WISE, ROW_WISE, DATA_PARALLEL = "table-wise", "row-wise", "data-parallel"
 KINDS = (TABLE_WISE, ROW_WISE, DATA_PARALLEL)
 AUTO = "auto"
 SMALL_TABLE_ROWS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
-class TablePlan:
-    name: str
-    rows: int
-    kind: str
-    ranks: tuple[int, ...]         # the ranks holding (part of) it
-    bounds: tuple[int, ...] = ()   # row-wise: ranks[i] holds rows [bounds[i], bounds[i+1])
-
-    def rows_of(self, rank: int) -> tuple[int, int]:
-        if rank not in self.ranks:
-            return 0, 0
-        if self.kind == ROW_WISE:
-            i = self.ranks.index(rank)
-            return self.bounds[i], self.bounds[i + 1]
-        return 0, self.rows
-
-
-@dataclasses.dataclass(frozen=True)
 class ShardingPlan:
     world_size: int
-    tables: tuple[TablePlan, ...]
+    tables: tuple[TablePlacement, ...]
 
     def owners(self, t: int) -> tuple[int, ...]:
         return self.tables[t].ranks
@@ -62,13 +45,14 @@ class ShardingPlan:
         return [t for t, table in enumerate(self.tables) if rank in table.ranks]
 
     def to_json(self) -> dict:
-        return {"world_size": self.world_size, "tables": [dataclasses.asdict(t) for t in self.tables]}
+        return {"world_size": self.world_size, "tables": [t.shard_fields() for t in self.tables]}
 
     @classmethod
     def from_json(cls, data: dict) -> "ShardingPlan":
         try:
-            tables = tuple(TablePlan(str(t["name"]), int(t["rows"]), str(t["kind"]), tuple(int(r) for r in t["ranks"]),
-                                     tuple(int(b) for b in t["bounds"])) for t in data["tables"])
+            tables = tuple(TablePlacement(str(t["name"]), int(t["rows"]), kind=str(t["kind"]),
+                                          ranks=tuple(int(r) for r in t["ranks"]),
+                                          bounds=tuple(int(b) for b in t["bounds"])) for t in data["tables"])
             return cls(int(data["world_size"]), tables)
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a sharding plan ({e!r})") from None
@@ -123,11 +107,12 @@ def make_plan(rows: Sequence[int], world_size: int, kinds: Sequence[str] | None 
             if r < world_size:
                 raise ConfigError(f"table {name}: {r} rows cannot be split row-wise over {world_size} ranks")
             ranks = tuple(range(world_size))
-            tables.append(TablePlan(name, r, kind, ranks, tuple(r * i // world_size for i in range(world_size + 1))))
+            bounds = tuple(r * i // world_size for i in range(world_size + 1))
+            tables.append(TablePlacement(name, r, kind=kind, ranks=ranks, bounds=bounds))
         elif kind == DATA_PARALLEL:
-            tables.append(TablePlan(name, r, kind, tuple(range(world_size))))
+            tables.append(TablePlacement(name, r, kind=kind, ranks=tuple(range(world_size))))
         else:
-            tables.append(TablePlan(name, r, kind, (placed[t],)))
+            tables.append(TablePlacement(name, r, kind=kind, ranks=(placed[t],)))
     plan = ShardingPlan(world_size, tuple(tables))
     idle = [r for r in range(world_size) if not plan.held_by(r)]
     if idle:

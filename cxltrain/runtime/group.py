@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from ..errors import CxlTrainError
 from ..faults import CrashPoint, PlantedDist, crash_point, planted
-from ..placement.sharding import DATA_PARALLEL, TABLE_WISE, ShardingPlan, TablePlan
+from ..placement.sharding import ShardingPlan
+from ..placement.table import DATA_PARALLEL, TABLE_WISE, TablePlacement
 from . import manifest as run_dir
 from .group_recovery import recover_group
 from .group_runtime import DistRuntime
@@ -92,7 +93,7 @@ def plan_of(tables: dict, world_size: int) -> ShardingPlan:
         for table in held:
             holders.setdefault(tuple(table), []).append(rank)
     return ShardingPlan(world_size, tuple(
-        TablePlan(name, rows, DATA_PARALLEL if len(ranks) > 1 else TABLE_WISE, tuple(ranks))
+        TablePlacement(name, rows, kind=DATA_PARALLEL if len(ranks) > 1 else TABLE_WISE, ranks=tuple(ranks))
         for (name, rows), ranks in sorted(holders.items())))
 
 
