@@ -76,7 +76,7 @@ UNDO_HEADER = struct.Struct(
     "I"    # header checksum
 )
 assert UNDO_HEADER.size == 64
-# where the native fused capture (kernels/rows.c) fills in the two checksums of a header template
+# where the native undo writer (kernels/undo.c) fills in the two checksums of a header template
 # (and sets seq, count and payload bytes of each record's copy of one template)
 UNDO_SEQ_AT, UNDO_COUNT_AT, UNDO_PAYLOAD_CRC_AT, UNDO_PAYLOAD_BYTES_AT, UNDO_HEADER_CRC_AT = 16, 32, 44, 48, 60
 assert [struct.calcsize(f) for f in ("<IIQ", "<IIQQq", "<IIQQqIII", "<IIQQqIIII")] == \
@@ -170,6 +170,16 @@ def tail_mark_template(generation: int) -> bytes:
 
 TAIL_SEQ_END_AT = 16
 assert struct.calcsize("<IIQ") == TAIL_SEQ_END_AT
+
+
+def native_undo_layout() -> dict[str, int]:
+    """What the native undo writer (kernels/undo.c) must have compiled in, from the definitions
+    above; checkpoint/fused.py compares it with the build's UNDO_LAYOUT before the first use."""
+    return {"UNDO_HEADER_BYTES": UNDO_HEADER.size, "UNDO_SEQ_AT": UNDO_SEQ_AT, "UNDO_COUNT_AT": UNDO_COUNT_AT,
+            "UNDO_PAYLOAD_CRC_AT": UNDO_PAYLOAD_CRC_AT, "UNDO_PAYLOAD_BYTES_AT": UNDO_PAYLOAD_BYTES_AT,
+            "UNDO_HEADER_CRC_AT": UNDO_HEADER_CRC_AT, "TAIL_MARK_BYTES": TAIL_MARK.size,
+            "TAIL_SEQ_END_AT": TAIL_SEQ_END_AT, "TAIL_CRC_AT": TAIL_MARK.size - 4, "TAIL_COPIES": TAIL_COPIES,
+            "ROW_ID_BYTES": np.dtype(np.int64).itemsize}
 
 
 def unpack_tail_mark(raw: bytes, uuid: bytes, copy: int) -> tuple[int, int] | None:
