@@ -125,7 +125,7 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused capture (kernels/rows.c undo_chunk): the records written inside the update.
+# The fused capture (kernels/undo.c): the records written inside the update.
 # ---------------------------------------------------------------------------------------------
 def _fused_ring(path, power_loss: int, seed: int):
     """A 256 KiB ring's pool (on the power-loss model or not) for fused updates, and a batch for

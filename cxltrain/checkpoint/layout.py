@@ -17,7 +17,7 @@ generation, so a stale record left over in a reused place never carries the expe
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
 
 A table's record of one batch may come as several records (chunks), each an ordinary record of a
-part of the batch's rows: the fused capture (kernels/rows.c undo_chunk) writes one per chunk of
+part of the batch's rows: the fused capture (kernels/undo.c, checkpoint/fused.py) writes one per chunk of
 the batch's unique rows, each durable before the rows in it are updated, so a crash mid-batch leaves
 the valid records of the chunks it updated, followed by an invalid one (or none) that ends the
 scan: by U1 per chunk, no row of that chunk or any later one was stored. Nothing on the media tells
