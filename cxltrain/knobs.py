@@ -56,7 +56,7 @@ class Knobs:
     native_kernels: int = 1
     # 1 = where the native kernels and the device allow it (persists a C kernel can make: PMEM, the
     # emulated device with libpmem or the power-loss model), each table's undo capture runs inside its
-    # update, chunk by chunk of the batch's unique rows (kernels/rows.c undo_chunk); 0 = capture the
+    # update, chunk by chunk of the batch's unique rows (kernels/undo.c); 0 = capture the
     # whole record first, then update (two passes over the rows: the comparison the bench makes).
     fused_capture: int = 1
     # Unique rows per chunk of the fused capture: a chunk's old rows stay in cache from their capture

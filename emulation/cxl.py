@@ -113,11 +113,11 @@ class _EmulatedDevice(Device):
 
     def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
         super().streamed_persisted(offset, length, fences)
-        self._account(length)  # what a kernel persisted itself (streamed_target) is written back too
+        self._account(length)  # what a kernel persisted itself (native_persistence) is written back too
 
     def rows_flushed(self, offset: int, stride: int, count: int, runs: int) -> None:
         super().rows_flushed(offset, stride, count, runs)
-        self._account(count * stride)  # what a kernel wrote back itself (native_row_flush)
+        self._account(count * stride)  # what a kernel wrote back itself (native_persistence)
 
     def close(self) -> None:
         if self.evictor is not None:
@@ -150,17 +150,17 @@ class EmulatedCXLDevice(_EmulatedDevice):
         if self._pmem is not None:
             self._pmem.pmem_drain()
 
-    def _native_row_flush(self) -> int | None:
-        return None if self._pmem is None else self._pmem.flush_address
+    def native_persistence(self) -> native.NativePersistence | None:
+        # as on a DAX device: libpmem's flush, and streamed stores need only the fence
+        if self._pmem is None:
+            return None
+        return native.NativePersistence(native.NativePersistence.LINES, self._pmem.flush_address)
 
     def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
         if rows.size == 0 or self._pmem is None or native.lib() is None:
             return None  # flush() per run, each accounted in _write_back
         self._account(rows.size * stride)  # the native walk calls no _write_back to account for it
         return super()._write_back_rows(offset, stride, rows)
-
-    def streamed_target(self, offset: int) -> int | None:
-        return None if self._pmem is None else 0  # as on a DAX device (_persist_streamed): a fence
 
     def _persist_streamed(self, offset: int, length: int) -> None:
         if self._pmem is None:
@@ -262,23 +262,14 @@ class PowerLossCXLDevice(_EmulatedDevice):
         self._account(rows.size * stride)
         return self._file.copy_rows(offset, stride, rows)
 
-    def streamed_target(self, offset: int) -> int | None:
+    def native_persistence(self) -> native.NativePersistence | None:
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
-        return self._media.ctypes.data + offset  # the kernel's persist: the same line copy, under persist_lock
-
-    def native_row_flush(self) -> native.RowFlush | None:
-        if self._media is None:
-            raise ValueError(f"{self.path}: device is closed")
-        if native.lib() is None:
-            return None
-        # the kernel copies the lines as copy_rows does, holding persist_lock
-        return native.RowFlush(native.RowFlush.MEDIA, self._media.ctypes.data - self.address, self.address,
-                               self.address + self.size)
-
-    @property
-    def persist_lock(self):
-        return self.media_lock
+        # native code copies whole lines to the media as copy_rows does, holding the media lock
+        return native.NativePersistence(native.NativePersistence.MEDIA,
+                                        media_offset=self._media.ctypes.data - self.address,
+                                        map_start=self.address, map_end=self.address + self.size,
+                                        lock=self.media_lock)
 
     # persist = write-back + fence, and copy_persist = store into the private view + persist, are the
     # base class's: the media gets the bytes by the same line copy as any persisted store.

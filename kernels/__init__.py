@@ -3,9 +3,12 @@
     ops.py         what the rest of cxltrain calls: gather rows, the fused sparse update,
                    undo capture; the C kernels when built (knob native_kernels), else torch
     rows.py        the torch kernels: the reference the C kernels are tested against, and the fallback
-    native.py      the C extension (`_rows`, built from rows.c by setup.py) and the row-set flushes
+    native.py      the C extension (`_rows`, built by setup.py), NativePersistence and the row-set flushes
                    the devices use (flush_rows, copy_lines)
-    rows.c         the C kernels: one call per table per batch, GIL released, rows bounds-checked
+    rows.c         the C row kernels: one call per table per batch, GIL released, rows bounds-checked
+    persist.c      generic persistence primitives (copy, write back, fence) over a NativePersistence
+    undo.c         the fused capture's undo-record writer (layout and driver: cxltrain/checkpoint/fused.py)
+    crc32.c        zlib's CRC-32, folded with carry-less multiply
 
 CuPy GPU kernels belong here too.
 """

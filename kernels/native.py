@@ -20,12 +20,14 @@ number of runs of adjacent rows it wrote back (what a device counts as flushes):
         offset `offset`, copy the whole 64-byte lines it touches from the view mapping to the media
         mapping (both `map_size` bytes, page aligned), clamped to the mapping's end.
 
-A device whose flush is one of those can also hand it to the fused update (ops.sparse_update), which
-then writes each chunk's rows back itself (RowFlush, Device.native_row_flush).
+A device whose stores native code can make durable by itself says how in one value,
+NativePersistence (Device.native_persistence), which the kernels read by field name (kernels/persist.h
+pm_domain_from): the fused update's undo records and row write-back, a dense snapshot's payload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import zlib
@@ -36,19 +38,28 @@ from ..knobs import KNOBS
 
 
 @dataclasses.dataclass(frozen=True)
-class RowFlush:
-    """How a native kernel writes rows of a table's device back (U2's flush, no drain), as the
-    device's flush_rows would. Kind LINES calls the C flush at `address` on each run of rows
-    (libpmem's pmem_flush; 0: the CPU's CLWB or CLFLUSHOPT, as flush_rows takes it, though no
-    device hands that over today). Kind MEDIA (the power-loss emulator) copies each run's whole
-    lines `address` bytes further on (its media mapping less its view [map_start, map_end), inside
-    which the kernel checks the table lies); the kernel then holds the emulator's media lock."""
+class NativePersistence:
+    """How a device's stores become durable when native code makes them so (kernels/persist.h, the
+    generic primitives, read these fields by name):
 
-    LINES, MEDIA, PLANTED_SKIP = 1, 2, 3  # kernels/rows.c enum row_flush_kind (the last: a planted bug's)
+        kind LINES  write back: the C flush at `flush` on each range (libpmem's pmem_flush,
+                    void(const void *, size_t); 0: the CPU's CLWB or CLFLUSHOPT); streamed
+                    (non-temporal) stores: a fence is all that is left
+        kind MEDIA  the power-loss emulator: write back copies a range's whole lines from the view
+                    [map_start, map_end) to the media mapping `media_offset` bytes further on;
+                    streamed stores are fenced, then copied the same way
+        kind NONE   nothing to write back (the stores need none); a fence orders them
+
+    lock: held while native code persists on this device (the emulator's media lock)."""
+
+    LINES, MEDIA, NONE = 1, 2, 3  # kernels/persist.h enum pm_kind
     kind: int
-    address: int
+    flush: int = 0
+    media_offset: int = 0
     map_start: int = 0
     map_end: int = 0
+    lock: contextlib.AbstractContextManager = dataclasses.field(default_factory=contextlib.nullcontext,
+                                                                 compare=False, repr=False)
 
 
 def _load():

@@ -366,7 +366,7 @@ def test_capture_once_per_window_records_fewer_rows(shm_dir):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused capture (kernels/rows.c undo_chunk): each table's record of a batch written chunk by
+# The fused capture (kernels/undo.c): each table's record of a batch written chunk by
 # chunk of its unique rows inside the update, each chunk's record durable before its rows are
 # stored. 16-row chunks make this config's ~100-row tables several chunks each, so the kills land
 # with earlier chunks recorded and updated, the chunk of the middle recorded row half-done, and the

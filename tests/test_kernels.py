@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from cxltrain import knobs
 from cxltrain.checkpoint.layout import split_payload
+from cxltrain.checkpoint import fused
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.devices.registry import map_device
 from cxltrain.kernels import native, ops
@@ -472,14 +473,14 @@ def test_stream_pieces_stores_the_pieces_back_to_back_and_sums_them(lengths, sta
     sources = np.array(lib.addresses(*pieces), dtype=np.int64)
     sizes = np.array([len(p) for p in pieces], dtype=np.int64)
     if to_media:
-        write_back = native.RowFlush(native.RowFlush.MEDIA, media.ctypes.data - view.ctypes.data, view.ctypes.data,
-                                     view.ctypes.data + view.size)
+        write_back = native.NativePersistence(native.NativePersistence.MEDIA, media_offset=media.ctypes.data - view.ctypes.data,
+                                              map_start=view.ctypes.data, map_end=view.ctypes.data + view.size)
     else:
-        write_back = native.RowFlush(native.RowFlush.LINES, load_libpmem().flush_address if load_libpmem() else 0)
-        if not write_back.address and native.cpu_flush() == "none":
+        write_back = native.NativePersistence(native.NativePersistence.LINES,
+                                              load_libpmem().flush_address if load_libpmem() else 0)
+        if not write_back.flush and native.cpu_flush() == "none":
             pytest.skip("no flush: neither libpmem nor CLWB/CLFLUSHOPT")
-    fields = (write_back.kind, write_back.address, write_back.map_start, write_back.map_end)
-    crc = lib.stream_pieces(view.ctypes.data + start, len(expected), *fields, sources.ctypes.data,
+    crc = lib.stream_pieces(view.ctypes.data + start, len(expected), write_back, sources.ctypes.data,
                             sizes.ctypes.data, len(pieces), seed)
     assert crc == zlib.crc32(expected, seed)
     assert view[start : start + len(expected)].tobytes() == expected
@@ -488,7 +489,7 @@ def test_stream_pieces_stores_the_pieces_back_to_back_and_sums_them(lengths, sta
         assert media[start : start + len(expected)].tobytes() == expected
     if expected:  # never past the room it is given
         with pytest.raises(ValueError, match="longer than the room"):
-            lib.stream_pieces(view.ctypes.data, len(expected) - 1, *fields, sources.ctypes.data, sizes.ctypes.data,
+            lib.stream_pieces(view.ctypes.data, len(expected) - 1, write_back, sources.ctypes.data, sizes.ctypes.data,
                               len(pieces), seed)
 
 
@@ -544,7 +545,7 @@ def test_fused_undo_layout_is_the_numpy_rule(unique, chunk_rows, keep, seed, one
     rows = np.sort(rng.choice(10_000, unique, replace=False)).astype(np.int64)
     recorded = rows[rng.random(unique) < keep].copy()  # capture once per window: a subset
     header, row_payload, align = 64, 264, 64
-    rec_first, sizes, total = ops.undo_chunk_counts(rows, recorded, chunk_rows, header, row_payload, align)
+    rec_first, sizes, total = fused.undo_chunk_counts(rows, recorded, chunk_rows, header, row_payload, align)
     chunks = -(-unique // chunk_rows)
     assert np.array_equal(rec_first, np.append(np.searchsorted(recorded, rows[::chunk_rows]), recorded.size))
     counts = np.diff(rec_first)
@@ -554,7 +555,7 @@ def test_fused_undo_layout_is_the_numpy_rule(unique, chunk_rows, keep, seed, one
 
     template = bytes(rng.integers(0, 256, 64, dtype=np.uint8))
     offsets = None if one_run else np.sort(rng.choice(1 << 20, sizes.size, replace=False)).astype(np.int64)
-    rec_offset, headers = ops.undo_chunk_headers(template, 77, rec_first, sizes, offsets, 4096, row_payload)
+    rec_offset, headers = fused.undo_chunk_headers(template, 77, rec_first, sizes, offsets, 4096, row_payload)
     expected_offsets = 4096 + np.cumsum(sizes) - sizes if one_run else offsets
     assert np.array_equal(rec_offset[has], expected_offsets) and (rec_offset[~has] == -1).all()
     expected = np.tile(np.frombuffer(template, dtype=np.uint8), (chunks, 1))

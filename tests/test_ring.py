@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import cxltrain
-from cxltrain.checkpoint import layout, ring
+from cxltrain.checkpoint import layout, ordering, ring
 from cxltrain.errors import CheckpointError
 from cxltrain.pool.format import RegionKind
 from cxltrain.pool.handle import Pool, RegionSpec
@@ -125,7 +125,7 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused capture (kernels/rows.c undo_chunk): the records written inside the update.
+# The fused capture (kernels/undo.c): the records written inside the update.
 # ---------------------------------------------------------------------------------------------
 def _fused_ring(path, power_loss: int, seed: int):
     """A 256 KiB ring's pool (on the power-loss model or not) for fused updates, and a batch for
@@ -204,7 +204,7 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("flush", ["device", "caller", "planted-skip"])
 def test_fused_update_writes_its_rows_back_chunk_by_chunk(shm_dir, power_loss, flush):
-    """With the device's row flush (Device.native_row_flush) the kernel writes each chunk's updated
+    """With the device's row flush (Device.native_persistence) the kernel writes each chunk's updated
     rows back itself, weights and state: on the power-loss model the media then holds every updated
     row, and the runs it wrote are counted chunk by chunk. Left to the caller, or with the planted
     bug's skip (which counts the runs all the same), the media still holds the rows from before."""
@@ -217,13 +217,13 @@ def test_fused_update_writes_its_rows_back_chunk_by_chunk(shm_dir, power_loss, f
     rows, order = ops.unique_rows_and_order(indices, ROWS)
     undo, records = writer.plan_chunks(0, wr, sr, rows, rows, 16)
     undo.lookup_order = order
-    device_flush = pool.device.native_row_flush()
+    device_flush = pool.device.native_persistence()
     if device_flush is None:  # only the emulated device without libpmem has none
         pool.close()
         pytest.skip("this device writes rows back without libpmem: no native row flush to hand over")
-    assert device_flush.kind == (native.RowFlush.MEDIA if power_loss else native.RowFlush.LINES)
+    assert device_flush.kind == (native.NativePersistence.MEDIA if power_loss else native.NativePersistence.LINES)
     undo.row_flush = {"device": device_flush, "caller": None,
-                      "planted-skip": native.RowFlush(native.RowFlush.PLANTED_SKIP, 0)}[flush]
+                      "planted-skip": ordering.KernelSkipsRowFlush().kernel_row_flush(device_flush)}[flush]
     view = pool.device.array
     media = pool.device._file.media if power_loss else None
     spans = [(region.offset, region.end) for region in (wr, sr)]
@@ -253,7 +253,7 @@ def test_a_row_write_back_outside_its_mapping_is_refused_before_any_store(shm_di
     weights, state = table.storage()
     rows, order = ops.unique_rows_and_order(indices, ROWS)
     undo, records = writer.plan_chunks(0, pool.region("t.weight"), pool.region("t.optim"), rows, rows, 16)
-    flush = pool.device.native_row_flush()
+    flush = pool.device.native_persistence()
     undo.row_flush = (dataclasses.replace(flush, map_end=weights.data_ptr() + 64) if outside == "ends-past-the-mapping"
                       else dataclasses.replace(flush, map_start=weights.data_ptr() + 64))
     before_w, before_s = weights.clone(), state.clone()
@@ -267,7 +267,7 @@ def test_a_row_write_back_outside_its_mapping_is_refused_before_any_store(shm_di
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("window", [False, True], ids=["all-rows", "first-touches"])
 def test_the_kernel_writes_each_chunk_back_right_after_updating_it(shm_dir, rule, window):
-    """With a recording flush handed over (RowFlush.LINES, a ctypes callback), the kernel writes back
+    """With a recording flush handed over (NativePersistence.LINES, a ctypes callback), the kernel writes back
     exactly the updated rows, weights and (Adagrad) state, run by run within each 16-row chunk,
     chunks without a record included; and when it writes a chunk back, that chunk's rows hold their
     new values and the next chunk's still their old ones: each chunk goes back right after its own
@@ -290,7 +290,7 @@ def test_the_kernel_writes_each_chunk_back_right_after_updating_it(shm_dir, rule
     seen = []
     flush = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t)(
         lambda address, length: seen.append((address, length, weights.clone())))
-    undo.row_flush = native.RowFlush(native.RowFlush.LINES, ctypes.cast(flush, ctypes.c_void_p).value)
+    undo.row_flush = native.NativePersistence(native.NativePersistence.LINES, ctypes.cast(flush, ctypes.c_void_p).value)
     ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo)
     writer.land(records)
     assert torch.equal(weights, expected_w) and (state is None or torch.equal(state, expected_s))

@@ -63,9 +63,9 @@ another Ordering, never a flag tested here). Each protocol rule is enforced at o
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
 tables.py (before_update before the in-place update), U1e, U1f and U1g in cache.py (the hot-row
 cache: records before admission fills the slots, before the hits' update, and before re-placement's
-write-back and refill), U1h in kernels/ops.py (the fused capture: each chunk's record durable
-before its rows are stored), U2a in Checkpointer._hand_over_commit, U2b
-in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
+write-back and refill), U1h in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused
+capture: each chunk's record durable, payload first, before its rows are stored), U2a in
+Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
 (distributed runs) in ordering.Ordering.keep_from, U4 in Checkpointer._capture.
 """
 
@@ -81,7 +81,7 @@ from ..kernels import ops as row_ops
 from ..knobs import KNOBS
 from ..modes import MODES, RELAXED, STRICT
 from ..pool.handle import Pool
-from . import codec, dense, ordering
+from . import codec, dense, fused, ordering
 from .commit import CommitPipeline, DirtyRows
 from .guard import BatchGuard
 from .ring import RingFull, UndoRing
@@ -139,14 +139,16 @@ class Checkpointer(BatchGuard):
         # the dense state keeps its shape from batch to batch: its manifest is reused (measured on
         # the default model: laying it out costs ~0.4 ms a batch, reusing it ~0.13 ms)
         self._layouts = codec.LayoutCache(counters=("batch",))
-        # Capture inside the update (kernels/rows.c undo_chunk), chunk by chunk of a table's
+        # Capture inside the update (kernels/undo.c, fused.py), chunk by chunk of a table's
         # unique rows, where the kernels and the device can persist the records without Python and
         # the capture runs on this thread; else the whole record first, then the update.
         self.fused = (bool(KNOBS.fused_capture) and not self.background_capture and row_ops.fused_available()
                       and self._ordering.fused_capture and self.ring.streams())
+        if self.fused:
+            fused.writer()  # refuses a native undo writer built for another record layout
         self._chunk_rows = KNOBS.undo_chunk_rows
         # table -> (its layout, records, recorded rows, their ring bytes): laid out, not landed yet
-        self._fused_records: dict[str, tuple[row_ops.UndoChunks, list, torch.Tensor, int]] = {}
+        self._fused_records: dict[str, tuple[fused.FusedUndo, list, torch.Tensor, int]] = {}
 
     @property
     def durable(self) -> int:
@@ -338,7 +340,7 @@ class Checkpointer(BatchGuard):
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
         undo, records = self._with_room(batch, lambda: self.ring.plan_chunks(
-            batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_order))
+            batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_steps))
         undo.lookup_order = lookup_order
         undo.row_flush = self._kernel_row_flush(table)
         self._fused_records[table.name] = (undo, records, torch.from_numpy(recorded), sum(r.size for r in records))
@@ -347,7 +349,7 @@ class Checkpointer(BatchGuard):
 
     def _kernel_row_flush(self, table: LoggedTable):
         """How the fused update of `table` writes its updated rows back itself, chunk by chunk while
-        they are still in this core's cache (kernels/native.RowFlush), or None: after_update flushes
+        they are still in this core's cache (the device's kernels/native.NativePersistence), or None: after_update flushes
         them. Only where the rows are flushed at update and sit on the device the records go through
         (the kernel holds that device's persist lock, nobody else's)."""
         if not self.flush_at_update:
@@ -355,7 +357,7 @@ class Checkpointer(BatchGuard):
         device = self._commits.row_device(table)
         if device is not self.ring.record_device:
             return None
-        return self._ordering.kernel_row_flush(device.native_row_flush())
+        return self._ordering.kernel_row_flush(device.native_persistence())
 
     def _with_room(self, batch: int, write):
         """write() (a ring append or layout); when the ring is full, once more after the commit in

@@ -103,7 +103,7 @@ class CommitPipeline:
 
     def rows_flushed(self, table: LoggedTable, count: int, runs: int) -> None:
         """Count `count` rows of a table (`runs` runs of adjacent ones) that the fused update wrote
-        back itself (its device's native_row_flush), weights and optimizer state, as flush_rows would."""
+        back itself (its device's native_persistence), weights and optimizer state, as flush_rows would."""
         regions = self._row_regions(table)
         for device, region in regions:
             device.rows_flushed(region.offset, region.row_stride, count, runs)

@@ -121,20 +121,20 @@ def write_payload(pool: Pool, slot: int, batch: int, encoded: codec.Layout) -> t
     return encoded.nbytes, _copy_payload(device, start, crc, encoded)
 
 
-def streamed_write_back(device, start: int) -> native.RowFlush | None:
-    """How a native kernel writes back what it stores at `start` on `device` (Device.native_row_flush),
-    where the device also lets it persist by itself (Device.streamed_target) and the build streams:
-    write_payload then copies in one native pass. None: piece by piece through the device."""
+def streamed_write_back(device, start: int) -> native.NativePersistence | None:
+    """How a native kernel makes what it stores at `start` on `device` durable by itself
+    (Device.native_persistence), where the build streams: write_payload then copies in one native
+    pass. None: piece by piece through the device."""
     lib = native.lib()
-    if lib is None or not lib.STREAMS or device.streamed_target(start) is None:
+    persistence = device.native_persistence()
+    if lib is None or not lib.STREAMS or persistence is None:
         return None
-    write_back = device.native_row_flush()
-    if write_back is None or write_back.kind not in (native.RowFlush.LINES, native.RowFlush.MEDIA):
+    if persistence.kind not in (native.NativePersistence.LINES, native.NativePersistence.MEDIA):
         return None
-    return write_back
+    return persistence
 
 
-def _stream_payload(device, start: int, end: int, write_back: native.RowFlush, seed: int,
+def _stream_payload(device, start: int, end: int, write_back: native.NativePersistence, seed: int,
                     encoded: codec.Layout) -> int:
     """write_payload's copy in one native pass (kernels/rows.c stream_pieces, never past `end`): long
     pieces streamed around the caches, the rest stored and written back as `write_back` says, then
@@ -145,11 +145,10 @@ def _stream_payload(device, start: int, end: int, write_back: native.RowFlush, s
     sources = np.array(lib.addresses(*pieces), dtype=np.int64)
     lengths = np.array([len(raw) for raw in pieces], dtype=np.int64)
     device.streamed_persisted(start, encoded.nbytes, 1)  # checked and counted (the crash tests' flush point)
-    with device.persist_lock:
+    with write_back.lock:
         # the payload is durable (its fence, or its lines in the media) when this returns: what
         # seal_snapshot's ordering, payload before header, rests on
-        return lib.stream_pieces(native.address(device.array) + start, end - start, write_back.kind,
-                                 write_back.address, write_back.map_start, write_back.map_end,
+        return lib.stream_pieces(native.address(device.array) + start, end - start, write_back,
                                  *lib.addresses(sources, lengths), len(pieces), seed)
 
 

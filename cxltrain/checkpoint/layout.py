@@ -17,7 +17,7 @@ generation, so a stale record left over in a reused place never carries the expe
 record that does not fit before the end of the ring goes to offset 0; the scan follows it there.
 
 A table's record of one batch may come as several records (chunks), each an ordinary record of a
-part of the batch's rows: the fused capture (kernels/rows.c undo_chunk) writes one per chunk of
+part of the batch's rows: the fused capture (kernels/undo.c, checkpoint/fused.py) writes one per chunk of
 the batch's unique rows, each durable before the rows in it are updated, so a crash mid-batch leaves
 the valid records of the chunks it updated, followed by an invalid one (or none) that ends the
 scan: by U1 per chunk, no row of that chunk or any later one was stored. Nothing on the media tells
@@ -76,7 +76,7 @@ UNDO_HEADER = struct.Struct(
     "I"    # header checksum
 )
 assert UNDO_HEADER.size == 64
-# where the native fused capture (kernels/rows.c) fills in the two checksums of a header template
+# where the native undo writer (kernels/undo.c) fills in the two checksums of a header template
 # (and sets seq, count and payload bytes of each record's copy of one template)
 UNDO_SEQ_AT, UNDO_COUNT_AT, UNDO_PAYLOAD_CRC_AT, UNDO_PAYLOAD_BYTES_AT, UNDO_HEADER_CRC_AT = 16, 32, 44, 48, 60
 assert [struct.calcsize(f) for f in ("<IIQ", "<IIQQq", "<IIQQqIII", "<IIQQqIIII")] == \
@@ -170,6 +170,16 @@ def tail_mark_template(generation: int) -> bytes:
 
 TAIL_SEQ_END_AT = 16
 assert struct.calcsize("<IIQ") == TAIL_SEQ_END_AT
+
+
+def native_undo_layout() -> dict[str, int]:
+    """What the native undo writer (kernels/undo.c) must have compiled in, from the definitions
+    above; checkpoint/fused.py compares it with the build's UNDO_LAYOUT before the first use."""
+    return {"UNDO_HEADER_BYTES": UNDO_HEADER.size, "UNDO_SEQ_AT": UNDO_SEQ_AT, "UNDO_COUNT_AT": UNDO_COUNT_AT,
+            "UNDO_PAYLOAD_CRC_AT": UNDO_PAYLOAD_CRC_AT, "UNDO_PAYLOAD_BYTES_AT": UNDO_PAYLOAD_BYTES_AT,
+            "UNDO_HEADER_CRC_AT": UNDO_HEADER_CRC_AT, "TAIL_MARK_BYTES": TAIL_MARK.size,
+            "TAIL_SEQ_END_AT": TAIL_SEQ_END_AT, "TAIL_CRC_AT": TAIL_MARK.size - 4, "TAIL_COPIES": TAIL_COPIES,
+            "ROW_ID_BYTES": np.dtype(np.int64).itemsize}
 
 
 def unpack_tail_mark(raw: bytes, uuid: bytes, copy: int) -> tuple[int, int] | None:

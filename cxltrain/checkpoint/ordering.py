@@ -11,19 +11,25 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     SkipCapacitySync     U2  (pool sets) the root names cold rows whose pages were never synced
     HeaderBeforePayload  U1  (fused capture) a chunk's header is durable before its payload is stored
     UpdateBeforeHeader   U1  (fused capture) a chunk's rows are updated before its header is written
+    KernelSkipsRowFlush  U2  (fused capture) the kernel's row write-back writes nothing
+
+The fused capture's orders are step lists (fused.py), not flags: a planted one is another list.
 
 Several planted at once combine (one class deriving from each).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Iterable, Iterator, Protocol
 
 import numpy as np
 import torch
 
 from ..faults import Planted, PlantedDist
-from ..kernels.native import RowFlush
+from ..kernels.native import NativePersistence
+from .fused import (HEADER_STOP, PAYLOAD_STOP, PERSIST_HEADER, PERSIST_PAYLOAD, PERSIST_TAIL, STORE_HEADER,
+                    STORE_TAIL, UPDATE)
 from .seam import LoggedTable
 from .window import WindowCaptures
 
@@ -46,16 +52,18 @@ class Ordering:
     # Rows may be flushed right after their update, on the training thread (their drain before the
     # commit is handed over keeps U2); a strategy that needs the commit to flush them says False.
     flush_at_update = True
-    # The fused capture (kernels/rows.c undo_chunk) may write the undo records inside the update,
-    # in this order (the kernel's ORDER_*: 0 = payload, header and tail mark, then the rows).
+    # The fused capture (fused.py, kernels/undo.c) may write the undo records inside the update,
+    # chunk by chunk, in the order of this step list (the crash tests' stops included).
     fused_capture = True
-    fused_order = 0
+    # ORDERING U1i: a chunk's payload durable before its header, the header before the tail mark
+    # that covers it, all three before the chunk's rows are updated (the kernel runs this list).
+    fused_steps = (PERSIST_PAYLOAD, PAYLOAD_STOP, PERSIST_HEADER, PERSIST_TAIL, HEADER_STOP, UPDATE)
 
     # Stores outside a table's update (the hot-row cache's admission and re-placement) are
     # undo-logged first (U1).
     logs_cache_writes = True
 
-    def kernel_row_flush(self, flush: RowFlush | None) -> RowFlush | None:
+    def kernel_row_flush(self, flush: NativePersistence | None) -> NativePersistence | None:
         """How the fused update writes its updated rows back inside the kernel (U2's flush,
         checkpointer._kernel_row_flush): `flush`, the device's own way, or None."""
         return flush
@@ -159,7 +167,7 @@ class HeaderBeforePayload(Ordering):
     """Planted U1 bug in the fused capture: each chunk's header (and the tail mark covering it) is
     made durable before the chunk's payload is even stored."""
 
-    fused_order = 1
+    fused_steps = (PERSIST_HEADER, PERSIST_TAIL, PAYLOAD_STOP, PERSIST_PAYLOAD, HEADER_STOP, UPDATE)
 
 
 class UpdateBeforeHeader(Ordering):
@@ -168,15 +176,15 @@ class UpdateBeforeHeader(Ordering):
     then only stored, never persisted (a SIGKILL before they are stored, or a power loss after the
     rows' flush, finds updated rows and no valid record)."""
 
-    fused_order = 2
+    fused_steps = (PERSIST_PAYLOAD, PAYLOAD_STOP, UPDATE, HEADER_STOP, STORE_HEADER, STORE_TAIL)
 
 
 class KernelSkipsRowFlush(Ordering):
     """Planted U2 bug in the fused update: the kernel counts its rows' flush and never does it, so
     the root names rows that are still only in the caches (visible under power loss only)."""
 
-    def kernel_row_flush(self, flush: RowFlush | None) -> RowFlush | None:
-        return None if flush is None else RowFlush(RowFlush.PLANTED_SKIP, 0)
+    def kernel_row_flush(self, flush: NativePersistence | None) -> NativePersistence | None:
+        return None if flush is None else dataclasses.replace(flush, kind=NativePersistence.NONE)
 
 
 class ReclaimAboveAgreed(Ordering):
@@ -226,6 +234,9 @@ class _UnpersistedDevice:
 
     def persist_streamed(self, offset: int, length: int) -> None:
         pass
+
+    def native_persistence(self) -> None:
+        return None  # native code would persist around this view
 
     def copy_persist(self, offset: int, data: bytes) -> None:
         self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)

@@ -23,7 +23,7 @@ from . import layout
 if TYPE_CHECKING:  # the writer's tensors; the reading side (scan, restore) is recovery's, which needs no torch
     import torch
 
-    from ..kernels.ops import UndoChunks
+    from .fused import FusedUndo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,24 +141,26 @@ class UndoRing:
     def streams(self) -> bool:
         """Whether a native kernel can make records durable itself on this ring's device (plan_chunks);
         a planted bug's view of the device says no (its persists are what it changes)."""
-        target = getattr(self._record_device, "streamed_target", None)
-        return target is not None and target(self.region.offset) is not None
+        return self._record_device.native_persistence() is not None
 
     def plan_chunks(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
-                    recorded: np.ndarray, chunk_rows: int, order: int = 0) -> tuple[UndoChunks, list[LiveRecord]]:
-        """Lay out the records a fused update writes for `batch` and one table (kernels/ops.UndoChunks):
+                    recorded: np.ndarray, chunk_rows: int,
+                    steps: tuple[str, ...] | None = None) -> tuple[FusedUndo, list[LiveRecord]]:
+        """Lay out the records a fused update writes for `batch` and one table (fused.FusedUndo), in
+        the order `steps` says (an Ordering's fused_steps; None: production's):
         rows [U] int64, the update's unique rows, taken in chunks of `chunk_rows`; recorded [V], the
         sorted subset that needs a record (capture once per window); one record per chunk that has a
         recorded row, placed one after the other as append would place them. Writes nothing and
         changes no bookkeeping: land() does, once the kernel has written them. Raises RingFull when
         they do not all fit. Only where streams() holds."""
-        from ..kernels import ops as row_ops  # torch: the writer only
+        from . import fused, ordering  # torch: the writer only
 
+        steps = ordering.Ordering.fused_steps if steps is None else steps
         row_bytes = weights_region.row_stride
         state_bytes = state_region.row_stride if state_region is not None else 0
         row_payload = layout.payload_bytes(1, row_bytes, state_bytes)
         # rec_first [C + 1]: each chunk's recorded rows; sizes [K]: a record per chunk with any
-        rec_first, sizes, total = row_ops.undo_chunk_counts(rows, recorded, chunk_rows, layout.UNDO_HEADER.size,
+        rec_first, sizes, total = fused.undo_chunk_counts(rows, recorded, chunk_rows, layout.UNDO_HEADER.size,
                                                             row_payload, layout.RECORD_ALIGN)
         with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
             head, live_bytes, seq, live = self.head, self.live_bytes, self.next_seq, len(self._live)
@@ -171,16 +173,16 @@ class UndoRing:
         # every header from one template: seq (in placement order), count and payload bytes differ per record
         template = layout.UndoHeader(weights_region.index, self.generation, 0, batch, 0, row_bytes, state_bytes, 0,
                                      None if state_region is None else state_region.index).template()
-        rec_offset, headers = row_ops.undo_chunk_headers(template, seq, rec_first, sizes, offsets,
+        rec_offset, headers = fused.undo_chunk_headers(template, seq, rec_first, sizes, offsets,
                                                          placed[0].offset if placed else 0, row_payload)
-        undo = row_ops.UndoChunks(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
-                                  rec_first=rec_first, headers=headers, order=order, **self._streaming())
+        undo = fused.FusedUndo(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
+                               rec_first=rec_first, headers=headers, steps=steps, **self._streaming())
         # a chunk's record: payload, header, two tail mark copies
         self._record_device.streamed_persisted(self.region.offset, total, 4 * sizes.size)
         return undo, placed
 
     def _streaming(self) -> dict:
-        """What every UndoChunks of this ring shares (the ring's addresses, the generation's seeds
+        """What every FusedUndo of this ring shares (the ring's addresses, the generation's seeds
         and tail mark templates, which the kernel only reads), worked out once per mapping."""
         device = self._record_device
         ring = native.address(device.array) + self.region.offset  # raises once the device is closed
@@ -189,8 +191,7 @@ class UndoRing:
             tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,
                                   dtype=np.uint8).reshape(layout.TAIL_COPIES, -1).copy()
             self._streaming_fields = dict(
-                ring=ring, media=device.streamed_target(self.region.offset),
-                lock=device.persist_lock, payload_seed=layout.payload_checksum_base(uuid, self.generation),
+                ring=ring, persistence=device.native_persistence(), payload_seed=layout.payload_checksum_base(uuid, self.generation),
                 header_seed=layout.header_checksum_seed(uuid, self.generation), tails=tails,
                 tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)],
                                     dtype=np.uint32),

@@ -1,6 +1,6 @@
 """The device interface: a mapped byte range whose stores can be made durable.
 
-Three calls, three meanings — the same three PMDK's libpmem offers:
+At its core, three calls, three meanings — the same three PMDK's libpmem offers:
 
   flush(offset, length)  start writing the range back towards the persistence domain; no ordering.
   drain()                wait until every flush issued so far has completed.
@@ -17,8 +17,18 @@ What each really does depends on the backend, chosen once when the pool is opene
                  real instructions, at their real cost);                    file, which survives
                  nothing otherwise                                          the process (SIGKILL)
 
-`copy_persist` writes bytes and makes them durable in one call (non-temporal stores plus one fence
-on DAX), the cheapest way to append a log record.
+Around them, the cheaper forms of the same work, each checked and counted like the three:
+
+  copy_persist(offset, data)       store and persist in one call (non-temporal stores + one fence on DAX)
+  persist_streamed(offset, length) persist a range written with non-temporal stores (a fence on DAX)
+  flush_rows(offset, stride, rows) flush each run of adjacent rows of a table, in one native call where it can
+
+and, for native code that persists by itself (the fused update's undo records and row write-back,
+a dense snapshot's payload):
+
+  native_persistence()             how: one NativePersistence value (kernels/native.py), or None
+  streamed_persisted(...)          count what such code persists, before it runs
+  rows_flushed(...)                count the rows such code wrote back
 
 Every device counts what it is asked to make durable (`Device.counters`: flushes, drains, bytes),
 in the base class's public calls, so the cost model reads real counts instead of guessing them.
@@ -31,7 +41,6 @@ outlives its pool can never point at unmapped memory.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import os
 
@@ -68,10 +77,11 @@ class DeviceCounters:
 class Device(abc.ABC):
     """A pool's backing store, mapped whole.
 
-    The public calls (flush, drain, persist, flush_rows, copy_persist, persist_streamed) check the
-    range and count the request in `counters`, here and only here; backends implement the hooks
-    they call (_write_back and _fence, and where they have something cheaper, _persist_range,
-    _store_persist, _persist_streamed, _write_back_rows or _native_row_flush).
+    The public calls (flush, drain, persist, flush_rows, copy_persist, persist_streamed,
+    streamed_persisted, rows_flushed) check the range and count the request in `counters`, here
+    and only here; backends implement the hooks they call (_write_back and _fence, and where they
+    have something cheaper, _persist_range, _store_persist, _persist_streamed or _write_back_rows)
+    and say how native code persists on them (native_persistence).
 
     Attributes:
         kind: backend name ("pmem", "msync", "emulated-cxl").
@@ -162,42 +172,30 @@ class Device(abc.ABC):
         for start, count in zip(starts.tolist(), counts.tolist()):
             self.flush(offset + start * stride, count * stride)  # counted there
 
-    def native_row_flush(self) -> native.RowFlush | None:
-        """How a native kernel that stores into this device's rows can write them back itself, as
-        flush_rows would (no drain), or None where it cannot (the caller then calls flush_rows).
-        Count what it wrote back with rows_flushed. Changes nothing."""
-        flush_address = self._native_row_flush()
-        if flush_address is None or native.lib() is None:
-            return None
-        return native.RowFlush(native.RowFlush.LINES, flush_address)
+    def native_persistence(self) -> native.NativePersistence | None:
+        """How native code that stores into this mapping makes its stores durable by itself, as this
+        device's flush and persist_streamed would (kernels/native.NativePersistence), or None where a
+        persist must go through this object. Count what it does with streamed_persisted and
+        rows_flushed. Changes nothing."""
+        return None
 
     def rows_flushed(self, offset: int, stride: int, count: int, runs: int) -> None:
         """Count `count` rows of the table at `offset` (`stride`-byte rows), `runs` runs of adjacent
-        ones, that a native kernel wrote back itself (native_row_flush), as flush_rows counts its
+        ones, that a native kernel wrote back itself (native_persistence), as flush_rows counts its
         own (the fused kernel's runs end at its chunks' ends, so it may count a few more)."""
         self._check_range(offset, 0)
         counters = self.counters
         counters.flushes += runs
         counters.persisted_bytes += count * stride
 
-    def streamed_target(self, offset: int) -> int | None:
-        """For a native kernel that makes its own non-temporal stores durable (kernels/rows.c
-        undo_chunk): 0 where a fence after them is the persist (as in persist_streamed), the
-        address of the media's copy of `offset` on the power-loss emulator (the kernel copies each
-        range it persists there, holding `persist_lock`), or None where a persist must go through
-        this object (the caller then persists through it). Changes nothing."""
-        return None
-
     def streamed_persisted(self, offset: int, length: int, fences: int) -> None:
-        """What such a kernel persists in [offset, offset+length), with `fences` fences: checked and
+        """What a native kernel persists by itself (native_persistence) in [offset, offset+length),
+        with `fences` fences: checked and
         counted here as that many persist_streamed calls (call it before the kernel runs)."""
         self._check_range(offset, length)
         counters = self.counters
         counters.drains += fences
         counters.persisted_bytes += length
-
-    # held while a native kernel persists by itself (streamed_target): the emulator's media lock
-    persist_lock: contextlib.AbstractContextManager = contextlib.nullcontext()
 
     def copy_persist(self, offset: int, data: np.ndarray | bytes) -> None:
         """Store `data` at `offset` and make it durable."""
@@ -232,21 +230,17 @@ class Device(abc.ABC):
         self.array[offset : offset + src.size] = src
         self._persist_range(offset, src.size)
 
-    def _native_row_flush(self) -> int | None:
-        """The C address of this device's cache-line flush (pmem_flush's signature), for the native
-        kernel to call once per run of rows; None where a flush is not such a call."""
-        return None
-
     def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
         """flush_rows()'s work in one native call: returns the number of runs written back, or None
         where the device has no native row-set flush (then flush_rows calls flush() per run). Called
         for every row set, empty ones too."""
-        flush_address = self._native_row_flush()
-        if rows.size == 0 or flush_address is None or native.lib() is None:
-            return None  # a ctypes call per run costs ~0.5 µs: only C makes the row walk cheap
+        persistence = self.native_persistence()
+        if rows.size == 0 or persistence is None or persistence.kind != persistence.LINES or native.lib() is None:
+            return None  # a ctypes call per run is slow: only C makes the row walk cheap
         self._check_range(offset, 0)
         rows = np.require(rows, np.int64, "CA")  # a record's row ids may sit 4 bytes off alignment
-        return native.flush_rows(self.address + offset, stride, (self.size - offset) // stride, rows, flush_address)
+        return native.flush_rows(self.address + offset, stride, (self.size - offset) // stride, rows,
+                                 persistence.flush)
 
     @staticmethod
     def _source_bytes(data: np.ndarray | bytes) -> np.ndarray:

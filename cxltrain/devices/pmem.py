@@ -77,9 +77,9 @@ class PmemDevice(Device):
         # non-temporal stores for large copies, then one fence
         self._pmem.pmem_memcpy_persist(self.address + offset, native.address(src), src.size)
 
-    def streamed_target(self, offset: int) -> int | None:
-        # streamed stores go around the caches: a fence is all that is left (off DAX a persist is an msync)
-        return 0 if self.is_pmem else None
-
-    def _native_row_flush(self) -> int | None:
-        return self._pmem.flush_address if self.is_pmem else None  # off DAX a flush is an msync
+    def native_persistence(self) -> native.NativePersistence | None:
+        # on DAX a flush is a cache-line write-back and streamed stores need only the fence; off DAX
+        # both are an msync, which native code does not issue
+        if not self.is_pmem:
+            return None
+        return native.NativePersistence(native.NativePersistence.LINES, self._pmem.flush_address)
