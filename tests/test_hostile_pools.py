@@ -56,8 +56,8 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 import cxltrain.jobs.train as trainer
+from cxltrain import cli
 from cxltrain.checkpoint import layout, ring
-from cxltrain.cli import main as cli
 from cxltrain.errors import CxlTrainError, NonFiniteError, PoolError
 from cxltrain.faults import CRASH_ENV
 from cxltrain.jobs.config import TrainConfig
