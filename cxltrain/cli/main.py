@@ -156,6 +156,8 @@ def _add_train(sub) -> None:
     _add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--profile", action="store_true", help="after the run, where a batch's time went, per phase, "
+                                                          "from the step split and the checkpoint's counters")
     p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
     from .dist import add_train_options
 
@@ -272,12 +274,15 @@ def train_config(args):
 
 def _run_train(args) -> int:
     if dist_cli.distributed(args):  # several ranks: docs/distributed.md
+        if args.profile:
+            raise ConfigError("--profile profiles one process; leave it out with several ranks")
         with knobs.override(**_emulation_knobs(args)):
             return dist_cli.run_train(args, args.argv)
     from ..checkpoint.stats import summary_line
     from ..devices import resolve_backend
     from ..emulation import default_pool_path
     from ..emulation.cxl import SHM, memory_dir
+    from ..jobs.profile import profile_text
     from ..jobs.train import pool_bytes, train
 
     config = train_config(args)
@@ -337,6 +342,8 @@ def _run_train(args) -> int:
     else:
         print(f"final AUC {quality.eval_auc:.4f} (held-out), {quality.train_auc:.4f} (last batches); "
               f"eval logloss {quality.eval_logloss:.4f}")
+    if args.profile:
+        print(profile_text(result))
     if args.json:
         print(json.dumps(result.to_json()))
     return 0
