@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from cxltrain.bench import methods, plain
-from cxltrain.bench.records import EmbeddingTiming, FloorRow, Floors, OursSteps, PlainSteps, Unmeasured
-from cxltrain.bench.report import format_text, targets
+from cxltrain.bench.records import EmbeddingTiming, OursSteps, PlainSteps, Unmeasured
+from cxltrain.bench.report import targets
 from cxltrain.bench.results import (
     BenchResults,
     EmbeddingRow,
-    FloorSection,
     Machine,
     Recovery,
     RecoverySize,
@@ -68,15 +67,7 @@ def test_quick_bench_end_to_end(shm_dir):
     assert len(paired["block_ratios"]) == paired["blocks"] == 2 and out["targets"][0]["value"] == paired["ratio"]
     assert "ratio_low" not in paired and "interval -;" in result.stdout  # two blocks: too few for an interval
     assert "side by side in one process" in result.stdout
-    [floors] = out["floors"]  # the quick plan's one pooling: every method with its bytes and floor
-    assert floors["pooling"] == 1 and "reason" not in floors and floors["copy_gbps"] > 0 and floors["base_ms"] > 0
-    assert [r["method"] for r in floors["rows"]] == ["strict", "relaxed", "strict-k10"]
-    for r in floors["rows"]:
-        assert r["pooling"] == 1 and r["ms_per_step"] > 0 and r["ratio"] > 0
-        assert r["durable_mb_per_batch"] > r["undo_mb_per_batch"] > 0
-        assert r["floor_ms"] == pytest.approx(r["durable_mb_per_batch"] * 1e6 / (floors["copy_gbps"] * 1e9) * 1000)
-        assert r["floor_ratio"] == pytest.approx(1 + r["floor_ms"] / floors["base_ms"])
-    assert "the floor, side by side" in result.stdout and "strict-k10" in result.stdout
+    assert "floors" not in out  # a lab instrument now: tools/bench_floors.py (tests/test_floors.py)
     assert "machine:" in result.stdout and "targets" in result.stdout
     assert "MISSED" not in result.stdout and "n/a (quick)" in result.stdout  # a tiny model misses nothing
     assert sorted(p.name for p in shm_dir.iterdir()) == (["plot.png"] if _has_matplotlib() else [])
@@ -193,7 +184,7 @@ def test_targets_hold_and_miss():
     strict = StepTiming(mean_ms=5.2, median_ms=None, batches_lost=1, bytes_per_batch=0.0, ratio=1.04)
     results = BenchResults(
         machine=Machine(cpu="cpu", cores=2, memory_gib=8.0, torch="2", threads=2, python="3"), config=TINY,
-        quick=True, scratch_dir="/dev/shm", paired=[], floors=[], bandwidth=Unmeasured("not measured"),
+        quick=True, scratch_dir="/dev/shm", paired=[], bandwidth=Unmeasured("not measured"),
         steps=[StepRow(method="ours-strict", label="ours, strict", pooling=1, baseline="ours-off", timing=strict)],
         recovery=Recovery(nothing_process_seconds=None, nothing_reason=None,
                           sizes=[RecoverySize(rows=1, table_gb=0.5, ours_seconds=0.05),
@@ -206,12 +197,3 @@ def test_targets_hold_and_miss():
                     "recovery of 2.05 GB of tables, s": True,
                     "recovery time, largest / smallest tables": False,     # 0.2 / 0.05 = 4x
                     "embedding sgd pooling 1: ours / nn.EmbeddingBag time": False}
-    floors = [FloorSection(pooling=1, floors=Floors(pooling=1, copy_gbps=10.0, base_ms=5.0, rows=[
-        FloorRow(pooling=1, method="strict", ms_per_step=5.2, ratio=1.04, median_block_ratio=1.03,
-                 durable_mb_per_batch=2.0, undo_mb_per_batch=0.5, floor_ms=0.2, floor_ratio=1.04,
-                 ratio_low=1.01, ratio_high=1.07)])),
-        FloorSection(pooling=20, reason="timed out after 1200 s")]
-    # each pooling's floors next to its ratios, or why there are none
-    text = format_text(dataclasses.replace(results, floors=floors, recovery=Recovery(None, None, [])))
-    assert "  1 strict           5.2  1.040 1.010-1.070  1.030  1.040         2.00      0.50     0.20" in text
-    assert "pooling 20: timed out after 1200 s" in text

@@ -6,9 +6,15 @@ Layer: above the trainer, beside the command line. Modules:
     plain.py      the plain-PyTorch DLRM baseline and its torch.save / DCP checkpoints
     embedding.py  lookup + update throughput: ours, nn.EmbeddingBag + torch optimizers, torchrec/FBGEMM
     bandwidth.py  memory copy bandwidth, the ceiling for row gathers
-    worker.py     one measurement in a fresh process
+    paired.py     runs side by side in one process, in alternating blocks (the strict target's judge)
+    interval.py   the bootstrap interval of a side-by-side ratio
+    worker.py     one measurement in a fresh process; preload.py warms the fork server's imports
     records.py    typed records of what a job measured (and their JSON)
     results.py    the typed results of a whole run, as report.py and plot.py read them
     suite.py      runs every measurement, one after the other
     report.py     the text report and the targets;  plot.py  the plot
+    dist.py       `cxltrain bench --dist`
+
+The lab's instruments (the floors, the tiers side by side) are scripts in tools/ (tools/README.md);
+nothing here imports them.
 """

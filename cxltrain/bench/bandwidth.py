@@ -43,7 +43,7 @@ def _best_gbps(nbytes: int, copy: Callable[[], None], repeats: int) -> float:
 @contextlib.contextmanager
 def _torch_threads(threads: int) -> Iterator[None]:
     """torch's intra-op threads set to `threads` for the block, then back: a measurement made
-    before a training run (bench/floors.py) must not leave that run on another thread count."""
+    before a training run (tools/bench_floors.py) must not leave that run on another thread count."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -114,38 +114,6 @@ class PairedTiming(Record):
 
 
 @dataclasses.dataclass
-class FloorRow(Record):
-    """floors.floor_rows: one method side by side with ours-off, next to its physical floor."""
-
-    pooling: int
-    method: str
-    ms_per_step: float
-    ratio: float               # mean step / the off run's mean step
-    median_block_ratio: float  # median over blocks of (this block / the off run's block of that round)
-    durable_mb_per_batch: float
-    undo_mb_per_batch: float
-    floor_ms: float            # durable bytes per batch at the copy bandwidth
-    floor_ratio: float         # 1 + floor_ms / the off run's ms per step
-    ratio_low: float | None = optional()   # interval.ratio_interval of the blocks: how sure the ratio is
-    ratio_high: float | None = optional()  # (None: too few blocks for one)
-
-
-@dataclasses.dataclass
-class Floors(Record):
-    """floors.measure_floors: one pooling's methods side by side with ours-off in one process, and
-    the copy bandwidth (numpy, one thread) measured in that process."""
-
-    pooling: int
-    copy_gbps: float
-    base_ms: float             # the off run's mean ms per step
-    rows: list[FloorRow]
-
-    @classmethod
-    def from_json(cls, fields: dict) -> Floors:
-        return cls(**{**fields, "rows": [FloorRow.from_json(row) for row in fields["rows"]]})
-
-
-@dataclasses.dataclass
 class EmbeddingTiming(Record):
     """embedding.measure: median ms of one lookup + update over all tables."""
 

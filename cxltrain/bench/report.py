@@ -12,11 +12,6 @@ The results (results.BenchResults; its to_json() is the --json output) hold:
     paired     one row per method run side by side with ours-off in one process (paired.py):
                base_ms, method_ms, ratio, median_block_ratio, block_ratios, ratio_low and ratio_high
                (the ratio's 95% bootstrap interval over the blocks: interval.py); or reason
-    floors     one entry per pooling (floors.py): pooling, copy_gbps (numpy, one thread, in that
-               process), base_ms (ours-off), and rows: per method (strict, relaxed, strict-k10) side by
-               side with ours-off in one process, ms_per_step, ratio, median_block_ratio,
-               durable_mb_per_batch, undo_mb_per_batch, floor_ms (the durable bytes at copy_gbps),
-               floor_ratio (1 + floor_ms / base_ms), ratio_low and ratio_high; or reason
     embedding  one row per (contender, optimizer, pooling): ms, mlookups_per_s (of the median run;
                runs_ms: every run's ms, in order, when there were several); or reason
     bandwidth  numpy_1_thread_gbps, torch_<n>_threads_gbps, gather_gbps; or reason
@@ -29,7 +24,6 @@ import os
 import platform
 
 from ..jobs.config import TrainConfig
-from .floors import format_rows
 from .interval import LEVEL, interval_text
 from .records import Unmeasured
 from .results import BenchResults, Machine, RecoverySize, Target
@@ -133,12 +127,6 @@ def format_text(results: BenchResults) -> str:
                          f"({LEVEL:.0%} interval {interval_text(p.ratio_low, p.ratio_high)}; {p.blocks} blocks of "
                          f"{p.block_steps} steps each; block ratios {min(p.block_ratios):.2f}-"
                          f"{max(p.block_ratios):.2f}, median {p.median_block_ratio:.3f})")
-    if results.floors:
-        lines += ["", "the floor, side by side in one process per pooling: each method against ours, no checkpoint"]
-        for section in results.floors:
-            f = section.floors
-            lines += ([f"  pooling {section.pooling}: {section.reason}"] if f is None else
-                      ["  " + line for line in format_rows(f.rows, {f.pooling: f.base_ms}, f.copy_gbps).splitlines()])
     lines += ["", "recovery (s in the process / whole process wall time, fresh process each)"]
     rec = results.recovery
     lines.append(f"  a process that loads nothing: {_num(rec.nothing_process_seconds, '.2f')} s"

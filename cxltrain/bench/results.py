@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..jobs.config import TrainConfig
-from .records import Bandwidth, EmbeddingTiming, Floors, PairedTiming, Record, Unmeasured, flattened, optional
+from .records import Bandwidth, EmbeddingTiming, PairedTiming, Record, Unmeasured, flattened, optional
 
 
 @dataclasses.dataclass
@@ -60,15 +60,6 @@ class PairedRow(MethodRow):
 
     reason: str | None = optional()
     timing: PairedTiming | None = flattened()
-
-
-@dataclasses.dataclass
-class FloorSection(Record):
-    """One pooling of the floors (floors.py), side by side in one process: its figures, or why there are none."""
-
-    pooling: int
-    reason: str | None = optional()
-    floors: Floors | None = flattened()
 
 
 @dataclasses.dataclass
@@ -129,7 +120,6 @@ class BenchResults(Record):
     scratch_dir: str
     steps: list[StepRow]
     paired: list[PairedRow]
-    floors: list[FloorSection]
     recovery: Recovery
     embedding: list[EmbeddingRow]
     bandwidth: Bandwidth | Unmeasured

@@ -30,7 +30,6 @@ from .methods import Method, step_methods
 from .records import (
     Bandwidth,
     EmbeddingTiming,
-    Floors,
     LoadTime,
     OursSteps,
     PairedTiming,
@@ -40,7 +39,7 @@ from .records import (
     Unmeasured,
 )
 from .report import machine_info, targets
-from .results import BenchResults, EmbeddingRow, FloorSection, PairedRow, Recovery, RecoverySize, StepRow, StepTiming
+from .results import BenchResults, EmbeddingRow, PairedRow, Recovery, RecoverySize, StepRow, StepTiming
 
 GB = 1e9
 
@@ -57,8 +56,6 @@ class BenchPlan:
                                              # (off, strict, ..., off, strict, ...); a row is the median run
     paired: tuple[str, ...]                  # methods also run side by side with ours-off in one process
     paired_blocks: tuple[int, int, int]      # (warm-up steps, blocks each, steps per block)
-    floor_poolings: tuple[int, ...]          # the floors (floors.py): every floors.METHODS side by side
-    floor_blocks: tuple[int, int, int]       # with ours-off in one process per pooling, blocks as paired_blocks
     periods: tuple[int, int]                 # k of the plain checkpoints every k batches
     plain_timed: dict                        # (save, every) -> (warm-up, timed steps)
     recovery_rows: tuple[int, ...]           # rows per table of the recovery sizes
@@ -80,7 +77,6 @@ def full_plan() -> BenchPlan:
     # large as the effect the strict target is about
     return BenchPlan(name="full", config=TrainConfig(), step_poolings=(1, 20), ours_timed=40, ours_rounds=3,
                      paired=("ours-strict", "ours-strict-bgcap"), paired_blocks=(5, 20, 10),
-                     floor_poolings=(1, 20), floor_blocks=(5, 10, 10),
                      periods=(1, 100), plain_timed=timed,
                      recovery_rows=(250_000, 500_000, 1_000_000, 2_000_000), embedding_poolings=(1, 20),
                      embedding_steps=(5, 30), embedding_rounds=3, copy_bytes=1 << 30, job_timeout_s=1200)
@@ -91,8 +87,7 @@ def quick_plan() -> BenchPlan:
     config = TrainConfig(batch_size=64, num_tables=2, rows=1000, dim=8, bottom_mlp=(16,), top_mlp=(16,))
     timed = {("none", 1): (1, 4), ("torch", 1): (1, 2), ("torch", 4): (1, 4), ("dcp", 1): (1, 2), ("dcp", 4): (1, 4)}
     return BenchPlan(name="quick", config=config, step_poolings=(1,), ours_timed=4, ours_rounds=2,
-                     paired=("ours-strict",), paired_blocks=(1, 2, 2), floor_poolings=(1,),
-                     floor_blocks=(1, 2, 2), periods=(1, 4),
+                     paired=("ours-strict",), paired_blocks=(1, 2, 2), periods=(1, 4),
                      plain_timed=timed, recovery_rows=(1000,),
                      embedding_poolings=(1,), embedding_steps=(1, 3), embedding_rounds=1, copy_bytes=1 << 20, job_timeout_s=120)
 
@@ -209,7 +204,6 @@ def run_bench(plan: BenchPlan, log: Callable[[str], None] = lambda line: None) -
     machine = machine_info(KNOBS.threads)
     results = BenchResults(machine=machine, config=plan.config, quick=plan.name == "quick", scratch_dir=where,
                            steps=_step_times(plan, jobs, prefix, log), paired=_paired(plan, jobs, prefix, log),
-                           floors=_floors(plan, jobs, prefix, log),
                            recovery=_recovery(plan, jobs, prefix, log), embedding=_embedding(plan, jobs, prefix, log),
                            bandwidth=_bandwidth(plan, jobs, log))
     results.seconds = time.perf_counter() - started
@@ -293,31 +287,6 @@ def _paired(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[PairedRow]:
         rows.append(PairedRow(method=method.name, label=method.label, reason=outcome.error,
                               timing=None if outcome.error else PairedTiming.from_json(outcome.result)))
     return rows
-
-
-def _floors(plan: BenchPlan, jobs: Jobs, prefix: str, log) -> list[FloorSection]:
-    """Per pooling, ours-off and every floors.METHODS side by side in one process, each with the
-    bytes it makes durable per batch and their time at the copy bandwidth measured there (floors.py)."""
-    from .floors import COPY_BYTES, METHODS
-    from .plain import remove
-    from .worker import config_to_json
-
-    warmup, blocks, block_steps = plan.floor_blocks
-    methods = [name for name in METHODS if name != "off"]
-    sections = []
-    for pooling in plan.floor_poolings:
-        folder = f"{prefix}-floors"
-        os.makedirs(folder, exist_ok=True)
-        job = {"job": "ours-floors", "config": config_to_json(dataclasses.replace(plan.config, pooling=pooling)),
-               "methods": methods, "folder": folder, "warmup": warmup, "blocks": blocks,
-               "block_steps": block_steps, "copy_bytes": min(plan.copy_bytes, COPY_BYTES)}
-        try:
-            outcome = _timed(log, f"floors pooling {pooling}", lambda: jobs.forked(job))
-        finally:  # with the pools a job that died left in it
-            remove(folder)
-        sections.append(FloorSection(pooling=pooling, reason=outcome.error,
-                                     floors=None if outcome.error else Floors.from_json(outcome.result)))
-    return sections
 
 
 def _step_job(method: Method, config: TrainConfig, plan: BenchPlan, prefix: str, to_json) -> dict:

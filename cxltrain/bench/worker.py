@@ -9,8 +9,6 @@ Jobs ("job" names one; "config" is a TrainConfig as a dict):
     ours-crash   {config, pool}                          the same, run under CXLTRAIN_CRASH_AT (dies)
     ours-paired  {config, overrides, pools, warmup, blocks, block_steps}   paired.paired_steps: config
                  with checkpoints off against config with overrides, in alternating blocks
-    ours-floors  {config, methods, folder, warmup, blocks, block_steps, copy_bytes}   floors.measure_floors:
-                 ours-off and each of floors.METHODS side by side, with their physical floors
     plain-steps  {config, save, every, path, warmup, timed}   plain.train_steps
     plain-save   {config, torch_path, dcp_path, steps}   train a few steps, then torch.save and dcp.save
     torch-load   {config, path}  dcp-load {config, path}  read a full checkpoint back into a model
@@ -111,11 +109,6 @@ def run_job(job: dict) -> Record:
         finally:
             for pool in job["pools"]:
                 plain.remove(pool)
-    if kind == "ours-floors":
-        from .floors import measure_floors
-
-        return measure_floors(config, job["methods"], job["folder"], warmup=job["warmup"], blocks=job["blocks"],
-                              block_steps=job["block_steps"], copy_bytes=job["copy_bytes"])
     if kind == "plain-steps":
         return plain.train_steps(config, save=job["save"], every=job["every"], path=job["path"],
                                  warmup=job["warmup"], timed=job["timed"])

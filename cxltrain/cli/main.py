@@ -719,11 +719,6 @@ def _add_bench(sub) -> None:
     b.add_argument("--dist", action="store_true", help="distributed runs instead: step time strict vs off, bytes "
                                                        "exchanged per batch at 1, 2 and 4 ranks, and the group's "
                                                        "recovery after a kill (docs/distributed.md)")
-    b.add_argument("--tiers", action="store_true",
-                   help="only the tiers, side by side: all tables in the fast tier, in the capacity tier, and "
-                        "the capacity tier with checkpoint off (docs/planner.md)")
-    b.add_argument("--capacity-dir", metavar="DIR",
-                   help="with --tiers: the folder on block storage for the capacity pools (default /var/tmp)")
     b.set_defaults(run=_run_bench)
 
 
@@ -734,8 +729,6 @@ def _run_bench(args) -> int:
     from ..bench.report import format_text
     from ..bench.suite import full_plan, quick_plan, run_bench
 
-    if args.tiers:
-        return _run_bench_tiers(args)
     if args.plot is not None:
         require_matplotlib()  # before minutes of measuring, not after
         folder = os.path.dirname(os.path.abspath(args.plot))
@@ -749,20 +742,6 @@ def _run_bench(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         print(json.dumps(results.to_json()))
-    return 0
-
-
-def _run_bench_tiers(args) -> int:
-    from ..bench.suite import scratch_dir
-    from ..bench.tiers import DEFAULT_CAPACITY_DIR, default_plan, format_tiers, quick_plan, run_tiers
-
-    capacity_dir = args.capacity_dir or DEFAULT_CAPACITY_DIR
-    if not os.path.isdir(capacity_dir) or not os.access(capacity_dir, os.W_OK | os.X_OK):
-        raise ConfigError(f"{capacity_dir}: not a folder this user may write (--capacity-dir)")
-    result = run_tiers(quick_plan() if args.quick else default_plan(), scratch_dir(), capacity_dir)
-    print(format_tiers(result))
-    if args.json:
-        print(json.dumps(result.to_json()))
     return 0
 
 

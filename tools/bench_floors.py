@@ -1,9 +1,9 @@
 """Where the floor is: each checkpointing method side by side with no checkpoints in one process
-(paired.paired_runs), next to the bytes it makes durable per batch and the time those bytes take at
+(cxltrain.bench.paired.paired_runs), next to the bytes it makes durable per batch and the time those bytes take at
 this machine's measured copy bandwidth — the physical floor of its overhead.
 
-    python -m cxltrain.bench.floors --pooling 1 20           # the default model (2 GB pools: 4 at a time)
-    python -m cxltrain.bench.floors --rows 100000 --blocks 6 # smaller pools, fewer blocks
+    .venv/bin/python tools/bench_floors.py --pooling 1 20           # the default model (2 GB pools: 4 at a time)
+    .venv/bin/python tools/bench_floors.py --rows 100000 --blocks 6 # smaller pools, fewer blocks
 
 For each pooling, the runs share one process and one data source and take turns in blocks; they
 are "off" (no checkpoints: the baseline), "strict" (every batch durable), "relaxed" (dense state
@@ -11,6 +11,7 @@ every 100 batches) and "strict-k10" (dense_every=10: a commit every 10 batches, 
 per row per window). A method's floor is durable bytes per batch / copy bandwidth: undo records,
 dense snapshots and the updated rows' flushes each move their bytes at least once more than an
 unchecked step does. Measured figures belong in docs/speed.md, not here.
+A lab instrument (tools/README.md): `cxltrain bench` does not run it.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ import sys
 import tempfile
 from typing import TYPE_CHECKING
 
-from ..jobs.config import TrainConfig
-from ..modes import OFF, RELAXED, UNDO
-from .interval import LEVEL, interval_text, ratio_interval
-from .records import FloorRow, Floors
+from cxltrain.bench.interval import LEVEL, interval_text, ratio_interval
+from cxltrain.bench.records import Record, optional
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.modes import OFF, RELAXED, UNDO
 
 if TYPE_CHECKING:
-    from .paired import SideBySide
+    from cxltrain.bench.paired import SideBySide
 
 METHODS = {
     "off": {"checkpoint": OFF},
@@ -43,10 +44,43 @@ METHODS = {
 COPY_BYTES = 256 << 20  # enough to leave the caches behind
 
 
+@dataclasses.dataclass
+class FloorRow(Record):
+    """floor_rows: one method side by side with ours-off, next to its physical floor."""
+
+    pooling: int
+    method: str
+    ms_per_step: float
+    ratio: float               # mean step / the off run's mean step
+    median_block_ratio: float  # median over blocks of (this block / the off run's block of that round)
+    durable_mb_per_batch: float
+    undo_mb_per_batch: float
+    floor_ms: float            # durable bytes per batch at the copy bandwidth
+    floor_ratio: float         # 1 + floor_ms / the off run's ms per step
+    ratio_low: float | None = optional()   # ratio_interval of the blocks: how sure the ratio is
+    ratio_high: float | None = optional()  # (None: too few blocks for one)
+
+
+@dataclasses.dataclass
+class Floors(Record):
+    """measure_floors: one pooling's methods side by side with ours-off in one process, and
+    the copy bandwidth (numpy, one thread) measured in that process."""
+
+    pooling: int
+    copy_gbps: float
+    base_ms: float             # the off run's mean ms per step
+    rows: list[FloorRow]
+
+    @classmethod
+    def from_json(cls, fields: dict) -> Floors:
+        return cls(**{**fields, "rows": [FloorRow.from_json(row) for row in fields["rows"]]})
+
+
+
 def floor_rows(config: TrainConfig, methods: list[str], folder: str, *, warmup: int, blocks: int, block_steps: int,
                copy_gbps: float) -> list[FloorRow]:
     """One pooling's methods ("off" first, added when missing) side by side; one row each but off."""
-    from .paired import paired_runs  # torch: the report imports this module for format_rows only
+    from cxltrain.bench.paired import paired_runs  # torch: format_rows alone needs none
 
     names = ["off", *(m for m in methods if m != "off")]
     configs = [dataclasses.replace(config, **METHODS[name]) for name in names]
@@ -75,7 +109,7 @@ def measure_floors(config: TrainConfig, methods: list[str], folder: str, *, warm
                    block_steps: int, copy_bytes: int) -> Floors:
     """The copy bandwidth of `copy_bytes` (numpy, one thread: the checkpointer's copies run on one),
     then floor_rows at config's pooling, in this process."""
-    from .bandwidth import copy_bandwidth
+    from cxltrain.bench.bandwidth import copy_bandwidth
 
     copy_gbps = copy_bandwidth(copy_bytes, 1)[1]
     rows = floor_rows(config, methods, folder, warmup=warmup, blocks=blocks, block_steps=block_steps,
@@ -99,7 +133,7 @@ def format_rows(rows: list[FloorRow], base_ms: dict[int, float], copy_gbps: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cxltrain.bench.floors", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="tools/bench_floors.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--pooling", type=int, nargs="+", default=[1, 20])
     p.add_argument("--methods", nargs="+", choices=[m for m in METHODS if m != "off"],
                    default=["strict", "relaxed", "strict-k10"])
@@ -121,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([floors.to_json() for floors in measured]))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
