@@ -48,9 +48,9 @@ class CrashPoint:
     CACHE_MID_ADMISSION = "cache:mid-admission"            # cache.py: half a table's slots filled (admission, re-placement)
     CACHE_AFTER_WRITE_BACK = "cache:after-write-back"      # cache.py: re-placement's evicted rows written back, slots not refilled
     # distributed runs (models/exchange.py, runtime/group.py), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
-    DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # dist/step.py: this rank's commit durable, peers' maybe not
-    DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # dist/step.py: a step done, G not yet agreed
-    DIST_RECOVER_BEFORE_ROOT = "dist:recover-before-root"  # dist/recovery.py: rolled back to G, no root yet
+    DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/group.py, jobs/sharded_train.py: committed here, not at peers
+    DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # runtime/group.py, models/exchange.py: step done, G not agreed
+    DIST_RECOVER_BEFORE_ROOT = "dist:recover-before-root"  # runtime/group_recovery.py: rolled back to G, no root yet
 
     REACHED_PER = {
         UNDO_BETWEEN_PAYLOAD_AND_HEADER: "tables",

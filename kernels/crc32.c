@@ -7,7 +7,7 @@
 
 /* ---------------------------------------------------------------------------------------------
  * CRC-32 exactly as zlib's crc32() computes it (the IEEE polynomial, reflected, inverted before
- * and after), ~5x faster on CPUs with carry-less multiply: the pool's checksums stay the same
+ * and after), faster on CPUs with carry-less multiply: the pool's checksums stay the same
  * values, and zlib.crc32 stays the fallback.
  *
  * Bits are reflected: in a 16-byte little-endian load, bit j is the coefficient of x^(127-j) of
@@ -78,7 +78,7 @@ static inline __m128i crc_fold(__m128i a, __m128i k, __m128i next)
 
 /* Four lanes x0..x3 hold the 64 bytes before p, folded; n more bytes follow at p. Inlined, so that
  * the AVX-512 path runs it VEX-encoded and ends with VZEROUPPER (legacy SSE code after dirty upper
- * halves of the vector registers is slowed: measured, pclmul 14 -> 7 GB/s). */
+ * halves of the vector registers is slowed: docs/benchmarks.md). */
 __attribute__((target("pclmul,sse4.1"), always_inline))
 static inline uint32_t crc32_lanes(__m128i x0, __m128i x1, __m128i x2, __m128i x3, const unsigned char *p, size_t n)
 {

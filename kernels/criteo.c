@@ -1,6 +1,6 @@
 /*
  * Native Criteo line parser: cxltrain.kernels._criteo (a private module; call it through
- * cxltrain/data/native_parse.py, which checks the arrays before handing over addresses).
+ * cxltrain/data/lines.py, which checks the arrays before handing over addresses).
  *
  *   parse_lines(buffer, start, sep, num_tables, keys, rows, count, dense, ids, labels)
  *       -> (lines, end, status)

@@ -122,8 +122,8 @@ def copy_lines(view_address: int, media_address: int, map_size: int, offset: int
 
 def crc32(data, seed: int = 0) -> int:
     """zlib.crc32(data, seed), the same value, computed by the native kernel when it is built and
-    enabled: folded with carry-less multiplies where the CPU has them (on 4 MiB here: VPCLMULQDQ on
-    AVX-512 ~55 GB/s, PCLMULQDQ ~14 GB/s, zlib.crc32 ~4 GB/s; lib().crc32_path() says which).
+    enabled: folded with carry-less multiplies where the CPU has them (VPCLMULQDQ on AVX-512, else
+    PCLMULQDQ; docs/benchmarks.md has their speeds; lib().crc32_path() says which).
     data: bytes-like, or a C-contiguous numpy array of any dtype (its bytes)."""
     native = lib()
     if native is None:

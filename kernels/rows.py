@@ -1,12 +1,8 @@
 """CPU row kernels on a table's rows: reduce duplicate gradients, apply fused sparse updates.
 
-These are torch primitives picked by measurement on the 2-core development machine
-(1M x 64 fp32 table, N lookups, U unique rows; ms per call, 2 threads):
-
-    N = 40,960, U = 40,147    unique 0.60   index_add_ into [U, D] 1.5   index_select 0.48
-                              index_copy_ 1.8   index_put_ 1.9   embedding_bag forward 0.50
-    embedding_bag on a row-padded (non-contiguous) view: 20-27 ms — it copies the whole table,
-    so tables always hand it the contiguous padded view.
+These are torch primitives picked by measurement on the development machine (docs/benchmarks.md).
+embedding_bag on a row-padded (non-contiguous) view copies the whole table, so tables always hand
+it the contiguous padded view.
 
 Every function is one call per table per batch; no Python loop runs per row. Reductions are
 deterministic: torch.unique sorts, and index_add_ on the CPU adds in index order.

@@ -60,7 +60,7 @@ def random_lookups(g, rows, lookups, bags):
     return indices, offsets
 
 
-# -- gather (recovery's scatter is ring.restore: tests/test_ring_restore.py) ----------------------
+# -- gather (recovery's scatter is ring.restore: tests/test_ring.py) ----------------------
 @needs_native
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31), rows=st.integers(1, 300), width=st.integers(1, 40), count=st.integers(0, 80))

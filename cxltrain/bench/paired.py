@@ -2,7 +2,7 @@
 and one with a checkpointing method, taking turns in blocks of a few steps.
 
 Run-to-run noise on a shared 2-core machine (which memory a process gets, what the host does
-meanwhile) moves one run's mean step by 5-15%, more than the 5% the strict target allows.
+meanwhile) moves one run's mean step by more than the 5% the strict target allows.
 Alternating blocks inside one process puts both runs under the same conditions, so what differs
 between their block times is what the method costs. A block's time includes its run's work still
 in flight when the block ends (Runtime.wait_durable): a background commit is never billed to the

@@ -118,8 +118,8 @@ class Checkpointer(BatchGuard):
         self._worker = BackgroundWorker() if pipeline else InlineWorker()
         self.background_capture = pipeline and background_capture
         # Where a flush is a cache-line write-back, the updated rows are flushed right after their
-        # update, while this core still holds them (measured: ~3 ms a batch cheaper on 2 cores than
-        # the worker flushing them during the next batch); where it is a system call (msync), and
+        # update, while this core still holds them (cheaper on 2 cores than the worker flushing them
+        # during the next batch: docs/benchmarks.md); where it is a system call (msync), and
         # with background_capture (a worker with a core of its own), the worker does it.
         self.flush_at_update = (pool.device.is_pmem and not self.background_capture
                                 and self._ordering.flush_at_update)
@@ -136,8 +136,8 @@ class Checkpointer(BatchGuard):
         # strict with k > 1: a row gets one undo record per commit window (window.py); with k = 1,
         # and in relaxed mode (a commit every batch), a window is one batch and its rows are unique
         self._window = self._ordering.window_captures() if mode == STRICT and dense_every > 1 else None
-        # the dense state keeps its shape from batch to batch: its manifest is reused (measured on
-        # the default model: laying it out costs ~0.4 ms a batch, reusing it ~0.13 ms)
+        # the dense state keeps its shape from batch to batch: its manifest is reused (cheaper than
+        # laying it out again: docs/benchmarks.md)
         self._layouts = codec.LayoutCache(counters=("batch",))
         # Capture inside the update (kernels/undo.c, fused.py), chunk by chunk of a table's
         # unique rows, where the kernels and the device can persist the records without Python and

@@ -710,7 +710,7 @@ def _add_bench(sub) -> None:
                                    "checkpointing method (ours strict and relaxed, torch.save and DCP async_save "
                                    "every k batches) with the batches a crash loses; recovery time against table "
                                    "size; embedding lookup+update throughput against nn.EmbeddingBag and "
-                                   "torchrec/FBGEMM; the machine's copy bandwidth. Takes 5-10 minutes.")
+                                   "torchrec/FBGEMM; the machine's copy bandwidth. Takes minutes.")
     b.add_argument("--json", action="store_true", help="print the results as JSON as the last line")
     b.add_argument("--plot", metavar="FILE.png", help="plot step-time ratio against batches lost per crash "
                                                       "(needs matplotlib: the `bench` extra)")
@@ -924,7 +924,8 @@ def _silence_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Before torch (imported lazily by the commands) starts OpenMP: libgomp's default spin-waiting
-    # made runs 5-12x slower where other processes share the cores. A user's own value stays.
+    # made runs several times slower where other processes share the cores (docs/benchmarks.md).
+    # A user's own value stays.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """The capacity tier's devices: a pool file on block storage (SSD, disk), the tier table rows
-too large for memory live in (docs/architecture.md §10, DESIGN §7).
+too large for memory live in (docs/tiers.md, Devices).
 
   CapacityDevice       mmap(MAP_SHARED) of the file. A flush notes nothing, drain is one
                        fdatasync of the file, which writes back every page dirtied through the

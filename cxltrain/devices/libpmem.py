@@ -2,8 +2,8 @@
 
 Why our own binding: no maintained Python package wraps libpmem (the nearest, pynvm 0.3.1, has been
 unmaintained since 2017 and needs five PMDK -dev packages and nose to build). We need eight C calls;
-ctypes reaches them with no build step. Per-row flushing through ctypes costs ~0.5 µs a call, so hot
-loops belong in kernels/ (C), not here.
+ctypes reaches them with no build step. A ctypes call per row is too slow for a hot loop
+(docs/benchmarks.md), so hot loops belong in kernels/ (C), not here.
 
 `load()` returns None when libpmem is not installed; callers fall back to msync.
 `PMEM_IS_PMEM_FORCE=1` in the environment is read by libpmem itself, at load time: it makes

@@ -21,8 +21,7 @@ from .config import TrainConfig
 PROFILE_BATCHES = 16
 # The hot-row caches' hot lists rank the rows of this many batches (or of the plan's profile, when it
 # has more): a 16-batch profile sees too few distinct rows to fill a large cache with hot ones
-# (measured, docs/tiers.md: 25,000 of 250,000 rows cached serve 71.7% of held-out lookups ranked
-# on 16 batches, 81.0% on 128).
+# (docs/tiers.md measures the held-out hit rate of both rankings).
 HOT_LIST_BATCHES = 128
 PROBE_BYTES = 8 << 20     # the capacity tier's read probe: a file this big, read back at random
 PROBE_SECONDS = 0.2

@@ -1,4 +1,4 @@
-"""The step's exchanges (DESIGN §8): ids to the ranks that hold their rows, pooled embeddings back,
+"""The step's exchanges (docs/distributed.md, The step): ids to the ranks that hold their rows, pooled embeddings back,
 gradients to the owners in backward. Every one is an `all_to_all_single` over gloo (NCCL where
 there are GPUs), in table order, summed in rank order: deterministic for a given world size.
 

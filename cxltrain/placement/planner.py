@@ -1,4 +1,4 @@
-"""The placement planner (DESIGN §7, docs/planner.md): which tier each table lives in, and how many
+"""The placement planner (docs/planner.md, docs/tiers.md): which tier each table lives in, and how many
 of a capacity table's hottest rows the fast tier should cache.
 
     profiles = profile_source(source, tables, batches=16)   # ids counted per table

@@ -1,5 +1,5 @@
 """Pool sets: one primary pool in the fast tier and capacity pools on block storage, committed as
-one (docs/tiers.md, DESIGN §7). This module is the on-media part: what the primary says about its
+one (docs/tiers.md). This module is the on-media part: what the primary says about its
 members, what a member says about its primary, and the checks an opener runs before it trusts a
 member. `Pool.open` uses it to open a whole set from the primary's path.
 

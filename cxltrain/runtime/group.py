@@ -1,4 +1,4 @@
-"""A user's own model under torchrun: one `Runtime` per rank, one recovery point for all (DESIGN §8).
+"""A user's own model under torchrun: one `Runtime` per rank, one recovery point for all (docs/distributed.md).
 
     # torchrun --standalone --nproc-per-node 2 --max-restarts 3 my_train.py
     model = MyModel(rank)          # this rank's PersistentEmbeddingBags (own shards or replicas) + dense part

@@ -1,4 +1,4 @@
-"""One recovery point for every rank (DESIGN §8): agree on G, roll every rank's pool back to it.
+"""One recovery point for every rank (docs/distributed.md): agree on G, roll every rank's pool back to it.
 
 Each rank's pool is at its own durable target T_r (its root), and its undo ring keeps the records
 of every batch at or above the agreed target its last commit knew (its snapshot's metadata

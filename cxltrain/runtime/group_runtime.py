@@ -1,4 +1,4 @@
-"""DistRuntime: the `Runtime` of one rank of a distributed run (DESIGN §8).
+"""DistRuntime: the `Runtime` of one rank of a distributed run (docs/distributed.md).
 
     recover_group(directory, rank, world_size, run_id)      # every rank: agree on G, roll back to it
     with DistRuntime(pool_path(directory, rank), model, dense_opt, run_metadata={...}) as rt:

@@ -98,7 +98,7 @@ class Tiers:
 
 
 class ColdRowPrefetcher:
-    """Reads the next batch's cold rows into the page cache while this batch computes (DESIGN §7).
+    """Reads the next batch's cold rows into the page cache while this batch computes (docs/tiers.md, Prefetch).
 
     One pread of a byte per page the rows live on, spread over `threads` threads: pread releases
     the GIL and the disk serves many reads at once, where a lookup faulting the pages in would wait

@@ -1,4 +1,4 @@
-"""The persistent hot-row cache (DESIGN §7, docs/tiers.md): a capacity table's hottest rows live in
+"""The persistent hot-row cache (docs/tiers.md): a capacity table's hottest rows live in
 the fast tier, and are looked up and updated there only.
 
 For a capacity table T with C cache slots, three regions of the set's primary pool (the fast tier):
