@@ -13,6 +13,7 @@
     stats.py         the checkpointer's running totals
     worker.py        where its jobs run: one background thread (the pipeline), or inline
     recovery.py      the one roll-back of every recovery: a pool back to a committed batch
+    new_pool.py      the first commit of a pool whose tables were just written
     offline.py       `recover` and `pool check` on a pool path, without importing torch
 
 The public names are imported lazily: recovery's modules (recovery, ring, slots, layout, offline)
@@ -30,6 +31,7 @@ _EXPORTS = {
     "verify": "recovery",
     "LoggedTable": "seam", "TableGuard": "seam",
     "CheckpointStats": "stats",
+    "first_commit": "new_pool",
 }
 __all__ = sorted(_EXPORTS)
 

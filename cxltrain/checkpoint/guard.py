@@ -22,6 +22,7 @@ import torch
 from ..errors import CheckpointError
 from ..pool.handle import Pool
 from . import dense
+from .new_pool import first_commit
 from .seam import LoggedTable
 from .stats import CheckpointStats
 
@@ -172,7 +173,4 @@ class NoCheckpoint(BatchGuard):
             return
         for table in self.tables:
             table.persist()
-        slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, done, self.dense_state.capture(done))
-        # ORDERING: every table region and the snapshot are durable before the root names them
-        pool.commit(batches_done=done, dense_slot=slot, dense_batch=done)
+        first_commit(pool, done, self.dense_state.capture(done))

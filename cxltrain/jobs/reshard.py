@@ -22,7 +22,7 @@ import shutil
 import numpy as np
 import torch
 
-from ..checkpoint import dense
+from ..checkpoint import dense, first_commit
 from ..errors import ConfigError
 from ..placement.sharding import DATA_PARALLEL, ShardingPlan
 from ..pool.handle import Pool, publish
@@ -141,10 +141,7 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
                     opt_state.copy_(_table_tensor(state["model"], t, "optimizer_state")[lo:hi])
             shard.persist()
         rt._state.metadata["agreed"] = batch
-        dense.write_snapshot(pool, 1, batch, rt._state.capture(batch))
-        # ORDERING: the tables and the snapshot are durable before the root names them
-        pool.commit(batches_done=batch, ring_generation=1, ring_start=0, ring_start_seq=0, dense_slot=1,
-                    dense_batch=batch)
+        first_commit(pool, batch, rt._state.capture(batch))
         publish(pool, path)
     except BaseException:
         pool.close()

@@ -38,6 +38,7 @@ from ..checkpoint import (
     CheckpointStats,
     NoCheckpoint,
     dense,
+    first_commit,
     has_checkpoint,
     layout,
     recover,
@@ -359,11 +360,7 @@ class Runtime:
             table.attach(pool, initialize=True)  # initialised from its seed and persisted
             if hot_cache.cached_slots(pool, table.name):  # every slot empty: the first batch fills them
                 hot_cache.initialise(pool, table, self._hot.get(table.name))
-        slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, 0, self._state.capture(0))
-        # ORDERING: tables and the batch-0 snapshot are durable before the root names them
-        pool.commit(batches_done=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
-                    dense_slot=slot, dense_batch=0)
+        first_commit(pool, 0, self._state.capture(0))
 
     # -- batches ----------------------------------------------------------------------------
     def batches(self, source, stop: int | None = None) -> Iterator:
