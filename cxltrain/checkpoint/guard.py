@@ -40,6 +40,7 @@ class BatchGuard(abc.ABC):
     Attaches itself to `tables` (their `checkpointer`) until detach()."""
 
     stats: CheckpointStats | None = None  # the checkpointer's totals; None without one
+    agreed: int | None = None             # a group's last agreed recovery point G; None in one process
 
     def __init__(self, pool: Pool, tables: list[LoggedTable]) -> None:
         self.pool, self.tables = pool, tables
@@ -66,6 +67,18 @@ class BatchGuard(abc.ABC):
     def next_batch(self) -> int:
         """The batch that begins next: batches done so far."""
         return self._next
+
+    @property
+    def durable(self) -> int:
+        """The batch count the durable root names: what this process offers when a group agrees on
+        G. Without an undo log nothing is durable before finish(), so the batch it is at: it never
+        holds the group's G back."""
+        return self._batch if self._batch is not None else self._next
+
+    def agree(self, target: int) -> None:
+        """G, agreed by every rank of a group: commits handed over from now on keep the undo records
+        of batches >= G (U3b); a guard without an undo log keeps none."""
+        self.agreed = target
 
     def begin_batch(self, batch: int) -> None:
         if self.state is GuardState.IDLE and batch != self._next:

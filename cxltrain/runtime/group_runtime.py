@@ -16,7 +16,6 @@ since "agreed" moves).
 
 from __future__ import annotations
 
-from ..checkpoint import Checkpointer
 from .runtime import Runtime
 
 
@@ -36,10 +35,9 @@ class DistRuntime(Runtime):
     @property
     def durable_target(self) -> int:
         """The batch this rank's durable root names (what it offers to the agreement)."""
-        return self._guard.durable if isinstance(self._guard, Checkpointer) else self.batch
+        return self._guard.durable
 
     def agree(self, target: int) -> None:
         """G agreed by every rank: commits handed over from now on keep records of batches >= G."""
         self._state.metadata["agreed"] = target
-        if isinstance(self._guard, Checkpointer):
-            self._guard.agreed = target
+        self._guard.agree(target)
