@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from ..checkpoint.layout import record_bytes
 from ..errors import CxlTrainError, NonFiniteError
-from ..faults import CrashPoint, crash_point
+from ..faults import CrashPoint, PlantedDist, crash_point, planted
 from ..knobs import KNOBS
 from ..models.exchange import Comm, SparseExchange, local_slice
 from ..models.sharded import RankModel
 from ..placement.sharding import ShardingPlan
 from ..runtime import manifest as run_dir
-from ..runtime.group import DEFAULT_TIMEOUT_S, join_group, open_run_dir
+from ..runtime.group import DEFAULT_TIMEOUT_S, PeerLost, end_without_restart, join_group, open_run_dir, peer_lost
 from ..runtime.group_recovery import recover_group
 from ..runtime.group_runtime import DistRuntime
 from .config import TrainConfig
@@ -38,10 +38,6 @@ from .train import build_source
 
 WARMUP_STEPS = 3  # left out of the timed steps (first-touch page faults, DDP's bucket rebuild)
 MIN_RING_BYTES = 4 << 20
-
-
-class PeerLost(CxlTrainError):
-    """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs."""
 
 
 def ring_bytes(config: TrainConfig, model: RankModel) -> int:
@@ -88,12 +84,15 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
     join_group(timeout_s)
     try:
         return _run(config, directory, sharding, rank, world_size, progress)
-    except (RuntimeError, dist.DistBackendError) as e:
-        if isinstance(e, NonFiniteError):
-            raise
+    except Exception as e:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — torchrun "
-                       "restarts the group, which recovers to the agreed batch") from None
+        if peer_lost(e):
+            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — torchrun "
+                           "restarts the group, which recovers to the agreed batch") from None
+        # a restart would only run into it again: the group ends here, with this line
+        failure = e if isinstance(e, CxlTrainError) else CxlTrainError(f"rank {rank}: {type(e).__name__}: {line[:200]}")
+        end_without_restart(str(failure))
+        raise failure from None
     finally:
         dist.destroy_process_group()
 
@@ -168,6 +167,8 @@ def _train_loop(config, plan, model: RankModel, dense_opt, rt: DistRuntime, comm
         if rt.durable_target > agreed:
             crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
         embedded, agreed = exchange.forward(local, rt.durable_target)
+        if planted(PlantedDist.ERROR_IN_STEP) and b == first + 1 and comm.rank == world_size - 1:
+            raise RuntimeError(f"planted error in the step of batch {b}")
         rt.agree(agreed)
         logits = dense(local.dense, embedded)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, local.labels)

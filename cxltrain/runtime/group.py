@@ -32,17 +32,43 @@ from .group_recovery import recover_group
 from .group_runtime import DistRuntime
 
 DEFAULT_TIMEOUT_S = 60.0
+# torchrun's store outlives a restart: an error that a restart would only repeat is kept there
+FAILED_KEY = "cxltrain/failed"
+_launcher_store = None  # torchrun's store, once join_group has met it
+
+
+class PeerLost(CxlTrainError):
+    """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs."""
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is what a dead or hung peer makes a collective raise: torch's distributed
+    errors (backend, network, store), and gloo's transport errors (a connection reset, a receive
+    timed out), which torch raises as plain RuntimeErrors naming gloo's transport sources."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport/" in str(error))
+
+
+def end_without_restart(line: str) -> None:
+    """Keep `line` in torchrun's store: every rank of a later attempt of this torchrun refuses
+    with it in join_group, before joining, instead of running into the same error again."""
+    if _launcher_store is not None:
+        _launcher_store.set(FAILED_KEY, line)
 
 
 def join_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """(rank, world size): a gloo group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*),
-    or one rank in this process without it; every collective times out after timeout_s."""
+    or one rank in this process without it; every collective times out after timeout_s. Refuses
+    (CxlTrainError) when an earlier attempt of this torchrun ended with an error no restart mends."""
+    global _launcher_store
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
         # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
         # gloo may read a dead rank's address from the attempt before
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        _launcher_store = store
+        if store.check([FAILED_KEY]):
+            raise CxlTrainError(f"{store.get(FAILED_KEY).decode()} (an earlier attempt's error: not retried)")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
                                 world_size=world_size, timeout=timeout)
