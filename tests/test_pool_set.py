@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cxltrain import knobs
 from cxltrain.devices.capacity import open_capacity
@@ -25,9 +26,10 @@ from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import build_model, build_source, train, train_step
 from cxltrain.pool.handle import Pool
 from cxltrain.pool.info import inspect
+from cxltrain.runtime.group import join_group
 from cxltrain.runtime.group_recovery import roll_back_rank, snapshot_payload
-from cxltrain.runtime.group_runtime import DistRuntime
-from cxltrain.runtime.runtime import export_state
+from cxltrain.runtime.recovery_point import AgreedMinimum
+from cxltrain.runtime.runtime import Runtime, export_state
 from helpers import assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
@@ -190,15 +192,22 @@ def test_the_crash_test_catches_cold_pages_never_synced(folders, reference):
 
 
 def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:
-    """One rank's pool set trained to `steps`, its ring keeping every batch since 0 (G never moved)."""
+    """A one-rank group's pool set trained to `steps`, its ring keeping every batch since 0 (the
+    test never lets G move past the start)."""
     model = build_model(CONFIG)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=CONFIG.dense_lr)
-    primary = os.path.join(fast, f"{name}.pool")
-    with DistRuntime(primary, model, dense_opt, run_metadata={"run": "r", "rank": 0},
-                     capacity_pool=os.path.join(disk, f"{name}.cap")) as rt:
-        for batch in rt.batches(build_source(CONFIG).batch, stop=steps):
-            train_step(model, batch, [dense_opt], rt.batch)
-    return primary
+    directory = os.path.join(fast, name)
+    join_group()
+    try:
+        point = AgreedMinimum(directory, 0, 1, {"run": name}, fresh=True)
+        os.makedirs(directory)
+        with Runtime(point.pool_path, model, dense_opt, capacity_pool=os.path.join(disk, f"{name}.cap"),
+                     recovery_point=point) as rt:
+            for batch in rt.batches(build_source(CONFIG).batch, stop=steps):
+                train_step(model, batch, [dense_opt], rt.batch)
+    finally:
+        dist.destroy_process_group()
+    return point.pool_path
 
 
 def test_a_rank_rolled_back_to_g_syncs_its_capacity_pools_before_the_root(folders, monkeypatch):

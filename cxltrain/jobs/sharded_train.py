@@ -21,44 +21,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.layout import record_bytes
 from ..errors import CxlTrainError, NonFiniteError
 from ..faults import CrashPoint, PlantedDist, crash_point, planted
 from ..knobs import KNOBS
 from ..models.exchange import Comm, SparseExchange, local_slice
 from ..models.sharded import RankModel
 from ..placement.sharding import ShardingPlan
-from ..runtime import manifest as run_dir
 from ..runtime.group import DEFAULT_TIMEOUT_S, PeerLost, end_without_restart, join_group, open_run_dir, peer_lost
-from ..runtime.group_recovery import recover_group
-from ..runtime.group_runtime import DistRuntime
+from ..runtime.recovery_point import AgreedMinimum
+from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import build_source
 
 WARMUP_STEPS = 3  # left out of the timed steps (first-touch page faults, DDP's bucket rebuild)
-MIN_RING_BYTES = 4 << 20
 
 
-def ring_bytes(config: TrainConfig, model: RankModel) -> int:
-    """Room for the records of the batches between the agreed G and this rank's commits: a few
-    more than a single process keeps (G trails the local commits by a batch or two)."""
-    largest = 0
-    for shard in model.shards:
-        rows = min(shard.num_embeddings, config.batch_size * config.pooling)
-        spec = shard.region_specs()[0]
-        largest += record_bytes(rows, spec.row_stride(KNOBS.row_align), shard.optimizer.state_columns * 4)
-    return KNOBS.undo_ring_bytes or max(MIN_RING_BYTES, (min(config.dense_every, 4) + 4) * largest)
-
-
-def build(config: TrainConfig, plan: ShardingPlan, rank: int, run_metadata: dict):
-    model = RankModel(plan, rank, dim=config.dim, bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
+def build(config: TrainConfig, plan: ShardingPlan, point: AgreedMinimum):
+    """This rank's model, dense optimizer and Runtime (its recovery point: the group's G)."""
+    model = RankModel(plan, point.rank, dim=config.dim, bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
                       sparse_lr=config.sparse_lr, seed=config.seed)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
-    rt = DistRuntime(run_dir.pool_path(run_metadata["dir"], rank), model, dense_opt,
-                     run_metadata={k: v for k, v in run_metadata.items() if k != "dir"},
-                     checkpoint=config.checkpoint, dense_every=config.dense_every, pipeline=config.pipeline,
-                     background_capture=config.background_capture, undo_ring_bytes=ring_bytes(config, model))
+    rt = Runtime(point.pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
+                 pipeline=config.pipeline, background_capture=config.background_capture,
+                 rows_per_batch=config.batch_size * config.pooling, recovery_point=point)
     return model, dense_opt, rt
 
 
@@ -104,17 +90,14 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
     plan = ShardingPlan.from_json(m["plan"])
     if rank == 0:
         print(plan.describe(), flush=True)
-    model, dense_opt, rt = build(config, plan, rank, {"dir": directory, "run": m["run"], "rank": rank})
+    point = AgreedMinimum(directory, rank, world_size, m, fresh)
+    model, dense_opt, rt = build(config, plan, point)
     comm = Comm(rank, world_size)
     dist.barrier()  # the recovery's time starts once every rank is here, not at the first one's start
     started = time.perf_counter()
-    recovered = None if fresh else recover_group(directory, rank, world_size, m["run"])
-    with rt:
+    with rt:  # every rank agrees on G and rolls back to it first (recovery_point.py)
         recovery_seconds = time.perf_counter() - started
-        if fresh:
-            dist.barrier()
-            if rank == 0:
-                run_dir.write(directory, {**m, "state": run_dir.CREATED})
+        recovered = point.recovered
         if rank == 0:
             where = (f"recovered every rank to batch {recovered.batch} in {recovery_seconds * 1000:.0f} ms "
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
@@ -148,7 +131,7 @@ def _ordered_mean_hook(world_size: int):
     return hook
 
 
-def _train_loop(config, plan, model: RankModel, dense_opt, rt: DistRuntime, comm: Comm, world_size: int) -> dict:
+def _train_loop(config, plan, model: RankModel, dense_opt, rt: Runtime, comm: Comm, world_size: int) -> dict:
     dense = model.dense
     if world_size > 1:
         dense = torch.nn.parallel.DistributedDataParallel(model.dense)

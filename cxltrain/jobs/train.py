@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..checkpoint.layout import record_bytes
 from ..data.batch import BatchSource
 from ..data.prefetch import Prefetcher
 from ..devices import DeviceCounters
@@ -29,7 +28,6 @@ from ..knobs import KNOBS
 from ..models import DLRM
 from ..models.metrics import logloss, roc_auc
 from ..runtime.runtime import Runtime
-from ..tables import cache as hot_cache
 from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
@@ -38,8 +36,6 @@ from .planning import plan_and_hot_rows
 
 # Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up).
 WARMUP_STEPS = 5
-# The smallest undo ring `train` gives a pool.
-MIN_UNDO_RING_BYTES = 8 << 20
 
 
 @dataclasses.dataclass
@@ -141,29 +137,6 @@ def build_source(config: TrainConfig) -> BatchSource:
     return training_data(config).train
 
 
-def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = None) -> int:
-    """Ring room for a few of the largest batches this config can make (each table's rows: at most
-    batch_size x pooling, at most the table; a cached table's slots twice more: the admission's
-    record and the hits' in the first batch, and its evicted rows once more when it re-places): a
-    commit reclaims them every dense_every batches.
-    The `undo_ring_bytes` knob, when set, decides instead."""
-    if KNOBS.undo_ring_bytes:
-        return KNOBS.undo_ring_bytes
-    rows = min(max(config.rows_per_table()), config.batch_size * config.pooling)
-    largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
-                               table.optimizer.state_columns * 4)
-                  for table in model.tables for spec in table.region_specs()[:1])
-    for table in model.tables:
-        if table.name in (hot_rows or {}):
-            slots = len(hot_rows[table.name])
-            spec = hot_cache.region_specs(table, slots)[0]
-            largest += 2 * record_bytes(slots, spec.row_stride(KNOBS.row_align),
-                                        (table.optimizer.state_columns + hot_cache.MAP_COLUMNS) * 4)
-            if config.cache_replace_every:  # and a re-placing batch's evicted capacity rows
-                largest += record_bytes(slots, spec.row_stride(KNOBS.row_align), table.optimizer.state_columns * 4)
-    return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
-
-
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                  source: BatchSource | None = None) -> Runtime:
     metadata = config.run_metadata(getattr(source, "fingerprint", None))
@@ -173,7 +146,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
-                   undo_ring_bytes=undo_ring_bytes(config, model, hot_rows), discard_checkpoint=config.discard_checkpoint,
+                   rows_per_batch=config.batch_size * config.pooling, discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
                    prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
                    hot_rows=hot_rows, cache_replace_every=config.cache_replace_every)
