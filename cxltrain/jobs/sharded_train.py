@@ -4,7 +4,7 @@
     cxltrain train --nproc-per-node 2 --pool DIR ...     # the same, through torch.distributed.run
 
 Start: the manifest is checked (another world size, plan or settings is refused on every rank,
-nothing written), the ranks agree on G and roll back to it (recovery.py), then train from G to
+nothing written), the ranks agree on G and roll back to it (recovery_point.py), then train from G to
 --steps: every global batch is split into equal slices, one per rank; the sparse half goes through
 the exchange (exchange.py), the dense half under DistributedDataParallel; each rank commits its
 own pool per batch, the G all-reduce riding on the step's first all-to-all.
@@ -31,10 +31,9 @@ from ..runtime.group import DEFAULT_TIMEOUT_S, PeerLost, end_without_restart, jo
 from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
+from .data_source import training_data
 from .sharded_settings import check_config, plan_for, settings_for
-from .train import build_source
-
-WARMUP_STEPS = 3  # left out of the timed steps (first-touch page faults, DDP's bucket rebuild)
+from .train import GroupFacts, TrainResult, run_steps
 
 
 def build(config: TrainConfig, plan: ShardingPlan, point: AgreedMinimum):
@@ -62,9 +61,9 @@ def start_run_dir(directory: str, config: TrainConfig, sharding: str, rank: int,
 
 
 def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-             progress: bool = True) -> dict:
+             progress: bool = True) -> TrainResult:
     """Train this rank (RANK, WORLD_SIZE and the rendezvous from torchrun's environment); returns
-    rank 0's summary (every rank returns its own)."""
+    what this rank did and measured (its `group` says which rank it is)."""
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
     join_group(timeout_s)
@@ -83,7 +82,8 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
         dist.destroy_process_group()
 
 
-def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int, progress: bool) -> dict:
+def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int,
+         progress: bool) -> TrainResult:
     torch.set_num_threads(KNOBS.threads)
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
@@ -103,10 +103,11 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
                      if recovered else "training from batch 0")
             print(f"{world_size} rank(s): {where}", flush=True)
-        summary = _train_loop(config, plan, model, dense_opt, rt, comm, world_size)
-    summary.update(rank=rank, world_size=world_size, recovered_batch=None if recovered is None else recovered.batch,
-                   recovery_seconds=recovery_seconds if recovered else 0.0, batch=rt.batch, dir=directory)
-    return summary
+        step = ShardedStep(plan, model, dense_opt, rt, comm, config.batch_size, directory)
+        result = run_steps(config, step, training_data(config), rt, progress and rank == 0)
+    # the group's recovery: from every rank being here to every rank at G, agreement included
+    result.progress.recovery_seconds = recovery_seconds if recovered else 0.0
+    return result
 
 
 def _ordered_mean_hook(world_size: int):
@@ -131,50 +132,69 @@ def _ordered_mean_hook(world_size: int):
     return hook
 
 
-def _train_loop(config, plan, model: RankModel, dense_opt, rt: Runtime, comm: Comm, world_size: int) -> dict:
-    dense = model.dense
-    if world_size > 1:
-        dense = torch.nn.parallel.DistributedDataParallel(model.dense)
-        dense.register_comm_hook(None, _ordered_mean_hook(world_size))
-    source = build_source(config)
-    exchange = SparseExchange(plan, model, comm, config.batch_size)
-    first, losses = rt.start_batch, []
-    agreed = rt.start_batch
-    loop_start = time.perf_counter()
-    timed_from, timed_start = first + WARMUP_STEPS, None
-    for batch in rt.batches(source.batch, stop=config.steps):
-        b = rt.batch
-        if b == timed_from:
-            timed_start, timed_bytes = time.perf_counter(), comm.bytes_sent
-        local = local_slice(batch, world_size, comm.rank)
-        if rt.durable_target > agreed:
+class ShardedStep:
+    """The step of one rank (train.run_steps drives it): its slice of the batch, the sparse half
+    through the exchange (which carries the agreement on G), the dense half under
+    DistributedDataParallel, each rank updating its own shards."""
+
+    def __init__(self, plan: ShardingPlan, model: RankModel, dense_opt, rt: Runtime, comm: Comm, batch_size: int,
+                 directory: str) -> None:
+        self.model, self.dense_opt, self.rt, self.comm, self.directory = model, dense_opt, rt, comm, directory
+        self.dense = model.dense
+        if comm.world_size > 1:
+            self.dense = torch.nn.parallel.DistributedDataParallel(model.dense)
+            self.dense.register_comm_hook(None, _ordered_mean_hook(comm.world_size))
+        self.exchange = SparseExchange(plan, model, comm, batch_size)
+        self.agreed = rt.start_batch
+        self.first = rt.start_batch
+        self.timed_bytes: int | None = None  # what this rank had sent when the timed batches began
+
+    @property
+    def tables(self) -> list:
+        """This rank's shards."""
+        return list(self.model.shards)
+
+    @property
+    def forward_seconds(self) -> float:
+        """Lookups are inside the exchange, not timed apart."""
+        return 0.0
+
+    def __call__(self, batch, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [B_r], labels [B_r], loss) of this rank's slice of batch `b`, its updates done."""
+        rt, comm = self.rt, self.comm
+        local = local_slice(batch, comm.world_size, comm.rank)
+        if rt.durable_target > self.agreed:
             crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
-        embedded, agreed = exchange.forward(local, rt.durable_target)
-        if planted(PlantedDist.ERROR_IN_STEP) and b == first + 1 and comm.rank == world_size - 1:
+        embedded, self.agreed = self.exchange.forward(local, rt.durable_target)
+        rt.agree(self.agreed)
+        if planted(PlantedDist.ERROR_IN_STEP) and b == self.first + 1 and comm.rank == comm.world_size - 1:
             raise RuntimeError(f"planted error in the step of batch {b}")
-        rt.agree(agreed)
-        logits = dense(local.dense, embedded)
+        logits = self.dense(local.dense, embedded)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, local.labels)
         if not bool(torch.isfinite(loss)):
             raise NonFiniteError(f"rank {comm.rank}, batch {b}: the loss is {loss.item()}; stopped before its backward")
         loss.backward()
-        dense_opt.step()
-        dense_opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    rt.wait_durable()
-    seconds = time.perf_counter() - loop_start
-    steps = max(0, config.steps - first)
-    timed = config.steps - timed_from
-    sent = torch.tensor([float(comm.bytes_sent - (timed_bytes if timed_start else 0))])
-    dist.all_reduce(sent)  # what every rank sent to the others, in the timed batches
-    stats = rt.stats
-    return {"steps": steps, "start_batch": first, "seconds": seconds,
-            "ms_per_step": seconds * 1000 / steps if steps else 0.0,
-            "ms_per_step_after_warmup": (time.perf_counter() - timed_start) * 1000 / timed if timed_start else None,
-            "bytes_exchanged_per_batch": float(sent[0]) / timed if timed_start else None,
-            "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-            "bytes_sent_per_batch": comm.bytes_sent / steps if steps else 0.0,
-            "checkpoint_stats": None if stats is None else stats.to_json()}
+        self.dense_opt.step()
+        self.dense_opt.zero_grad(set_to_none=True)
+        return logits, local.labels, loss
+
+    def timing_started(self) -> None:
+        self.timed_bytes = self.comm.bytes_sent
+
+    def evaluate(self, source, indices: range) -> tuple[None, None]:
+        """No held-out evaluation across ranks yet."""
+        return None, None
+
+    def group_facts(self, timed_steps: int) -> GroupFacts:
+        """Collective: every rank's bytes sent in the timed batches are summed."""
+        comm = self.comm
+        sent = torch.tensor([float(comm.bytes_sent - (self.timed_bytes or 0))])
+        dist.all_reduce(sent)  # what every rank sent to the others, in the timed batches
+        steps = self.rt.batch - self.first
+        return GroupFacts(rank=comm.rank, world_size=comm.world_size, dir=self.directory,
+                          bytes_exchanged_per_batch=float(sent[0]) / timed_steps
+                          if self.timed_bytes is not None and timed_steps > 0 else None,
+                          bytes_sent_per_batch=comm.bytes_sent / steps if steps else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------
