@@ -8,8 +8,20 @@ import json
 import pytest
 import torch
 
+from cxltrain.bench import dist as dist_bench
 from cxltrain.bench import methods, plain
-from cxltrain.bench.records import EmbeddingTiming, FloorRow, Floors, OursSteps, PlainSteps, Unmeasured
+from cxltrain.bench.records import (
+    DistRecovery,
+    DistResults,
+    DistRow,
+    DistSteps,
+    EmbeddingTiming,
+    FloorRow,
+    Floors,
+    OursSteps,
+    PlainSteps,
+    Unmeasured,
+)
 from cxltrain.bench.report import format_text, targets
 from cxltrain.bench.results import (
     BenchResults,
@@ -215,3 +227,21 @@ def test_targets_hold_and_miss():
     text = format_text(dataclasses.replace(results, floors=floors, recovery=Recovery(None, None, [])))
     assert "  1 strict           5.2  1.040 1.010-1.070  1.030  1.040         2.00      0.50     0.20" in text
     assert "pooling 20: timed out after 1200 s" in text
+
+
+def test_the_dist_bench_reads_train_json_into_typed_records_and_prints_its_layout():
+    """`bench --dist` reads rank 0's `train --json` (one schema for one rank or many) into records
+    whose JSON is the layout the dist bench has printed, and whose table names each world size."""
+    summary = {"split_ms": {"total": 12.5}, "group": {"bytes_exchanged_per_batch": 2048.0}}
+    steps = dist_bench._steps(summary)
+    assert steps == DistSteps(ms_per_step=12.5, bytes_exchanged_per_batch=2048.0)
+    results = DistResults(["--steps", "12"], 2, [DistRow(2, steps, DistSteps(10.0, None), strict_overhead=0.25)],
+                          DistRecovery(recovered_batch=4, seconds=0.5))
+    assert json.loads(json.dumps(results.to_json())) == {
+        "options": ["--steps", "12"], "cores": 2,
+        "runs": [{"ranks": 2, "undo": {"ms_per_step": 12.5, "bytes_exchanged_per_batch": 2048.0},
+                  "off": {"ms_per_step": 10.0, "bytes_exchanged_per_batch": None}, "strict_overhead": 0.25}],
+        "recovery": {"recovered_batch": 4, "seconds": 0.5}}
+    text = dist_bench.format_text(results)
+    assert "    2            12.5         10.0       25%                  2.0" in text, text
+    assert "to batch 4 in 500 ms" in text

@@ -203,5 +203,5 @@ def run_bench(args) -> int:
     results = run(args.quick, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
     print(format_text(results))
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(results.to_json()))
     return 0
