@@ -92,6 +92,7 @@ class PlantedDist:
 
     RECLAIM_ABOVE_AGREED = "reclaim-above-agreed"    # U3b: a rank reclaims records above the agreed target G
     COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"  # a rank commits as if its batch were agreed
+    ERROR_IN_STEP = "error-in-step"                  # the last rank's step raises a RuntimeError (a bug, not a lost peer)
 
 
 def _names(namespace: type) -> tuple[str, ...]:

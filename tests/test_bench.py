@@ -8,8 +8,18 @@ import json
 import pytest
 import torch
 
+from cxltrain.bench import dist as dist_bench
 from cxltrain.bench import methods, plain
-from cxltrain.bench.records import EmbeddingTiming, OursSteps, PlainSteps, Unmeasured
+from cxltrain.bench.records import (
+    DistRecovery,
+    DistResults,
+    DistRow,
+    DistSteps,
+    EmbeddingTiming,
+    OursSteps,
+    PlainSteps,
+    Unmeasured,
+)
 from cxltrain.bench.report import targets
 from cxltrain.bench.results import (
     BenchResults,
@@ -197,3 +207,21 @@ def test_targets_hold_and_miss():
                     "recovery of 2.05 GB of tables, s": True,
                     "recovery time, largest / smallest tables": False,     # 0.2 / 0.05 = 4x
                     "embedding sgd pooling 1: ours / nn.EmbeddingBag time": False}
+
+
+def test_the_dist_bench_reads_train_json_into_typed_records_and_prints_its_layout():
+    """`bench --dist` reads rank 0's `train --json` (one schema for one rank or many) into records
+    whose JSON is the layout the dist bench has printed, and whose table names each world size."""
+    summary = {"split_ms": {"total": 12.5}, "group": {"bytes_exchanged_per_batch": 2048.0}}
+    steps = dist_bench._steps(summary)
+    assert steps == DistSteps(ms_per_step=12.5, bytes_exchanged_per_batch=2048.0)
+    results = DistResults(["--steps", "12"], 2, [DistRow(2, steps, DistSteps(10.0, None), strict_overhead=0.25)],
+                          DistRecovery(recovered_batch=4, seconds=0.5))
+    assert json.loads(json.dumps(results.to_json())) == {
+        "options": ["--steps", "12"], "cores": 2,
+        "runs": [{"ranks": 2, "undo": {"ms_per_step": 12.5, "bytes_exchanged_per_batch": 2048.0},
+                  "off": {"ms_per_step": 10.0, "bytes_exchanged_per_batch": None}, "strict_overhead": 0.25}],
+        "recovery": {"recovered_batch": 4, "seconds": 0.5}}
+    text = dist_bench.format_text(results)
+    assert "    2            12.5         10.0       25%                  2.0" in text, text
+    assert "to batch 4 in 500 ms" in text

@@ -159,6 +159,19 @@ def test_torchrun_restart_after_a_kill_between_commits_is_bit_identical(referenc
     assert_same_export(torch.load(out, weights_only=True), references(ranks)["end"])
 
 
+def test_an_error_in_a_rank_ends_the_group_without_a_restart(shm_dir):
+    """A rank's own RuntimeError (planted in its step) is no lost peer: it ends the group with one
+    line naming it, and torchrun's later attempts refuse with that line before joining, so
+    training runs once and the bug is never run into again; a killed rank is restarted (above)."""
+    done = torchrun(shm_dir / "run", STEPS, 2, restarts=2, env={FAULT_ENV: PlantedDist.ERROR_IN_STEP})
+    assert done.returncode != 0
+    out = done.stdout + done.stderr
+    assert out.count("training from batch 0") == 1, out[-3000:]
+    assert "rank 1: RuntimeError: planted error in the step of batch 1\n" in out, out[-3000:]
+    # each of the 2 restarts: both ranks refuse with the same line, before joining
+    assert out.count("planted error in the step of batch 1 (an earlier attempt's error: not retried)") == 4, out[-3000:]
+
+
 @pytest.mark.slow
 def test_a_crash_during_the_group_recovery_is_repaired_by_recovering_again(reference, shm_dir):
     run = shm_dir / "run"

@@ -15,19 +15,25 @@ import os
 import shutil
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from cxltrain import knobs
 from cxltrain.devices.capacity import open_capacity
 from cxltrain.errors import PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
-from cxltrain.jobs.train import train
+from cxltrain.jobs.train import build_model, build_source, train, train_step
 from cxltrain.pool.handle import Pool
 from cxltrain.pool.info import inspect
-from cxltrain.runtime.runtime import export_state
+from cxltrain.runtime.group import join_group
+from cxltrain.runtime.group_recovery import roll_back_rank, snapshot_payload
+from cxltrain.runtime.recovery_point import AgreedMinimum
+from cxltrain.runtime.runtime import Runtime, export_state
 from helpers import assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
+TABLE = "embedding_bag_collection.embedding_bags.t0.weight"
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +189,42 @@ def test_the_crash_test_catches_cold_pages_never_synced(folders, reference):
     resumed = killed_and_resumed(*folders, f"{CrashPoint.COMMIT_AFTER_ROOT}:2", Planted.SKIP_CAPACITY_SYNC)
     with pytest.raises(AssertionError):
         assert_same_export(resumed, reference)
+
+
+def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:
+    """A one-rank group's pool set trained to `steps`, its ring keeping every batch since 0 (the
+    test never lets G move past the start)."""
+    model = build_model(CONFIG)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=CONFIG.dense_lr)
+    directory = os.path.join(fast, name)
+    join_group()
+    try:
+        point = AgreedMinimum(directory, 0, 1, {"run": name}, fresh=True)
+        os.makedirs(directory)
+        with Runtime(point.pool_path, model, dense_opt, capacity_pool=os.path.join(disk, f"{name}.cap"),
+                     recovery_point=point) as rt:
+            for batch in rt.batches(build_source(CONFIG).batch, stop=steps):
+                train_step(model, batch, [dense_opt], rt.batch)
+    finally:
+        dist.destroy_process_group()
+    return point.pool_path
+
+
+def test_a_rank_rolled_back_to_g_syncs_its_capacity_pools_before_the_root(folders, monkeypatch):
+    """The group's roll-back (a rank ahead of G takes G's dense state from another) is the one
+    roll-back: the restored cold rows are synced in the capacity pool before the root names G."""
+    behind, ahead = _rank_pool(*folders, "behind", steps=1), _rank_pool(*folders, "ahead", steps=3)
+    before = export_state(ahead)
+    events = []
+    monkeypatch.setattr(Pool, "drain_members", lambda pool, real=Pool.drain_members: (events.append("sync"),
+                                                                                         real(pool))[1])
+    monkeypatch.setattr(Pool, "commit", lambda pool, real=Pool.commit, **kw: (events.append("root"),
+                                                                                real(pool, **kw))[1])
+    target, restored = roll_back_rank(ahead, 1, snapshot_payload(behind))
+    monkeypatch.undo()
+    assert (target, restored) == (3, 4)  # two tables, batches 1 and 2
+    assert "sync" in events and events.index("sync") < events.index("root"), events
+    after, reference = export_state(ahead), export_state(behind)
+    assert after["batch"] == 1
+    assert not torch.equal(before["model"][TABLE], reference["model"][TABLE])
+    assert torch.equal(after["model"][TABLE], reference["model"][TABLE])

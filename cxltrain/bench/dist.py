@@ -19,6 +19,7 @@ import sys
 import tempfile
 
 from ..faults import CRASH_ENV, CRASH_RANK_ENV, CrashPoint
+from .records import DistRecovery, DistResults, DistRow, DistSteps
 
 RANKS = (1, 2, 4)
 
@@ -30,6 +31,7 @@ def model_options(quick: bool) -> list[str]:
 
 
 def _train(folder: str, ranks: int, options: list[str], env: dict | None = None, restarts: int = 0) -> dict:
+    """Rank 0's `train --json` (jobs/train.py TrainResult.to_json) of one run in a child."""
     command = [sys.executable, "-m", "cxltrain", "train", "--nproc-per-node", str(ranks), "--max-restarts",
                str(restarts), "--pool", folder, "--json", "--no-progress", *options]
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})})
@@ -39,37 +41,42 @@ def _train(folder: str, ranks: int, options: list[str], env: dict | None = None,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(quick: bool, log) -> dict:
+def _steps(summary: dict) -> DistSteps:
+    return DistSteps(ms_per_step=summary["split_ms"]["total"],
+                     bytes_exchanged_per_batch=summary["group"]["bytes_exchanged_per_batch"])
+
+
+def run(quick: bool, log) -> DistResults:
     base = os.environ.get("CXLTRAIN_POOL_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     scratch = tempfile.mkdtemp(prefix="cxltrain-dist-bench-", dir=base)
     options = model_options(quick)
     rows = []
     try:
         for ranks in RANKS:
-            row = {"ranks": ranks}
+            timed = {}
             for method in ("undo", "off"):
                 log(f"{ranks} rank(s), checkpoint {method}")
-                summary = _train(os.path.join(scratch, f"{ranks}-{method}"), ranks, [*options, "--checkpoint", method])
-                row[method] = {"ms_per_step": summary["ms_per_step_after_warmup"],
-                               "bytes_exchanged_per_batch": summary["bytes_exchanged_per_batch"]}
-            row["strict_overhead"] = row["undo"]["ms_per_step"] / row["off"]["ms_per_step"] - 1
-            rows.append(row)
+                timed[method] = _steps(_train(os.path.join(scratch, f"{ranks}-{method}"), ranks,
+                                              [*options, "--checkpoint", method]))
+            rows.append(DistRow(ranks, timed["undo"], timed["off"],
+                                strict_overhead=timed["undo"].ms_per_step / timed["off"].ms_per_step - 1))
         log("2 ranks, rank 1 killed between the ranks' commits, torchrun restarts the group")
         killed = _train(os.path.join(scratch, "killed"), 2, options, restarts=1,
                         env={CRASH_ENV: f"{CrashPoint.COMMIT_BEFORE_ROOT}:5", CRASH_RANK_ENV: "1"})
-        recovery = {"recovered_batch": killed["recovered_batch"], "seconds": killed["recovery_seconds"]}
+        recovery = DistRecovery(killed["recovered_batch"], killed["recovery_seconds"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {"options": options, "cores": os.cpu_count(), "runs": rows, "recovery": recovery}
+    return DistResults(options, os.cpu_count(), rows, recovery)
 
 
-def format_text(results: dict) -> str:
-    lines = [f"distributed, {' '.join(results['options'])}, {results['cores']} cores",
+def format_text(results: DistResults) -> str:
+    lines = [f"distributed, {' '.join(results.options)}, {results.cores} cores",
              f"{'ranks':>5} {'strict ms/step':>15} {'off ms/step':>12} {'overhead':>9} {'KiB exchanged/batch':>20}"]
-    for row in results["runs"]:
-        lines.append(f"{row['ranks']:>5} {row['undo']['ms_per_step']:>15.1f} {row['off']['ms_per_step']:>12.1f} "
-                     f"{row['strict_overhead']:>9.0%} {row['undo']['bytes_exchanged_per_batch'] / 1024:>20.1f}")
-    r = results["recovery"]
-    lines.append(f"group recovery after a kill (2 ranks): to batch {r['recovered_batch']} in {r['seconds'] * 1000:.0f} ms "
+    for row in results.runs:
+        exchanged = row.undo.bytes_exchanged_per_batch
+        lines.append(f"{row.ranks:>5} {row.undo.ms_per_step:>15.1f} {row.off.ms_per_step:>12.1f} "
+                     f"{row.strict_overhead:>9.0%} {'-' if exchanged is None else f'{exchanged / 1024:.1f}':>20}")
+    r = results.recovery
+    lines.append(f"group recovery after a kill (2 ranks): to batch {r.recovered_batch} in {r.seconds * 1000:.0f} ms "
                  "(rank 0, once every rank has started: agreeing on G, rolling back, resuming)")
     return "\n".join(lines)

@@ -170,3 +170,42 @@ class Bandwidth(Record):
         threads = fields["threads"]
         rest = {k: v for k, v in fields.items() if k != f"torch_{threads}_threads_gbps"}
         return cls(**rest, torch_gbps=fields[f"torch_{threads}_threads_gbps"])
+
+
+# ---------------------------------------------------------------------------------------------
+# `cxltrain bench --dist` (dist.py): rank 0's view of distributed `cxltrain train` runs
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class DistSteps(Record):
+    """One distributed run's timed steps."""
+
+    ms_per_step: float                          # mean, after the warm-up
+    bytes_exchanged_per_batch: float | None     # every rank's sends to the others (None: no timed batch)
+
+
+@dataclasses.dataclass
+class DistRow(Record):
+    """One world size, every batch durable (undo) and checkpointing off, side by side."""
+
+    ranks: int
+    undo: DistSteps
+    off: DistSteps
+    strict_overhead: float                      # undo / off - 1
+
+
+@dataclasses.dataclass
+class DistRecovery(Record):
+    """The group's recovery after a kill, as rank 0 timed it."""
+
+    recovered_batch: int | None
+    seconds: float
+
+
+@dataclasses.dataclass
+class DistResults(Record):
+    """What `cxltrain bench --dist` measured."""
+
+    options: list[str]                          # the `train` options of every run
+    cores: int | None
+    runs: list[DistRow]
+    recovery: DistRecovery

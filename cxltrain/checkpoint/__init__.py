@@ -12,7 +12,8 @@
     ordering.py      the protocol's orderings as a strategy (a planted bug is another strategy)
     stats.py         the checkpointer's running totals
     worker.py        where its jobs run: one background thread (the pipeline), or inline
-    recovery.py      rolling a pool back to its last committed batch
+    recovery.py      the one roll-back of every recovery: a pool back to a committed batch
+    new_pool.py      the first commit of a pool whose tables were just written
     offline.py       `recover` and `pool check` on a pool path, without importing torch
 
 The public names are imported lazily: recovery's modules (recovery, ring, slots, layout, offline)
@@ -26,9 +27,11 @@ import importlib
 _EXPORTS = {
     "Checkpointer": "checkpointer",
     "BatchGuard": "guard", "GuardState": "guard", "NoCheckpoint": "guard",
-    "RecoveryReport": "recovery", "has_checkpoint": "recovery", "recover": "recovery", "verify": "recovery",
+    "RecoveryReport": "recovery", "has_checkpoint": "recovery", "recover": "recovery", "roll_back": "recovery",
+    "verify": "recovery",
     "LoggedTable": "seam", "TableGuard": "seam",
     "CheckpointStats": "stats",
+    "first_commit": "new_pool",
 }
 __all__ = sorted(_EXPORTS)
 

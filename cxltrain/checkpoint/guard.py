@@ -22,6 +22,7 @@ import torch
 from ..errors import CheckpointError
 from ..pool.handle import Pool
 from . import dense
+from .new_pool import first_commit
 from .seam import LoggedTable
 from .stats import CheckpointStats
 
@@ -39,6 +40,7 @@ class BatchGuard(abc.ABC):
     Attaches itself to `tables` (their `checkpointer`) until detach()."""
 
     stats: CheckpointStats | None = None  # the checkpointer's totals; None without one
+    agreed: int | None = None             # a group's last agreed recovery point G; None in one process
 
     def __init__(self, pool: Pool, tables: list[LoggedTable]) -> None:
         self.pool, self.tables = pool, tables
@@ -65,6 +67,18 @@ class BatchGuard(abc.ABC):
     def next_batch(self) -> int:
         """The batch that begins next: batches done so far."""
         return self._next
+
+    @property
+    def durable(self) -> int:
+        """The batch count the durable root names: what this process offers when a group agrees on
+        G. Without an undo log nothing is durable before finish(), so the batch it is at: it never
+        holds the group's G back."""
+        return self._batch if self._batch is not None else self._next
+
+    def agree(self, target: int) -> None:
+        """G, agreed by every rank of a group: commits handed over from now on keep the undo records
+        of batches >= G (U3b); a guard without an undo log keeps none."""
+        self.agreed = target
 
     def begin_batch(self, batch: int) -> None:
         if self.state is GuardState.IDLE and batch != self._next:
@@ -172,7 +186,4 @@ class NoCheckpoint(BatchGuard):
             return
         for table in self.tables:
             table.persist()
-        slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, done, self.dense_state.capture(done))
-        # ORDERING: every table region and the snapshot are durable before the root names them
-        pool.commit(batches_done=done, dense_slot=slot, dense_batch=done)
+        first_commit(pool, done, self.dense_state.capture(done))

@@ -4,6 +4,7 @@
     report.batch                        # batches the recovered embeddings have seen
     report.dense_lag                    # batches the dense snapshot is older by (0 unless relaxed mode)
     verify(pool)                        # recovery's checks alone, writing nothing (`pool check`)
+    roll_back(pool, g, live)            # the step every recovery shares (a group's rank: to G)
 
 Order: validate everything (root, every live undo record and the dense snapshot the root names)
 before the first write; restore the records whose batch is >= the target, newest first; persist;
@@ -86,7 +87,21 @@ def recover(pool: Pool, snapshot: dict | None = None, *, decode: bool = True) ->
     started = time.perf_counter()
     live, snapshot = verify(pool, snapshot, decode=decode)  # every check before the first write
     root = pool.root
-    rollback = [record for record in live if record.header.batch >= root.batches_done]
+    rollback, generation = roll_back(pool, root.batches_done, live)
+    report = RecoveryReport(root.batches_done, root.dense_batch, len(rollback), len({r.header.batch for r in rollback}),
+                            sum(r.header.count for r in rollback), generation, time.perf_counter() - started)
+    return report, snapshot
+
+
+def roll_back(pool: Pool, target: int, live: list[ring.ScannedRecord], *, dense_slot: int | None = None,
+              before_root: CrashPoint = CrashPoint.RECOVER_BEFORE_ROOT) -> tuple[list[ring.ScannedRecord], int]:
+    """The one roll-back of every recovery (one process, a group's rank, `cxltrain recover`): restore
+    the `live` records (verify's, already checked) of batches >= `target`, newest first, make them
+    durable in the primary and its capacity pools, then write a fresh root naming `target` and a
+    new ring generation. dense_slot: a slot the caller has just made durable with the snapshot at
+    `target` (a rank rolled back past its own snapshot), named by that root; None keeps the root's.
+    Returns (the records restored, oldest first; the new ring generation)."""
+    rollback = [record for record in live if record.header.batch >= target]
     ring_region = pool.region(layout.RING_REGION)
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win
         ring.restore(pool, ring_region, record)
@@ -94,11 +109,10 @@ def recover(pool: Pool, snapshot: dict | None = None, *, decode: bool = True) ->
             crash_point(CrashPoint.RECOVER_MID)  # one record restored, more to go
     pool.device.drain()
     pool.drain_members()  # a pool set's capacity pools: restored cold rows synced
-    crash_point(CrashPoint.RECOVER_BEFORE_ROOT)
-    generation = root.ring_generation + 1
-    # ORDERING: the restored rows are durable before the root that retires the records they came
-    # from (a new generation: they can never be live again).
-    pool.commit(batches_done=root.batches_done, ring_generation=generation, ring_start=0, ring_start_seq=0)
-    report = RecoveryReport(root.batches_done, root.dense_batch, len(rollback), len({r.header.batch for r in rollback}),
-                            sum(r.header.count for r in rollback), generation, time.perf_counter() - started)
-    return report, snapshot
+    crash_point(before_root)
+    generation = pool.root.ring_generation + 1
+    dense = {} if dense_slot is None else {"dense_slot": dense_slot, "dense_batch": target}
+    # ORDERING: the restored rows (and the snapshot at the target) are durable before the root that
+    # retires the records they came from (a new generation: they can never be live again).
+    pool.commit(batches_done=target, ring_generation=generation, ring_start=0, ring_start_seq=0, **dense)
+    return rollback, generation

@@ -53,17 +53,18 @@ def run_train(args, argv: list[str]) -> int:
 
     if args.nproc_per_node == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         _launch_checks(args, 1)  # one rank runs in this process: no launcher, no port
-    summary = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,
-                       progress=not args.no_progress)
-    if summary["rank"] == 0:
-        if summary["steps"]:
-            print(f"trained batches {summary['start_batch']}-{summary['batch'] - 1} on {summary['world_size']} rank(s) "
-                  f"in {summary['seconds']:.1f} s ({summary['ms_per_step']:.1f} ms a step, "
-                  f"{summary['bytes_sent_per_batch'] / 1024:.1f} KiB sent per batch by rank 0); "
-                  f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}")
-        print(f"every rank's pool is committed at batch {summary['batch']} ({args.pool})")
+    result = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,
+                      progress=not args.no_progress)
+    progress, group = result.progress, result.group
+    if group.rank == 0:
+        if progress.steps:
+            print(f"trained batches {progress.start_batch}-{progress.batch - 1} on {group.world_size} rank(s) "
+                  f"in {result.timings.seconds:.1f} s ({result.timings.seconds * 1000 / progress.steps:.1f} ms a "
+                  f"step, {group.bytes_sent_per_batch / 1024:.1f} KiB sent per batch by rank 0); "
+                  f"loss {result.quality.first_loss:.4f} -> {result.quality.final_loss:.4f}")
+        print(f"every rank's pool is committed at batch {progress.batch} ({args.pool})")
         if args.json:
-            print(json.dumps(summary))
+            print(json.dumps(result.to_json()))
     return 0
 
 
@@ -202,5 +203,5 @@ def run_bench(args) -> int:
     results = run(args.quick, log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
     print(format_text(results))
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(results.to_json()))
     return 0

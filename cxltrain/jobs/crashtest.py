@@ -163,7 +163,7 @@ class References:
     @functools.lru_cache(maxsize=None)
     def __call__(self, batches: int) -> dict:
         from ..runtime.runtime import Runtime, export_state
-        from .train import build_model, train, undo_ring_bytes
+        from .train import build_model, train
 
         path = os.path.join(self.folder, f"reference-{batches}.pool")
         if batches:
@@ -174,7 +174,7 @@ class References:
             model = build_model(self.config)
             optimizer = torch.optim.Adam(model.dense_parameters(), lr=self.config.dense_lr)
             with Runtime(path, model, optimizer, metadata=self.config.run_metadata(),
-                         undo_ring_bytes=undo_ring_bytes(self.config, model)):
+                         rows_per_batch=self.config.batch_size * self.config.pooling):
                 pass
         state = export_state(path)
         os.unlink(path)

@@ -22,13 +22,14 @@ import shutil
 import numpy as np
 import torch
 
-from ..checkpoint import dense
+from ..checkpoint import dense, first_commit
 from ..errors import ConfigError
 from ..placement.sharding import DATA_PARALLEL, ShardingPlan
 from ..pool.handle import Pool, publish
 from ..runtime import manifest as run_dir
 from ..runtime.group_recovery import recover_dir
 from ..runtime.interop import DLRM_COLLECTION
+from ..runtime.recovery_point import AgreedMinimum
 from ..tables.bag import region_names
 from .config import TrainConfig
 from .sharded_settings import check_config, plan_for, settings_for
@@ -91,7 +92,7 @@ def import_state(source: str, directory: str, config: TrainConfig, world_size: i
     try:
         run_dir.write(directory, m)
         for rank in range(world_size):
-            _write_rank(state, config, plan, directory, rank, m["run"], batch)
+            _write_rank(state, config, plan, directory, rank, m, batch)
         run_dir.write(directory, {**m, "state": run_dir.CREATED})
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)  # nothing half-made is left behind
@@ -117,10 +118,10 @@ def _check_fits(state, config: TrainConfig, plan: ShardingPlan, source: str) -> 
     return batch
 
 
-def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, rank: int, run_id: str,
+def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, rank: int, manifest: dict,
                 batch: int) -> None:
     seed_everything(config.seed)  # the global RNG states a start has
-    model, dense_opt, rt = build(config, plan, rank, {"dir": directory, "run": run_id, "rank": rank})
+    model, dense_opt, rt = build(config, plan, AgreedMinimum(directory, rank, plan.world_size, manifest, fresh=True))
     try:
         model.dense.load_state_dict({k: v for k, v in state["model"].items() if not _is_table_key(k)})
         dense_opt.load_state_dict(state["optimizers"][0])
@@ -130,7 +131,7 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
     path = run_dir.pool_path(directory, rank)
     pool = Pool.create(path + ".creating", rt.pool_bytes())
     try:
-        pool.add_regions(rt._table_specs() + rt._specs())
+        pool.add_regions(rt.new_pool_regions())
         for t, shard in zip(model.table_index, model.shards):
             shard.attach(pool, initialize=False)
             lo, hi = plan.rows_of(t, rank)
@@ -140,11 +141,8 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
                 if opt_state is not None:
                     opt_state.copy_(_table_tensor(state["model"], t, "optimizer_state")[lo:hi])
             shard.persist()
-        rt._state.metadata["agreed"] = batch
-        dense.write_snapshot(pool, 1, batch, rt._state.capture(batch))
-        # ORDERING: the tables and the snapshot are durable before the root names them
-        pool.commit(batches_done=batch, ring_generation=1, ring_start=0, ring_start_seq=0, dense_slot=1,
-                    dense_batch=batch)
+        rt.agree(batch)
+        first_commit(pool, batch, rt.dense_state.capture(batch))
         publish(pool, path)
     except BaseException:
         pool.close()

@@ -4,7 +4,7 @@
     cxltrain train --nproc-per-node 2 --pool DIR ...     # the same, through torch.distributed.run
 
 Start: the manifest is checked (another world size, plan or settings is refused on every rank,
-nothing written), the ranks agree on G and roll back to it (recovery.py), then train from G to
+nothing written), the ranks agree on G and roll back to it (recovery_point.py), then train from G to
 --steps: every global batch is split into equal slices, one per rank; the sparse half goes through
 the exchange (exchange.py), the dense half under DistributedDataParallel; each rank commits its
 own pool per batch, the G all-reduce riding on the step's first all-to-all.
@@ -21,48 +21,29 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.layout import record_bytes
 from ..errors import CxlTrainError, NonFiniteError
-from ..faults import CrashPoint, crash_point
+from ..faults import CrashPoint, PlantedDist, crash_point, planted
 from ..knobs import KNOBS
 from ..models.exchange import Comm, SparseExchange, local_slice
 from ..models.sharded import RankModel
 from ..placement.sharding import ShardingPlan
-from ..runtime import manifest as run_dir
-from ..runtime.group import DEFAULT_TIMEOUT_S, join_group, open_run_dir
-from ..runtime.group_recovery import recover_group
-from ..runtime.group_runtime import DistRuntime
+from ..runtime.group import DEFAULT_TIMEOUT_S, PeerLost, end_without_restart, join_group, open_run_dir, peer_lost
+from ..runtime.recovery_point import AgreedMinimum
+from ..runtime.runtime import Runtime
 from .config import TrainConfig
+from .data_source import training_data
 from .sharded_settings import check_config, plan_for, settings_for
-from .train import build_source
-
-WARMUP_STEPS = 3  # left out of the timed steps (first-touch page faults, DDP's bucket rebuild)
-MIN_RING_BYTES = 4 << 20
+from .train import GroupFacts, TrainResult, run_steps
 
 
-class PeerLost(CxlTrainError):
-    """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs."""
-
-
-def ring_bytes(config: TrainConfig, model: RankModel) -> int:
-    """Room for the records of the batches between the agreed G and this rank's commits: a few
-    more than a single process keeps (G trails the local commits by a batch or two)."""
-    largest = 0
-    for shard in model.shards:
-        rows = min(shard.num_embeddings, config.batch_size * config.pooling)
-        spec = shard.region_specs()[0]
-        largest += record_bytes(rows, spec.row_stride(KNOBS.row_align), shard.optimizer.state_columns * 4)
-    return KNOBS.undo_ring_bytes or max(MIN_RING_BYTES, (min(config.dense_every, 4) + 4) * largest)
-
-
-def build(config: TrainConfig, plan: ShardingPlan, rank: int, run_metadata: dict):
-    model = RankModel(plan, rank, dim=config.dim, bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
+def build(config: TrainConfig, plan: ShardingPlan, point: AgreedMinimum):
+    """This rank's model, dense optimizer and Runtime (its recovery point: the group's G)."""
+    model = RankModel(plan, point.rank, dim=config.dim, bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
                       sparse_lr=config.sparse_lr, seed=config.seed)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
-    rt = DistRuntime(run_dir.pool_path(run_metadata["dir"], rank), model, dense_opt,
-                     run_metadata={k: v for k, v in run_metadata.items() if k != "dir"},
-                     checkpoint=config.checkpoint, dense_every=config.dense_every, pipeline=config.pipeline,
-                     background_capture=config.background_capture, undo_ring_bytes=ring_bytes(config, model))
+    rt = Runtime(point.pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
+                 pipeline=config.pipeline, background_capture=config.background_capture,
+                 rows_per_batch=config.batch_size * config.pooling, recovery_point=point)
     return model, dense_opt, rt
 
 
@@ -80,51 +61,53 @@ def start_run_dir(directory: str, config: TrainConfig, sharding: str, rank: int,
 
 
 def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-             progress: bool = True) -> dict:
+             progress: bool = True) -> TrainResult:
     """Train this rank (RANK, WORLD_SIZE and the rendezvous from torchrun's environment); returns
-    rank 0's summary (every rank returns its own)."""
+    what this rank did and measured (its `group` says which rank it is)."""
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
     join_group(timeout_s)
     try:
         return _run(config, directory, sharding, rank, world_size, progress)
-    except (RuntimeError, dist.DistBackendError) as e:
-        if isinstance(e, NonFiniteError):
-            raise
+    except Exception as e:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — torchrun "
-                       "restarts the group, which recovers to the agreed batch") from None
+        if peer_lost(e):
+            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — torchrun "
+                           "restarts the group, which recovers to the agreed batch") from None
+        # a restart would only run into it again: the group ends here, with this line
+        failure = e if isinstance(e, CxlTrainError) else CxlTrainError(f"rank {rank}: {type(e).__name__}: {line[:200]}")
+        end_without_restart(str(failure))
+        raise failure from None
     finally:
         dist.destroy_process_group()
 
 
-def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int, progress: bool) -> dict:
+def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int,
+         progress: bool) -> TrainResult:
     torch.set_num_threads(KNOBS.threads)
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
     plan = ShardingPlan.from_json(m["plan"])
     if rank == 0:
         print(plan.describe(), flush=True)
-    model, dense_opt, rt = build(config, plan, rank, {"dir": directory, "run": m["run"], "rank": rank})
+    point = AgreedMinimum(directory, rank, world_size, m, fresh)
+    model, dense_opt, rt = build(config, plan, point)
     comm = Comm(rank, world_size)
     dist.barrier()  # the recovery's time starts once every rank is here, not at the first one's start
     started = time.perf_counter()
-    recovered = None if fresh else recover_group(directory, rank, world_size, m["run"])
-    with rt:
+    with rt:  # every rank agrees on G and rolls back to it first (recovery_point.py)
         recovery_seconds = time.perf_counter() - started
-        if fresh:
-            dist.barrier()
-            if rank == 0:
-                run_dir.write(directory, {**m, "state": run_dir.CREATED})
+        recovered = point.recovered
         if rank == 0:
             where = (f"recovered every rank to batch {recovered.batch} in {recovery_seconds * 1000:.0f} ms "
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
                      if recovered else "training from batch 0")
             print(f"{world_size} rank(s): {where}", flush=True)
-        summary = _train_loop(config, plan, model, dense_opt, rt, comm, world_size)
-    summary.update(rank=rank, world_size=world_size, recovered_batch=None if recovered is None else recovered.batch,
-                   recovery_seconds=recovery_seconds if recovered else 0.0, batch=rt.batch, dir=directory)
-    return summary
+        step = ShardedStep(plan, model, dense_opt, rt, comm, config.batch_size, directory)
+        result = run_steps(config, step, training_data(config), rt, progress and rank == 0)
+    # the group's recovery: from every rank being here to every rank at G, agreement included
+    result.progress.recovery_seconds = recovery_seconds if recovered else 0.0
+    return result
 
 
 def _ordered_mean_hook(world_size: int):
@@ -149,48 +132,69 @@ def _ordered_mean_hook(world_size: int):
     return hook
 
 
-def _train_loop(config, plan, model: RankModel, dense_opt, rt: DistRuntime, comm: Comm, world_size: int) -> dict:
-    dense = model.dense
-    if world_size > 1:
-        dense = torch.nn.parallel.DistributedDataParallel(model.dense)
-        dense.register_comm_hook(None, _ordered_mean_hook(world_size))
-    source = build_source(config)
-    exchange = SparseExchange(plan, model, comm, config.batch_size)
-    first, losses = rt.start_batch, []
-    agreed = rt.start_batch
-    loop_start = time.perf_counter()
-    timed_from, timed_start = first + WARMUP_STEPS, None
-    for batch in rt.batches(source.batch, stop=config.steps):
-        b = rt.batch
-        if b == timed_from:
-            timed_start, timed_bytes = time.perf_counter(), comm.bytes_sent
-        local = local_slice(batch, world_size, comm.rank)
-        if rt.durable_target > agreed:
+class ShardedStep:
+    """The step of one rank (train.run_steps drives it): its slice of the batch, the sparse half
+    through the exchange (which carries the agreement on G), the dense half under
+    DistributedDataParallel, each rank updating its own shards."""
+
+    def __init__(self, plan: ShardingPlan, model: RankModel, dense_opt, rt: Runtime, comm: Comm, batch_size: int,
+                 directory: str) -> None:
+        self.model, self.dense_opt, self.rt, self.comm, self.directory = model, dense_opt, rt, comm, directory
+        self.dense = model.dense
+        if comm.world_size > 1:
+            self.dense = torch.nn.parallel.DistributedDataParallel(model.dense)
+            self.dense.register_comm_hook(None, _ordered_mean_hook(comm.world_size))
+        self.exchange = SparseExchange(plan, model, comm, batch_size)
+        self.agreed = rt.start_batch
+        self.first = rt.start_batch
+        self.timed_bytes: int | None = None  # what this rank had sent when the timed batches began
+
+    @property
+    def tables(self) -> list:
+        """This rank's shards."""
+        return list(self.model.shards)
+
+    @property
+    def forward_seconds(self) -> float:
+        """Lookups are inside the exchange, not timed apart."""
+        return 0.0
+
+    def __call__(self, batch, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [B_r], labels [B_r], loss) of this rank's slice of batch `b`, its updates done."""
+        rt, comm = self.rt, self.comm
+        local = local_slice(batch, comm.world_size, comm.rank)
+        if rt.durable_target > self.agreed:
             crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
-        embedded, agreed = exchange.forward(local, rt.durable_target)
-        rt.agree(agreed)
-        logits = dense(local.dense, embedded)
+        embedded, self.agreed = self.exchange.forward(local, rt.durable_target)
+        rt.agree(self.agreed)
+        if planted(PlantedDist.ERROR_IN_STEP) and b == self.first + 1 and comm.rank == comm.world_size - 1:
+            raise RuntimeError(f"planted error in the step of batch {b}")
+        logits = self.dense(local.dense, embedded)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, local.labels)
         if not bool(torch.isfinite(loss)):
             raise NonFiniteError(f"rank {comm.rank}, batch {b}: the loss is {loss.item()}; stopped before its backward")
         loss.backward()
-        dense_opt.step()
-        dense_opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    rt.wait_durable()
-    seconds = time.perf_counter() - loop_start
-    steps = max(0, config.steps - first)
-    timed = config.steps - timed_from
-    sent = torch.tensor([float(comm.bytes_sent - (timed_bytes if timed_start else 0))])
-    dist.all_reduce(sent)  # what every rank sent to the others, in the timed batches
-    stats = rt.stats
-    return {"steps": steps, "start_batch": first, "seconds": seconds,
-            "ms_per_step": seconds * 1000 / steps if steps else 0.0,
-            "ms_per_step_after_warmup": (time.perf_counter() - timed_start) * 1000 / timed if timed_start else None,
-            "bytes_exchanged_per_batch": float(sent[0]) / timed if timed_start else None,
-            "first_loss": losses[0] if losses else None, "final_loss": losses[-1] if losses else None,
-            "bytes_sent_per_batch": comm.bytes_sent / steps if steps else 0.0,
-            "checkpoint_stats": None if stats is None else stats.to_json()}
+        self.dense_opt.step()
+        self.dense_opt.zero_grad(set_to_none=True)
+        return logits, local.labels, loss
+
+    def timing_started(self) -> None:
+        self.timed_bytes = self.comm.bytes_sent
+
+    def evaluate(self, source, indices: range) -> tuple[None, None]:
+        """No held-out evaluation across ranks yet."""
+        return None, None
+
+    def group_facts(self, timed_steps: int) -> GroupFacts:
+        """Collective: every rank's bytes sent in the timed batches are summed."""
+        comm = self.comm
+        sent = torch.tensor([float(comm.bytes_sent - (self.timed_bytes or 0))])
+        dist.all_reduce(sent)  # what every rank sent to the others, in the timed batches
+        steps = self.rt.batch - self.first
+        return GroupFacts(rank=comm.rank, world_size=comm.world_size, dir=self.directory,
+                          bytes_exchanged_per_batch=float(sent[0]) / timed_steps
+                          if self.timed_bytes is not None and timed_steps > 0 else None,
+                          bytes_sent_per_batch=comm.bytes_sent / steps if steps else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

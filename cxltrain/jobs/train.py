@@ -3,6 +3,10 @@
     result = train(TrainConfig(steps=200, rows=100_000))
     print(result.timings.steps_per_s, result.quality.eval_auc)
 
+The training loop (run_steps) is the one loop of every run: it drives a step, a LocalStep here (the
+whole batch through the DLRM) or a sharded step (sharded_train.py: one rank's slice, the exchange),
+and does the rest alike: progress, metrics, warm-up, timing, evaluation and the TrainResult.
+
 The loop runs inside a `cxltrain.Runtime`: with `checkpoint="undo"` (the default) every batch is
 durable, and running again on the same pool after a crash recovers the last committed batch and
 resumes from there, bit for bit. With `checkpoint="off"` the pool is made consistent only when the
@@ -20,7 +24,6 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from ..checkpoint.layout import record_bytes
 from ..data.batch import BatchSource
 from ..data.prefetch import Prefetcher
 from ..devices import DeviceCounters
@@ -29,17 +32,15 @@ from ..knobs import KNOBS
 from ..models import DLRM
 from ..models.metrics import logloss, roc_auc
 from ..runtime.runtime import Runtime
-from ..tables import cache as hot_cache
 from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
 from .metrics_log import MetricsLog
 from .planning import plan_and_hot_rows
 
-# Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up).
+# Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up,
+# DDP's bucket rebuild).
 WARMUP_STEPS = 5
-# The smallest undo ring `train` gives a pool.
-MIN_UNDO_RING_BYTES = 8 << 20
 
 
 @dataclasses.dataclass
@@ -105,17 +106,31 @@ class PoolUse:
 
 
 @dataclasses.dataclass
+class GroupFacts:
+    """What only a run of several ranks has (this rank's view; None for one process)."""
+
+    rank: int
+    world_size: int
+    dir: str                           # the run's directory (one pool per rank, the manifest)
+    bytes_exchanged_per_batch: float | None  # every rank's sends to the others, timed batches (None: none timed)
+    bytes_sent_per_batch: float        # this rank's sends to the others, every batch
+
+
+@dataclasses.dataclass
 class TrainResult:
-    """What `train` did and measured, grouped; `to_json()` is the flat `cxltrain train --json`."""
+    """What a training run did and measured, grouped; `to_json()` is the flat `cxltrain train
+    --json`, one schema for one process and for a rank of many (`group` None for one process)."""
 
     pool: PoolUse
     progress: RunProgress
     timings: RunTimings
     quality: ModelQuality
     checkpoint: CheckpointSummary
+    group: GroupFacts | None = None
 
     def to_json(self) -> dict:
-        """The flat layout `--json` has always printed: same keys, same order."""
+        """The flat layout `--json` prints: the keys a single process has always printed, in
+        their order, then "group" (null for one process; see docs/distributed.md)."""
         pool, progress, timings, quality, checkpoint = (self.pool, self.progress, self.timings, self.quality,
                                                          self.checkpoint)
         return {"pool": pool.path, "device": pool.device, "batch": progress.batch, "steps": progress.steps,
@@ -127,7 +142,8 @@ class TrainResult:
                 "pipeline": checkpoint.pipeline, "background_capture": checkpoint.background_capture,
                 "recovered_batch": progress.recovered_batch, "recovery_seconds": progress.recovery_seconds,
                 "checkpoint_stats": checkpoint.stats, "device_model": pool.device_model,
-                "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks}
+                "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks,
+                "group": None if self.group is None else dataclasses.asdict(self.group)}
 
 
 def build_model(config: TrainConfig) -> DLRM:
@@ -141,29 +157,6 @@ def build_source(config: TrainConfig) -> BatchSource:
     return training_data(config).train
 
 
-def undo_ring_bytes(config: TrainConfig, model: DLRM, hot_rows: dict | None = None) -> int:
-    """Ring room for a few of the largest batches this config can make (each table's rows: at most
-    batch_size x pooling, at most the table; a cached table's slots twice more: the admission's
-    record and the hits' in the first batch, and its evicted rows once more when it re-places): a
-    commit reclaims them every dense_every batches.
-    The `undo_ring_bytes` knob, when set, decides instead."""
-    if KNOBS.undo_ring_bytes:
-        return KNOBS.undo_ring_bytes
-    rows = min(max(config.rows_per_table()), config.batch_size * config.pooling)
-    largest = sum(record_bytes(rows, spec.row_stride(KNOBS.row_align),
-                               table.optimizer.state_columns * 4)
-                  for table in model.tables for spec in table.region_specs()[:1])
-    for table in model.tables:
-        if table.name in (hot_rows or {}):
-            slots = len(hot_rows[table.name])
-            spec = hot_cache.region_specs(table, slots)[0]
-            largest += 2 * record_bytes(slots, spec.row_stride(KNOBS.row_align),
-                                        (table.optimizer.state_columns + hot_cache.MAP_COLUMNS) * 4)
-            if config.cache_replace_every:  # and a re-placing batch's evicted capacity rows
-                largest += record_bytes(slots, spec.row_stride(KNOBS.row_align), table.optimizer.state_columns * 4)
-    return max(MIN_UNDO_RING_BYTES, (min(config.dense_every, 4) + 1) * largest)
-
-
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                  source: BatchSource | None = None) -> Runtime:
     metadata = config.run_metadata(getattr(source, "fingerprint", None))
@@ -173,7 +166,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, metadata=metadata,
-                   undo_ring_bytes=undo_ring_bytes(config, model, hot_rows), discard_checkpoint=config.discard_checkpoint,
+                   rows_per_batch=config.batch_size * config.pooling, discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
                    prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
                    hot_rows=hot_rows, cache_replace_every=config.cache_replace_every)
@@ -203,7 +196,7 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     with make_runtime(config, model, dense_opt, pool_path, source) as rt:
         if on_ready is not None:
             on_ready(rt)
-        result = _run(config, model, data, rt, progress, stop)
+        result = run_steps(config, LocalStep(model, rt.optimizers), data, rt, progress, stop)
     if result is None:  # after the block: its normal exit has committed the batches done
         raise TrainingStopped(f"stopped by SIGTERM at a batch boundary; {rt.path} is committed at batch "
                               f"{rt.batch} (run the same command to resume)")
@@ -225,8 +218,42 @@ def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, to
     return logits, loss
 
 
-def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, progress: bool,
-         stop: threading.Event | None = None) -> TrainResult | None:
+class LocalStep:
+    """The step of one process: the whole batch through the DLRM (train_step)."""
+
+    def __init__(self, model: DLRM, optimizers) -> None:
+        self.model, self.optimizers = model, optimizers
+
+    @property
+    def tables(self) -> list:
+        """The tables this process updates."""
+        return self.model.tables
+
+    @property
+    def forward_seconds(self) -> float:
+        """Wall seconds spent in table lookups so far."""
+        return self.model.embedding_forward_seconds
+
+    def __call__(self, batch, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits [B], labels [B], loss) of batch `b`, its updates done."""
+        logits, loss = train_step(self.model, batch, self.optimizers, b)
+        return logits, batch.labels, loss
+
+    def timing_started(self) -> None:
+        """The timed batches begin (after the warm-up)."""
+
+    def evaluate(self, source: BatchSource, indices: range) -> tuple[float | None, float | None]:
+        return evaluate(self.model, source, indices)
+
+    def group_facts(self, timed_steps: int) -> GroupFacts | None:
+        return None
+
+
+def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progress: bool,
+              stop: threading.Event | None = None) -> TrainResult | None:
+    """The training loop: `step` (LocalStep, or sharded_train.ShardedStep) on every batch from
+    rt.start_batch to config.steps; None when `stop` ended it early (the batches done are
+    committed when the Runtime's block exits)."""
     source = data.train
     first = rt.start_batch
     steps = max(0, config.steps - first)
@@ -234,7 +261,7 @@ def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, prog
     losses: list[float] = []
     tail_logits, tail_labels = [], []
     timed_from = first + (WARMUP_STEPS if steps > WARMUP_STEPS else 0)
-    clock = _StepClock(model, rt)
+    clock = _StepClock(step, rt)
 
     prefetcher = Prefetcher(source, first, config.steps, config.prefetch) if config.prefetch else None
     metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data)
@@ -257,7 +284,7 @@ def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, prog
             if stop is not None and stop.is_set():
                 bar.close()
                 return None  # before the batch touches anything: the Runtime drops it, commits the rest
-            _step(config, model, data, rt, batch, clock, timed_from, tail, losses, tail_logits, tail_labels, metrics)
+            _step(config, step, data, rt, batch, clock, timed_from, tail, losses, tail_logits, tail_labels, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
     finally:
@@ -269,12 +296,12 @@ def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, prog
     device_work = device.counters - device_before
     bar.close()
 
-    eval_auc, eval_loss = evaluate(model, data.evaluation, data.heldout)
-    rows_updated = sum(t.stats.rows_updated for t in model.tables) / steps if steps else 0.0
+    eval_auc, eval_loss = step.evaluate(data.evaluation, data.heldout)
+    rows_updated = sum(t.stats.rows_updated for t in step.tables) / steps if steps else 0.0
     stats = rt.stats
     return TrainResult(
         pool=PoolUse(path=rt.path, device=device.kind, rows_updated_per_batch=rows_updated,
-                     device_model=device.model, cost_model=modelled_costs(model, rt, steps, device_work),
+                     device_model=device.model, cost_model=modelled_costs(step.tables, rt, steps, device_work),
                      early_writebacks=None if device.evictor is None else device.evictor.lines_written),
         progress=RunProgress(batch=rt.batch, steps=steps, start_batch=first, restarted=rt.restarted,
                              recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds),
@@ -285,22 +312,25 @@ def _run(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, prog
                              eval_auc=eval_auc, eval_logloss=eval_loss),
         checkpoint=CheckpointSummary(method=config.checkpoint, mode=config.mode, pipeline=config.pipeline,
                                      background_capture=config.background_capture and config.pipeline,
-                                     stats=None if stats is None else stats.to_json()))
+                                     stats=None if stats is None else stats.to_json()),
+        group=step.group_facts(config.steps - timed_from))
 
-def _step(config: TrainConfig, model: DLRM, data: TrainingData, rt: Runtime, batch, clock, timed_from: int,
+
+def _step(config: TrainConfig, step, data: TrainingData, rt: Runtime, batch, clock, timed_from: int,
           tail: int, losses: list, tail_logits: list, tail_labels: list, metrics: MetricsLog) -> None:
     """One training step of the loop, and what it records; every eval_every steps, an evaluation."""
     b = rt.batch
     if b == timed_from:
         clock.start()
-    logits, loss = train_step(model, batch, rt.optimizers, b)
+        step.timing_started()
+    logits, labels, loss = step(batch, b)
     losses.append(loss.item())
     if b >= config.steps - tail:
         tail_logits.append(logits.detach())
-        tail_labels.append(batch.labels)
+        tail_labels.append(labels)
     evaluated = None
     if config.eval_every and (b + 1) % config.eval_every == 0:
-        evaluated = evaluate(model, data.evaluation, data.heldout)   # reads the tables, writes nothing
+        evaluated = step.evaluate(data.evaluation, data.heldout)   # reads the tables, writes nothing
     metrics.step(b, losses[-1], evaluated)
 
 
@@ -308,14 +338,14 @@ class _StepClock:
     """Splits the wall time of the timed batches: data, embedding lookups, embedding updates,
     checkpointing (undo capture + commits), and the rest (MLPs, dense optimizer)."""
 
-    def __init__(self, model: DLRM, rt: Runtime) -> None:
-        self.model, self.rt = model, rt
+    def __init__(self, step, rt: Runtime) -> None:
+        self.step, self.rt = step, rt
         self.data = 0.0
         self.started: float | None = None
 
     def _totals(self) -> tuple[float, ...]:
         stats = self.rt.stats
-        return (self.model.embedding_forward_seconds, sum(t.stats.update_seconds for t in self.model.tables),
+        return (self.step.forward_seconds, sum(t.stats.update_seconds for t in self.step.tables),
                 *((stats.training_lookup_seconds,
                    stats.training_capture_seconds + stats.capture_wait_seconds + stats.training_flush_seconds,
                    stats.training_boundary_seconds) if stats else (0.0, 0.0, 0.0)))
@@ -339,7 +369,7 @@ class _StepClock:
                          mlp=(total - self.data - emb_fwd - emb_upd - boundary) * ms, total=total * ms)
 
 
-def traffic_per_batch(model: DLRM, rt: Runtime, steps: int, device_work: DeviceCounters):
+def traffic_per_batch(tables: list, rt: Runtime, steps: int, device_work: DeviceCounters):
     """What one batch of this run did to the pool, on average (emulation.costmodel.AccessCounts):
     lookups and undo captures read rows, updates write them (the tables count both); the device
     counted the flushes, fences and bytes persisted (`device_work`, over the run's batches); the
@@ -348,7 +378,7 @@ def traffic_per_batch(model: DLRM, rt: Runtime, steps: int, device_work: DeviceC
 
     stats = rt.stats
     gather_rows = gather_bytes = write_rows = write_bytes = 0
-    for table in model.tables:
+    for table in tables:
         weights = rt.pool.region(table.weight_region)
         state_stride = rt.pool.region(table.state_region).row_stride if table.optimizer.state_columns else 0
         row_bytes = table.embedding_dim * 4
@@ -364,13 +394,14 @@ def traffic_per_batch(model: DLRM, rt: Runtime, steps: int, device_work: DeviceC
     return AccessCounts(**{name: round(value / steps) for name, value in totals.items()})
 
 
-def modelled_costs(model: DLRM, rt: Runtime, steps: int, device_work: DeviceCounters) -> dict | None:
-    """Per batch: the run's pool traffic and the time it would take on each memory preset (ms)."""
+def modelled_costs(tables: list, rt: Runtime, steps: int, device_work: DeviceCounters) -> dict | None:
+    """Per batch: the run's pool traffic (`tables`: the ones this process updates) and the time it
+    would take on each memory preset (ms)."""
     if not steps:
         return None
     from ..emulation.costmodel import PRESETS, estimate
 
-    counts = traffic_per_batch(model, rt, steps, device_work)
+    counts = traffic_per_batch(tables, rt, steps, device_work)
     return {"counts": counts.to_json(),
             "ms_per_batch": {name: estimate(counts, preset).total_s * 1e3 for name, preset in PRESETS.items()}}
 

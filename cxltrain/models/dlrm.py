@@ -79,6 +79,11 @@ class DLRM(nn.Module):
         """The tables [F], in feature order."""
         return self.embedding_bag_collection.tables()
 
+    @property
+    def interaction_pairs(self) -> torch.Tensor:
+        """[2, (F+1)F/2]: the (row, column) of each pairwise dot product the top MLP takes."""
+        return self._pairs
+
     def dense_parameters(self) -> list[nn.Parameter]:
         """The parameters a torch optimizer should train: the bottom and top MLPs."""
         return [*self.bottom.parameters(), *self.top.parameters()]

@@ -73,7 +73,7 @@ class SparseExchange:
     def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm, batch_size: int) -> None:
         self.plan, self.model, self.comm = plan, model, comm
         self.slices = [slice_of(batch_size, comm.world_size, r) for r in range(comm.world_size)]
-        self.dim = model.dense.bottom[-2].out_features
+        self.dim = model.dense.embedding_dim
 
     def forward(self, local: Batch, durable: int) -> tuple[list[torch.Tensor], int]:
         comm, plan = self.comm, self.plan

@@ -47,7 +47,8 @@ class DenseDLRM(nn.Module):
     def __init__(self, reference: DLRM) -> None:
         super().__init__()
         self.bottom, self.top = reference.bottom, reference.top
-        self._pairs = reference._pairs
+        self.embedding_dim = reference.embedding_dim
+        self._pairs = reference.interaction_pairs
 
     def forward(self, dense: torch.Tensor, embedded: list[torch.Tensor]) -> torch.Tensor:
         """dense [B, 13], embedded F x [B, D] -> logits [B]."""

@@ -2,14 +2,14 @@
 
     # torchrun --standalone --nproc-per-node 2 --max-restarts 3 my_train.py
     model = MyModel(rank)          # this rank's PersistentEmbeddingBags (own shards or replicas) + dense part
-    with TorchrunRuntime("/dev/shm/my-run", model, dense_opt) as rt:
+    with TorchrunRuntime("/dev/shm/my-run", model, dense_opt) as rt:   # a Runtime agreeing on G
         for batch in rt.batches(source, stop=1000):   # each batch: the ranks agree on G first
             loss = model.loss(batch); loss.backward(); dense_opt.step(); dense_opt.zero_grad()
 
 It joins the gloo group torchrun's environment describes (unless one is up already), keeps the
 rank's pool in DIR/rank-<r>.pool beside a manifest (manifest.py) whose plan records which rank
 holds which table (a table on one rank: table-wise; on every rank: data-parallel), checked at
-every start; on a restart every rank recovers to the agreed batch G (recovery.py) before the block
+every start; on a restart every rank recovers to the agreed batch G (group_recovery.py) before the block
 begins. The user owns the exchange between ranks; the dense state must be the same on every rank
 (DDP, or every rank computing it alike), since a rank rolled back past its own snapshot takes it
 from another. The agreement is one all-reduce (MIN) per batch, on the group.
@@ -24,25 +24,50 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CxlTrainError
-from ..faults import CrashPoint, PlantedDist, crash_point, planted
 from ..placement.sharding import ShardingPlan
 from ..placement.table import DATA_PARALLEL, TABLE_WISE, TablePlacement
 from . import manifest as run_dir
-from .group_recovery import recover_group
-from .group_runtime import DistRuntime
+from .recovery_point import AgreedMinimum
+from .runtime import Runtime, persistent_tables
 
 DEFAULT_TIMEOUT_S = 60.0
+# torchrun's store outlives a restart: an error that a restart would only repeat is kept there
+FAILED_KEY = "cxltrain/failed"
+_launcher_store = None  # torchrun's store, once join_group has met it
+
+
+class PeerLost(CxlTrainError):
+    """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs."""
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether `error` is what a dead or hung peer makes a collective raise: torch's distributed
+    errors (backend, network, store), and gloo's transport errors (a connection reset, a receive
+    timed out), which torch raises as plain RuntimeErrors naming gloo's transport sources."""
+    return isinstance(error, dist.DistError) or (isinstance(error, RuntimeError) and "gloo/transport/" in str(error))
+
+
+def end_without_restart(line: str) -> None:
+    """Keep `line` in torchrun's store: every rank of a later attempt of this torchrun refuses
+    with it in join_group, before joining, instead of running into the same error again."""
+    if _launcher_store is not None:
+        _launcher_store.set(FAILED_KEY, line)
 
 
 def join_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     """(rank, world size): a gloo group from torchrun's environment (RANK, WORLD_SIZE, MASTER_*),
-    or one rank in this process without it; every collective times out after timeout_s."""
+    or one rank in this process without it; every collective times out after timeout_s. Refuses
+    (CxlTrainError) when an earlier attempt of this torchrun ended with an error no restart mends."""
+    global _launcher_store
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
         # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
         # gloo may read a dead rank's address from the attempt before
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        _launcher_store = store
+        if store.check([FAILED_KEY]):
+            raise CxlTrainError(f"{store.get(FAILED_KEY).decode()} (an earlier attempt's error: not retried)")
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
                                 world_size=world_size, timeout=timeout)
@@ -97,57 +122,21 @@ def plan_of(tables: dict, world_size: int) -> ShardingPlan:
         for (name, rows), ranks in sorted(holders.items())))
 
 
-class TorchrunRuntime(DistRuntime):
-    """TorchrunRuntime(directory, model, optimizers, **Runtime kwargs): the Runtime of this rank of
-    a torchrun job (see the module docstring). settings: a JSON-like dict describing the run,
-    stored in the manifest; a restart with other settings, another world size or other tables is
-    refused on every rank before anything is written. Constructing and entering it are collective:
-    every rank together, in the same order as its other collectives. After entering: `rank`, `world_size`,
-    `group_recovery` (recovery.RankRecovery, or None on a fresh run) besides the Runtime's own."""
-
-    def __init__(self, directory: str | os.PathLike, model: torch.nn.Module, optimizers=None, *,
-                 settings: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> None:
-        self.directory = os.fspath(directory)
-        if dist.is_initialized():
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        else:
-            self.rank, self.world_size = join_group(timeout_s)
-        DistRuntime.__init__(self, run_dir.pool_path(self.directory, self.rank), model, optimizers,
-                             run_metadata={}, **kwargs)
-        plan = plan_of(self.tables, self.world_size)
-        self.manifest, self._fresh = open_run_dir(self.directory, plan, run_dir.settings_of(settings or {}),
-                                                  self.rank, self.world_size)
-        self._state.metadata.update(run=self.manifest["run"], rank=self.rank)
-        self.group_recovery = None
-
-    def __enter__(self) -> "TorchrunRuntime":
-        if not self._fresh:
-            self.group_recovery = recover_group(self.directory, self.rank, self.world_size, self.manifest["run"])
-        super().__enter__()
-        if self._fresh:  # every rank's pool holds its first commit: a restart recovers from now on
-            dist.barrier()
-            if self.rank == 0:
-                self.manifest = {**self.manifest, "state": run_dir.CREATED}
-                run_dir.write(self.directory, self.manifest)
-            self._fresh = False
-        return self
-
-    def batches(self, source, stop: int | None = None):
-        """Runtime.batches, each batch agreeing on G with the other ranks before it is handed out."""
-        for batch in super().batches(source, stop):
-            self.agree_with_peers()
-            yield batch
-
-    def agree_with_peers(self) -> int:
-        """G = the minimum of the ranks' durable targets (one all-reduce), handed to agree()."""
-        crash_point(CrashPoint.DIST_BEFORE_AGREEMENT)
-        target = self.durable_target
-        if target > self._state.metadata["agreed"]:
-            crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
-        agreed = torch.tensor([target], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        g = int(agreed[0])
-        if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT):
-            g = self.batch + 1  # as if every rank had this batch's commit durable already
-        self.agree(g)
-        return g
+def TorchrunRuntime(directory: str | os.PathLike, model: torch.nn.Module, optimizers=None, *,  # noqa: N802
+                    settings: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, **kwargs) -> Runtime:
+    """The Runtime of this rank of a torchrun job (see the module docstring): a Runtime whose
+    recovery point is the group's agreed G, agreed before every batch it hands out. settings: a
+    JSON-like dict describing the run, stored in the manifest; a restart with other settings,
+    another world size or other tables is refused on every rank before anything is written.
+    Calling it and entering the Runtime are collective: every rank together, in the same order
+    as its other collectives. After entering, `rt.recovery_point` holds `rank`, `world_size` and
+    `recovered` (group_recovery.RankRecovery, or None on a fresh run)."""
+    directory = os.fspath(directory)
+    if dist.is_initialized():
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world_size = join_group(timeout_s)
+    plan = plan_of(persistent_tables(model), world_size)
+    manifest, fresh = open_run_dir(directory, plan, run_dir.settings_of(settings or {}), rank, world_size)
+    point = AgreedMinimum(directory, rank, world_size, manifest, fresh, agree_each_batch=True)
+    return Runtime(point.pool_path, model, optimizers, recovery_point=point, **kwargs)

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import dense, has_checkpoint, layout, recover, ring, verify
+from ..checkpoint import dense, has_checkpoint, layout, recover, roll_back, verify
 from ..checkpoint.codec import decode
 from ..errors import CxlTrainError, RecoveryError
-from ..faults import CrashPoint, crash_point
+from ..faults import CrashPoint
 from ..pool.handle import Pool
 from . import manifest as run_dir
 
@@ -103,7 +103,7 @@ def snapshot_payload(path: str) -> np.ndarray:
         return np.array(pool.device.array[start : start + header[1]])
 
 
-def roll_back(path: str, g: int, payload: np.ndarray | None) -> tuple[int, int]:
+def roll_back_rank(path: str, g: int, payload: np.ndarray | None) -> tuple[int, int]:
     """Bring the pool at `path` to batch g; returns (its target before, records restored).
     payload: the dense snapshot at g (snapshot_payload of a rank at g), needed when the pool is past g."""
     with Pool.open(path) as pool:
@@ -120,16 +120,7 @@ def roll_back(path: str, g: int, payload: np.ndarray | None) -> tuple[int, int]:
         tree["metadata"] = {**own["metadata"], "agreed": tree["metadata"].get("agreed", 0)}
         slot = dense.free_slot(pool)
         dense.write_snapshot(pool, slot, g, tree)  # the slot no root names: a crash here changes nothing
-        rollback = [record for record in live if record.header.batch >= g]
-        ring_region = pool.region(layout.RING_REGION)
-        for record in reversed(rollback):  # newest first: the oldest record's values win
-            ring.restore(pool, ring_region, record)
-        pool.device.drain()
-        crash_point(CrashPoint.DIST_RECOVER_BEFORE_ROOT)
-        # ORDERING: the restored rows and the snapshot at g are durable before the root that names
-        # g and retires the records they came from (a new generation: never live again).
-        pool.commit(batches_done=g, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
-                    dense_slot=slot, dense_batch=g)
+        rollback, _ = roll_back(pool, g, live, dense_slot=slot, before_root=CrashPoint.DIST_RECOVER_BEFORE_ROOT)
         return target, len(rollback)
 
 
@@ -155,7 +146,7 @@ def recover_group(directory: str, rank: int, world_size: int, run_id: str, group
             data = torch.empty(int(size[0]), dtype=torch.uint8)
         dist.broadcast(data, source, group=group)
         payload = data.numpy()
-    target, restored = roll_back(run_dir.pool_path(directory, rank), g, payload if state.target > g else None)
+    target, restored = roll_back_rank(run_dir.pool_path(directory, rank), g, payload if state.target > g else None)
     dist.barrier(group=group)
     return RankRecovery(rank, target, g, restored, time.perf_counter() - started)
 
@@ -176,6 +167,6 @@ def recover_dir(directory: str) -> list[RankRecovery]:
     done = []
     for s in states:
         started = time.perf_counter()
-        target, restored = roll_back(run_dir.pool_path(directory, s.rank), g, payload if s.target > g else None)
+        target, restored = roll_back_rank(run_dir.pool_path(directory, s.rank), g, payload if s.target > g else None)
         done.append(RankRecovery(s.rank, target, g, restored, time.perf_counter() - started))
     return done

@@ -38,11 +38,13 @@ from ..checkpoint import (
     CheckpointStats,
     NoCheckpoint,
     dense,
+    first_commit,
     has_checkpoint,
     layout,
     recover,
     verify,
 )
+from ..checkpoint.layout import record_bytes
 from ..checkpoint.offline import check_checkpoint, recover_pool  # noqa: F401 (re-exported: no model needed)
 from ..checkpoint.seam import dense_only
 from ..data.loader import batches_from
@@ -55,8 +57,10 @@ from ..pool.handle import Pool, RegionSpec, publish, remove_stale
 from ..tables import cache as hot_cache
 from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
 from . import tiers as tiering
+from .recovery_point import AgreedMinimum, OwnBatch
 
 DEFAULT_UNDO_RING_BYTES = 64 << 20
+MIN_UNDO_RING_BYTES = 8 << 20  # the smallest ring a Runtime sizes itself
 _END = object()  # an iterable source ran out
 
 
@@ -106,9 +110,15 @@ class Runtime:
         cache_replace_every: re-place the hot-row caches every this many batches from the lookups
             counted since (cache.HotRowCache.replace; 0: the hot list stays). Not stored: a run may
             change it; where rows are cached never changes a value.
+        rows_per_batch: the most ids a batch looks up in one table (batch size x pooling): a new
+            pool's undo ring is then sized from the tables (undo_ring_bytes; the rule is
+            ring_bytes below), instead of the 64 MiB default.
+        recovery_point: where the Runtime resumes (recovery_point.py): OwnBatch (the default: one
+            process, its own durable batch) or AgreedMinimum (one rank of a group: the agreed G).
 
     After entering: `start_batch`, `recovered_batch` (None on a fresh pool), `recovery_seconds`,
-    `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`.
+    `restarted` (the pool held tables but no committed checkpoint: training starts over), `stats`;
+    in a group, `durable_target`, `agreed` and `agree(G)`.
     """
 
     def __init__(self, pool: str | os.PathLike, model: nn.Module,
@@ -120,19 +130,23 @@ class Runtime:
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
                  capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
                  plan: planner.Plan | None = None, hot_rows: dict | None = None,
-                 cache_replace_every: int = 0) -> None:
+                 cache_replace_every: int = 0, rows_per_batch: int | None = None,
+                 recovery_point: OwnBatch | AgreedMinimum | None = None) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         for name, value in (("dense_every", dense_every), ("pool_size", pool_size),
-                            ("undo_ring_bytes", undo_ring_bytes), ("dense_slot_bytes", dense_slot_bytes)):
+                            ("undo_ring_bytes", undo_ring_bytes), ("dense_slot_bytes", dense_slot_bytes),
+                            ("rows_per_batch", rows_per_batch)):
             if value is not None and (type(value) is not int or value < 1):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
         self.path = os.fspath(pool)
         self.model = model
+        self.recovery_point = recovery_point if recovery_point is not None else OwnBatch()
+        metadata, stored_metadata = self.recovery_point.snapshot_metadata(metadata)
         if optimizers is None:
             optimizers = []
         elif isinstance(optimizers, torch.optim.Optimizer):
@@ -144,7 +158,7 @@ class Runtime:
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
-        self.tables = _persistent_tables(model)
+        self.tables = persistent_tables(model)
         if plan is not None and capacity_tables is None:
             capacity_tables = plan.capacity_tables
         self.plan = plan
@@ -155,11 +169,12 @@ class Runtime:
         self.cache_replace_every = cache_replace_every
         self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
         self.prefetcher: tiering.ColdRowPrefetcher | None = None
-        self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
+        self._rows_per_batch = rows_per_batch
+        self._sizes = (pool_size, undo_ring_bytes or self.ring_bytes(),
                        dense_slot_bytes or _default_slot_bytes(model))
         self.pool: Pool | None = None
         self._state = dense.DenseState(model, self.optimizers, self.schedulers,
-                                       {path: t.name for path, t in self.tables.items()}, metadata)
+                                       {path: t.name for path, t in self.tables.items()}, stored_metadata)
         self._reset()
 
     def _checked_hot_rows(self, hot_rows: dict) -> dict:
@@ -193,6 +208,7 @@ class Runtime:
         if self.pool is not None:
             raise RuntimeError("this Runtime is already open")
         self._reset()
+        self.recovery_point.before_open()
         created = not os.path.exists(self.path)
         # Built under a side name and renamed into place once its first commit is durable, so a
         # crash while creating never leaves a half-made pool under the name the next run opens.
@@ -220,6 +236,7 @@ class Runtime:
         if self._prefetch_ids is not None and KNOBS.prefetch_threads:
             cold = [t for t in self.tables.values() if not self.tiers.is_fast(t)]
             self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, KNOBS.prefetch_threads)
+        self.recovery_point.opened(self)
         return self
 
     def _check_plan(self, pool: Pool) -> None:
@@ -265,6 +282,36 @@ class Runtime:
         _, ring_bytes, slot_bytes = self._sizes
         return [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (ring_bytes,)),
                 *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in layout.DENSE_REGIONS)]
+
+    def ring_bytes(self) -> int:
+        """The undo ring a new pool gets: room for the records of the largest batch this Runtime's
+        tables can make (each table: at most rows_per_batch rows, at most the table; a cached
+        table's slots twice more, for the admission's record and the hits' in the first batch, and
+        its evicted rows once more when it re-places), times the batches a commit keeps: up to
+        dense_every (at most 4) and the one in flight, and in a group those G trails by. The
+        `undo_ring_bytes` knob, when set, decides instead; without rows_per_batch, 64 MiB."""
+        if KNOBS.undo_ring_bytes:
+            return KNOBS.undo_ring_bytes
+        if self._rows_per_batch is None:
+            return DEFAULT_UNDO_RING_BYTES
+        largest = 0
+        for table in self.tables.values():
+            columns = table.optimizer.state_columns
+            spec = table.region_specs()[0]
+            largest += record_bytes(min(table.num_embeddings, self._rows_per_batch), spec.row_stride(KNOBS.row_align),
+                                    columns * 4)
+            if table.name in self._hot:
+                slots = self._hot[table.name].size
+                stride = hot_cache.region_specs(table, slots)[0].row_stride(KNOBS.row_align)
+                largest += 2 * record_bytes(slots, stride, (columns + hot_cache.MAP_COLUMNS) * 4)
+                if self.cache_replace_every:  # and a re-placing batch's evicted capacity rows
+                    largest += record_bytes(slots, stride, columns * 4)
+        batches = min(self.dense_every, 4) + 1 + self.recovery_point.lag_batches
+        return max(MIN_UNDO_RING_BYTES, batches * largest)
+
+    def new_pool_regions(self) -> list[RegionSpec]:
+        """Every region a new pool of this Runtime holds, tables first (all in one pool)."""
+        return self._table_specs() + self._specs()
 
     def _table_specs(self, *, fast: bool | None = None) -> list[RegionSpec]:
         """The tables' regions: all of them, or (fast=True/False) those of the fast / capacity tier."""
@@ -359,11 +406,7 @@ class Runtime:
             table.attach(pool, initialize=True)  # initialised from its seed and persisted
             if hot_cache.cached_slots(pool, table.name):  # every slot empty: the first batch fills them
                 hot_cache.initialise(pool, table, self._hot.get(table.name))
-        slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, 0, self._state.capture(0))
-        # ORDERING: tables and the batch-0 snapshot are durable before the root names them
-        pool.commit(batches_done=0, ring_generation=pool.root.ring_generation + 1, ring_start=0, ring_start_seq=0,
-                    dense_slot=slot, dense_batch=0)
+        first_commit(pool, 0, self._state.capture(0))
 
     # -- batches ----------------------------------------------------------------------------
     def batches(self, source, stop: int | None = None) -> Iterator:
@@ -398,6 +441,7 @@ class Runtime:
     def _begin(self, b: int) -> None:
         self._require_open()
         self._guard.begin_batch(b)
+        self.recovery_point.at_batch(self)
 
     def _end_in_flight(self) -> None:
         if self._guard is not None and self._guard.in_flight is not None:
@@ -409,6 +453,32 @@ class Runtime:
         the loop asks for the next batch or the block exits, not by this."""
         self._require_open()
         return self._guard.wait_durable()
+
+    @property
+    def dense_state(self) -> dense.DenseState:
+        """What a dense snapshot captures: the dense modules, optimizers, schedulers, metadata."""
+        return self._state
+
+    @property
+    def durable_target(self) -> int:
+        """The batch this pool's durable root names: what this rank offers when a group agrees on G."""
+        self._require_open()
+        return self._guard.durable
+
+    @property
+    def agreed(self) -> int | None:
+        """The last G agreed by the group (None in one process, or before the block)."""
+        return None if self._guard is None else self._guard.agreed
+
+    def agree(self, target: int) -> None:
+        """G, agreed by every rank of the group: commits handed over from now on keep the undo
+        records of batches >= G, and the snapshots say so (their metadata's "agreed")."""
+        metadata = self._state.metadata
+        if not isinstance(metadata, dict) or "agreed" not in metadata:
+            raise ConfigError("agree() is for one rank of a group: Runtime(recovery_point=AgreedMinimum(...))")
+        metadata["agreed"] = target
+        if self._guard is not None:
+            self._guard.agree(target)
 
     @property
     def stats(self) -> CheckpointStats | None:
@@ -446,7 +516,7 @@ class Runtime:
             pool.close()
 
 
-def _persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
+def persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
     """{module path: table} of every PersistentEmbeddingBag in `model`."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")

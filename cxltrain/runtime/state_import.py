@@ -8,7 +8,7 @@ metadata, and a root that commits them at the export's batch. A Runtime (or `cxl
 the options that made the export) then resumes it at that batch.
 
 Protocol-safe by construction: the pool is built under a side name, and every region and the dense
-snapshot are durable before the root names them (ORDERING below); it gets POOL's name only then. A
+snapshot are durable before the root names them (checkpoint/new_pool.py); it gets POOL's name only then. A
 crash while importing leaves no pool under POOL. What an export lacks is not invented: RNG states
 (never exported) are the importing process's, and a TorchRec state dict brings no optimizer state
 (the tables' state starts at the optimizer's initial value, the dense optimizers' list is empty).
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from ..checkpoint import codec, dense, layout
+from ..checkpoint import codec, first_commit, layout
 from ..errors import ConfigError, CxlTrainError, PoolError
 from ..knobs import KNOBS
 from ..pool.format import RegionKind, pool_size_for
@@ -136,8 +136,4 @@ def _fill(pool: Pool, specs: list[RegionSpec], tables: dict, tree: dict) -> None
             # absent: the initial accumulator of row-wise Adagrad (0), as a new table starts
             pool.array(state_region)[:] = 0.0 if optim is None else optim.numpy()
             pool.persist_region(state_region)
-    slot = dense.free_slot(pool)
-    dense.write_snapshot(pool, slot, tree["batch"], tree)
-    # ORDERING: tables and the snapshot are durable before the root names them
-    pool.commit(batches_done=tree["batch"], ring_generation=pool.root.ring_generation + 1, ring_start=0,
-                ring_start_seq=0, dense_slot=slot, dense_batch=tree["batch"])
+    first_commit(pool, tree["batch"], tree)
