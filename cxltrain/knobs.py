@@ -54,14 +54,6 @@ class Knobs:
     # 1 = the row kernels (gather, sparse update, undo capture, row flush) run the native C code
     # of kernels/rows.c when it is built; 0 = always the torch kernels (for comparisons and tests).
     native_kernels: int = 1
-    # 1 = where the native kernels and the device allow it (persists a C kernel can make: PMEM, the
-    # emulated device with libpmem or the power-loss model), each table's undo capture runs inside its
-    # update, chunk by chunk of the batch's unique rows (kernels/undo.c); 0 = capture the
-    # whole record first, then update (two passes over the rows: the comparison the bench makes).
-    fused_capture: int = 1
-    # Unique rows per chunk of the fused capture: a chunk's old rows stay in cache from their capture
-    # to their update.
-    undo_chunk_rows: int = 256
     # 1 = capacity pools (a pool set's members on block storage) use the crash model: writes go to
     # a private view and only flushed pages reach the file, so a kill loses unsynced page writes,
     # as a power loss does (devices/capacity.py). For crash tests.
@@ -102,10 +94,6 @@ class Knobs:
                               "(--power-loss, --domain adr): elsewhere no store waits to be written back")
         if self.native_kernels not in (0, 1):
             raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
-        if self.fused_capture not in (0, 1):
-            raise ConfigError(f"fused_capture {self.fused_capture} must be 0 or 1")
-        if not 1 <= self.undo_chunk_rows <= 1 << 20:
-            raise ConfigError(f"undo_chunk_rows {self.undo_chunk_rows} must be in [1, {1 << 20}]")
 
 
 # The device backends (knob `device`): "auto" picks one of the others per path. Named here, with the

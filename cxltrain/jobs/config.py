@@ -35,6 +35,7 @@ class TrainConfig:
                                        # dense state every dense_every batches (docs/architecture.md §4)
     pipeline: bool = True              # commits on a background worker; False: on the training thread
     background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
+    fused_capture: bool = True         # undo capture inside each table's update where it can (False: two passes)
     discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
     # file data, evaluation, metrics (docs/criteo.md)
     table_rows: tuple[int, ...] | None = None  # rows of each table; None: `rows` for every table
