@@ -1,8 +1,8 @@
 """The command line's data side: `train`'s file-data options, `data convert`, `eval` and `plot`.
 
-Kept out of cli.py so the main command table stays small; cli.py calls `add_train_data_options`
-from its `train` parser, `resolve_train_data` before building the TrainConfig, and `add_commands`
-from build_parser. Imports stay lazy (the command line starts without torch).
+train.py calls `add_train_data_options` from its `train` parser and `resolve_train_data` before
+building the TrainConfig; main.py calls `add_commands` from build_parser. Imports stay lazy (the
+command line starts without torch).
 """
 
 from __future__ import annotations

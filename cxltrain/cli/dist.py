@@ -1,5 +1,5 @@
 """The command line's distributed half: `train` on several ranks, and `recover`, `export`,
-`pool info` and `import` on a run's directory. cli.py hands over here (small hooks)."""
+`pool info` and `import` on a run's directory. The one-rank commands hand over here (small hooks)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def run_pool_info(path: str, as_json: bool) -> int:
 
 
 def add_import_options(i) -> None:
-    """`cxltrain import`'s options for a distributed run's directory (cli.py adds the command)."""
+    """`cxltrain import`'s options for a distributed run's directory (recover_export.py adds the command)."""
     from ..jobs.config import TrainConfig
 
     d = TrainConfig()
@@ -179,7 +179,7 @@ def add_import_options(i) -> None:
 
 
 def run_import(args) -> int:
-    """`cxltrain import OUT.pt DIR --nproc-per-node N`: args.source, args.path as cli.py names them."""
+    """`cxltrain import OUT.pt DIR --nproc-per-node N`: args.source, args.path as recover_export.py names them."""
     from ..jobs.reshard import import_state
 
     n = args.nproc_per_node

@@ -1,0 +1,263 @@
+"""`cxltrain train` (one rank; dist.py takes several) and `cxltrain plan`, which takes its options."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .. import knobs
+from ..errors import ConfigError
+from ..knobs import KNOBS
+from ..modes import CHECKPOINTS, MODES, STRICT, UNDO
+from . import dist as dist_cli
+from . import stop
+from .common import non_negative_int, parse_size, positive_float, positive_int
+from .data import add_train_data_options, parse_rows, resolve_train_data
+from .emulation import add_emulation_options, check_emulated, emulation_knobs
+from .recover_export import recovered_text
+
+
+def add_train(sub) -> None:
+    from ..jobs.config import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train DLRM with its tables in a persistent pool (the main job)",
+                       description="Train DLRM on deterministic synthetic Criteo-like data, embedding tables in a "
+                                   "persistent pool (by default an emulated CXL pool on /dev/shm).")
+    p.add_argument("--pool", metavar="PATH", help="pool file or DAX device (default: an emulated CXL pool in "
+                                                 "/dev/shm, or the temp folder)")
+    p.add_argument("--capacity-pool", metavar="PATH",
+                   help="a pool set: the tables live in this capacity pool on block storage (SSD, disk), "
+                        "everything else in --pool, the fast tier (docs/tiers.md)")
+    p.add_argument("--fast-bytes", type=parse_size, metavar="SIZE",
+                   help="with --capacity-pool: the fast tier's room for whole tables and cached hot rows, "
+                        "given to the planner (docs/planner.md; default 0: every table in the capacity pool)")
+    p.add_argument("--profile-batches", type=positive_int, metavar="N",
+                   help="with --capacity-pool: batches of the data the planner profiles (default 16)")
+    p.add_argument("--cache-rows", type=positive_int, metavar="N",
+                   help="with --capacity-pool: hot rows of each table cached in the fast tier, persistently "
+                        "(docs/tiers.md; default: as the planner decides from --fast-bytes); kept by the set")
+    p.add_argument("--cache-replace-every", type=non_negative_int, default=0, metavar="N",
+                   help="re-place the hot-row caches every N batches from the lookups counted since "
+                        "(evicted rows written back; default: never)")
+    p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
+                                                 "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
+                                                 "made by `cxltrain data convert`, instead of synthetic data; "
+                                                 "all 26 tables unless --num-tables; "
+                                                 "--rows is then the hash buckets per categorical feature")
+    p.add_argument("--steps", type=positive_int, default=None, help=f"total batches of the run (default {d.steps})")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help=f"default {d.batch_size}")
+    p.add_argument("--num-tables", type=positive_int, default=None,
+                   help=f"default {d.num_tables}; with --data, 26 (all of Criteo's categorical features)")
+    p.add_argument("--rows", type=parse_rows, default=d.rows,
+                   help=f"rows per table: one count, or one per table comma-separated (default {d.rows:,})")
+    p.add_argument("--dim", type=positive_int, default=d.dim, help=f"embedding dim (default {d.dim})")
+    p.add_argument("--seed", type=non_negative_int, default=d.seed, help=f"default {d.seed}")
+    p.add_argument("--pooling", type=positive_int, default=None,
+                   help=f"synthetic data: ids per table per sample (default {d.pooling})")
+    p.add_argument("--zipf", type=positive_float, default=None, dest="zipf_exponent",
+                   help=f"synthetic data: Zipf exponent of the id distribution (default {d.zipf_exponent})")
+    p.add_argument("--checkpoint", choices=CHECKPOINTS, default=d.checkpoint,
+                   help="undo: every batch durable, a crash costs at most the batch in flight (default); "
+                        "off: the pool is consistent only when the run ends")
+    p.add_argument("--discard-checkpoint", action="store_true",
+                   help="with --checkpoint off, accept a pool that holds committed batches: a crash during "
+                        "the run then restarts at batch 0 (refused without it)")
+    p.add_argument("--dense-every", type=positive_int, default=d.dense_every, metavar="K",
+                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it: "
+                        "a crash then loses at most K batches (recovery stays exact), and a row touched by "
+                        "several of a window's K batches gets one undo record, so fewer undo bytes per batch "
+                        "(docs/speed.md)")
+    p.add_argument("--mode", choices=MODES, default=d.mode,
+                   help="strict: recovery is exact, embeddings and dense state commit together (default); "
+                        "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
+                        "crash it may be up to K batches older (cheaper, not exact)")
+    p.add_argument("--no-pipeline", action="store_false", dest="pipeline",
+                   help="checkpoint on the training thread (undo capture and commits on the critical path) "
+                        "instead of a background worker")
+    p.add_argument("--background-capture", action="store_true",
+                   help="the background worker also captures undo records (during forward) and flushes "
+                        "updated rows (during the next batch), instead of the training thread around each "
+                        "update: pays off where the worker has a core of its own; on 2 cores it costs more")
+    add_train_data_options(p, positive_int, non_negative_int)
+    add_emulation_options(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
+    dist_cli.add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
+    return p
+
+
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(config) -> None:
+    """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
+    OOM-killed minutes later."""
+    needed, available = config.memory_bytes(), _mem_available()
+    if available is not None and needed > available:
+        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch "
+                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
+                          f"--pooling {config.pooling}), "
+                          f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
+
+
+def _check_pool_space(path: str, pool_size: int) -> None:
+    """A new pool file that cannot fit in its folder is refused, with the figures, before any work."""
+    from ..devices import is_char_device
+    from ..emulation.cxl import free_bytes
+
+    if os.path.exists(path) or is_char_device(path):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = free_bytes(folder)
+    except OSError:
+        return  # no such folder: creating the pool says so
+    if pool_size > free:
+        raise ConfigError(f"{path}: not enough space for the pool: it needs {pool_size:,} bytes, "
+                          f"{free:,} are free in {folder}")
+
+
+def train_config(args):
+    """The TrainConfig of `train`'s (and `plan`'s) options."""
+    from ..jobs.config import TrainConfig
+
+    return TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
+                       checkpoint=args.checkpoint, dense_every=args.dense_every,
+                       mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
+                       discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
+                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, cache_rows=args.cache_rows,
+                       cache_replace_every=args.cache_replace_every,
+                       **resolve_train_data(args))
+
+
+def _run_train(args) -> int:
+    if dist_cli.distributed(args):  # several ranks: docs/distributed.md
+        with knobs.override(**emulation_knobs(args)):
+            return dist_cli.run_train(args, args.argv)
+    from ..checkpoint.stats import summary_line
+    from ..devices import resolve_backend
+    from ..emulation import default_pool_path
+    from ..emulation.cxl import SHM, memory_dir
+    from ..jobs.train import pool_bytes, train
+
+    config = train_config(args)
+    config.validate()
+    _check_memory(config)  # first: a model too big for memory must not even be built
+    emulation = emulation_knobs(args)
+    pool_size = pool_bytes(config)
+    path = args.pool or default_pool_path(pool_size)
+    check_emulated(path, emulation)
+    _check_pool_space(path, pool_size)
+    # validated: from here on, what the run does
+    if args.pool is None and not path.startswith(SHM + "/") and memory_dir() == SHM:
+        print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
+              "and not an emulated CXL device)", file=sys.stderr)
+    rows = config.rows_per_table()
+    table_gb = sum(rows) * args.dim * 4 / 1e9
+    shown = f"{rows[0]:,}" if len(set(rows)) == 1 else f"up to {max(rows):,}"
+    length = f"{config.epochs} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
+    print(f"pool {path}: {config.num_tables} tables x {shown} rows x {args.dim} dims "
+          f"({table_gb:.2f} GB), batch {args.batch_size}, {length}", flush=True)
+    with knobs.override(**emulation):
+        if (KNOBS.power_loss or KNOBS.persist_bandwidth) and resolve_backend(path) == "emulated":
+            from ..emulation.cxl import describe_model
+
+            print(f"emulated device models {describe_model()}", flush=True)
+        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts,
+                       stop=stop.current.requested)
+    progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
+    if progress.steps == 0:
+        limit = f"--epochs {config.epochs}" if config.epochs is not None else f"--steps {config.steps}"
+        print(f"nothing to train: the pool is at batch {progress.batch}, the end of {limit}")
+    else:
+        s = timings.split_ms
+        print(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} steps/s) "
+              f"on {result.pool.device}; loss {quality.first_loss:.4f} -> {quality.final_loss:.4f}")
+        if result.pool.early_writebacks is not None:
+            print(f"early write-back: {result.pool.early_writebacks:,} unpersisted cache lines reached the media "
+                  "before their flush")
+        print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
+              f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint {s.checkpoint:.1f} "
+              f"+ MLP {s.mlp:.1f}; {result.pool.rows_updated_per_batch:,.0f} rows updated per batch")
+    if result.pool.cost_model is not None:
+        modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.pool.cost_model["ms_per_batch"].items())
+        print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
+    if checkpoint.method == UNDO:
+        dense_part = "" if args.mode == STRICT else f", relaxed: dense state every {args.dense_every}"
+        where = ("pipelined, capture and row flushes on the worker" if args.background_capture
+                 else "pipelined" if args.pipeline else "synchronous")
+        print(f"checkpoint: every batch durable ({where}{dense_part}); "
+              f"the pool is committed at batch {progress.batch}")
+        if checkpoint.stats is not None:
+            print(summary_line(checkpoint.stats))
+    if quality.train_auc is None:
+        pass
+    elif quality.eval_auc is None:
+        print(f"final AUC {quality.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
+    else:
+        print(f"final AUC {quality.eval_auc:.4f} (held-out), {quality.train_auc:.4f} (last batches); "
+              f"eval logloss {quality.eval_logloss:.4f}")
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0
+
+
+def _say_where_training_starts(rt) -> None:
+    stop.current.arm()  # from here a SIGTERM stops the loop at a batch boundary
+    if rt.restarted:
+        print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
+              "interrupted); training restarts at batch 0", file=sys.stderr)
+    if rt.recovered_batch is not None:
+        print(f"{recovered_text(rt.path, rt.recovery, rt.recovery_seconds)}; resuming at batch {rt.start_batch}",
+              flush=True)
+    else:
+        print(f"training from batch {rt.start_batch}", flush=True)
+
+
+def add_plan(sub, train) -> None:
+    p = sub.add_parser("plan", help="print where a pool set's tables would go, without training",
+                       description="Print the placement plan `train` would use with the same options (docs/"
+                                   "planner.md): per table its tier, the hot rows cached in the fast tier and "
+                                   "the expected hit rate; for an existing pool set, the plan it stores. "
+                                   "Takes train's options (a train command line with plan in place of train); "
+                                   "those that do not decide the plan are ignored. Never writes a pool.")
+    for action in train._actions:  # the same options as train, spelled and checked once
+        if action.dest != "help":
+            p._add_action(action)
+    p.add_argument("--no-measure", action="store_false", dest="measure",
+                   help="do not measure the tiers' free space and read speed")
+    p.set_defaults(run=_run_plan, default_num_tables=train.get_default("default_num_tables"))
+
+
+def _run_plan(args) -> int:
+    from ..emulation import default_pool_path
+    from ..jobs.planning import measure_tiers, plan_for
+    from ..jobs.train import build_model, build_source
+    from ..placement.planner import format_plan
+
+    config = train_config(args)
+    config.validate()
+    if config.capacity_pool is None:
+        raise ConfigError("plan places tables in a pool set: give --capacity-pool (and --fast-bytes)")
+    path = args.pool or default_pool_path(0)
+    plan = plan_for(config, build_model(config), build_source(config), path)
+    if plan is None:
+        raise ConfigError(f"{path}: this pool set was made without a placement plan: every table is in its "
+                          "capacity pool")
+    tiers = measure_tiers(path, config.capacity_pool) if args.measure else None
+    print(format_plan(plan, tiers))
+    if args.json:
+        print(json.dumps({"pool": path, "plan": plan.to_json(), "tiers": tiers}))
+    return 0
