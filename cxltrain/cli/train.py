@@ -9,12 +9,11 @@ import sys
 from .. import knobs
 from ..errors import ConfigError
 from ..knobs import KNOBS
-from ..modes import CHECKPOINTS, MODES, STRICT, UNDO
+from ..modes import STRICT, UNDO
 from . import dist as dist_cli
 from . import stop
-from .common import non_negative_int, parse_size, positive_float, positive_int
-from .data import add_train_data_options, parse_rows, resolve_train_data
 from .emulation import add_emulation_options, check_emulated, emulation_knobs
+from .options import add_config_options, config_fields
 from .recover_export import recovered_text
 
 
@@ -25,62 +24,7 @@ def add_train(sub) -> None:
     p = sub.add_parser("train", help="train DLRM with its tables in a persistent pool (the main job)",
                        description="Train DLRM on deterministic synthetic Criteo-like data, embedding tables in a "
                                    "persistent pool (by default an emulated CXL pool on /dev/shm).")
-    p.add_argument("--pool", metavar="PATH", help="pool file or DAX device (default: an emulated CXL pool in "
-                                                 "/dev/shm, or the temp folder)")
-    p.add_argument("--capacity-pool", metavar="PATH",
-                   help="a pool set: the tables live in this capacity pool on block storage (SSD, disk), "
-                        "everything else in --pool, the fast tier (docs/tiers.md)")
-    p.add_argument("--fast-bytes", type=parse_size, metavar="SIZE",
-                   help="with --capacity-pool: the fast tier's room for whole tables and cached hot rows, "
-                        "given to the planner (docs/planner.md; default 0: every table in the capacity pool)")
-    p.add_argument("--profile-batches", type=positive_int, metavar="N",
-                   help="with --capacity-pool: batches of the data the planner profiles (default 16)")
-    p.add_argument("--cache-rows", type=positive_int, metavar="N",
-                   help="with --capacity-pool: hot rows of each table cached in the fast tier, persistently "
-                        "(docs/tiers.md; default: as the planner decides from --fast-bytes); kept by the set")
-    p.add_argument("--cache-replace-every", type=non_negative_int, default=0, metavar="N",
-                   help="re-place the hot-row caches every N batches from the lookups counted since "
-                        "(evicted rows written back; default: never)")
-    p.add_argument("--data", metavar="PATH", help="raw Criteo file (tab-separated label, I1..I13, C1..C26; "
-                                                 "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
-                                                 "made by `cxltrain data convert`, instead of synthetic data; "
-                                                 "all 26 tables unless --num-tables; "
-                                                 "--rows is then the hash buckets per categorical feature")
-    p.add_argument("--steps", type=positive_int, default=None, help=f"total batches of the run (default {d.steps})")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help=f"default {d.batch_size}")
-    p.add_argument("--num-tables", type=positive_int, default=None,
-                   help=f"default {d.num_tables}; with --data, 26 (all of Criteo's categorical features)")
-    p.add_argument("--rows", type=parse_rows, default=d.rows,
-                   help=f"rows per table: one count, or one per table comma-separated (default {d.rows:,})")
-    p.add_argument("--dim", type=positive_int, default=d.dim, help=f"embedding dim (default {d.dim})")
-    p.add_argument("--seed", type=non_negative_int, default=d.seed, help=f"default {d.seed}")
-    p.add_argument("--pooling", type=positive_int, default=None,
-                   help=f"synthetic data: ids per table per sample (default {d.pooling})")
-    p.add_argument("--zipf", type=positive_float, default=None, dest="zipf_exponent",
-                   help=f"synthetic data: Zipf exponent of the id distribution (default {d.zipf_exponent})")
-    p.add_argument("--checkpoint", choices=CHECKPOINTS, default=d.checkpoint,
-                   help="undo: every batch durable, a crash costs at most the batch in flight (default); "
-                        "off: the pool is consistent only when the run ends")
-    p.add_argument("--discard-checkpoint", action="store_true",
-                   help="with --checkpoint off, accept a pool that holds committed batches: a crash during "
-                        "the run then restarts at batch 0 (refused without it)")
-    p.add_argument("--dense-every", type=positive_int, default=d.dense_every, metavar="K",
-                   help=f"dense snapshot every K batches (default {d.dense_every}); strict mode commits with it: "
-                        "a crash then loses at most K batches (recovery stays exact), and a row touched by "
-                        "several of a window's K batches gets one undo record, so fewer undo bytes per batch "
-                        "(docs/speed.md)")
-    p.add_argument("--mode", choices=MODES, default=d.mode,
-                   help="strict: recovery is exact, embeddings and dense state commit together (default); "
-                        "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
-                        "crash it may be up to K batches older (cheaper, not exact)")
-    p.add_argument("--no-pipeline", action="store_false", dest="pipeline",
-                   help="checkpoint on the training thread (undo capture and commits on the critical path) "
-                        "instead of a background worker")
-    p.add_argument("--background-capture", action="store_true",
-                   help="the background worker also captures undo records (during forward) and flushes "
-                        "updated rows (during the next batch), instead of the training thread around each "
-                        "update: pays off where the worker has a core of its own; on 2 cores it costs more")
-    add_train_data_options(p, positive_int, non_negative_int)
+    add_config_options(p)  # the TrainConfig fields that carry an option (jobs/config.py)
     add_emulation_options(p)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -133,13 +77,7 @@ def train_config(args):
     """The TrainConfig of `train`'s (and `plan`'s) options."""
     from ..jobs.config import TrainConfig
 
-    return TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
-                       checkpoint=args.checkpoint, dense_every=args.dense_every,
-                       mode=args.mode, pipeline=args.pipeline, background_capture=args.background_capture,
-                       discard_checkpoint=args.discard_checkpoint, capacity_pool=args.capacity_pool,
-                       fast_bytes=args.fast_bytes, profile_batches=args.profile_batches, cache_rows=args.cache_rows,
-                       cache_replace_every=args.cache_replace_every,
-                       **resolve_train_data(args))
+    return TrainConfig(**config_fields(args))
 
 
 def _run_train(args) -> int:
