@@ -64,14 +64,6 @@ def _run_import(args) -> int:
     return 0
 
 
-def recovered_text(path: str, report, seconds: float) -> str:
-    return (f"recovered {path} to batch {report.batch} in {seconds * 1000:.1f} ms (rolled back "
-            f"{report.records_restored} undo records, {report.rows_restored:,} rows, of "
-            f"{report.batches_rolled_back} uncommitted batch(es))"
-            + (f"; dense state from batch {report.dense_batch}, {report.dense_lag} batch(es) behind the embeddings "
-               "(relaxed mode)" if report.dense_lag else ""))
-
-
 def _run_recover(args) -> int:
     from ..checkpoint.offline import process_seconds, recover_pool  # no torch: recovery copies bytes
 
@@ -79,7 +71,7 @@ def _run_recover(args) -> int:
         return dist_cli.run_recover(args.path, args.json)
     report = recover_pool(args.path)
     process = process_seconds()
-    print(recovered_text(args.path, report, report.seconds)
+    print(report.describe(args.path, report.seconds)
           + ("" if process is None else f"; {process:.2f} s since the process started"))
     if args.json:
         print(json.dumps({**report.to_json(), "process_seconds": process}))

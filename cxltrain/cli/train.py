@@ -9,12 +9,10 @@ import sys
 from .. import knobs
 from ..errors import ConfigError
 from ..knobs import KNOBS
-from ..modes import STRICT, UNDO
 from . import dist as dist_cli
 from . import stop
 from .emulation import add_emulation_options, check_emulated, emulation_knobs
 from .options import add_config_options, config_fields
-from .recover_export import recovered_text
 
 
 def add_train(sub) -> None:
@@ -84,11 +82,11 @@ def _run_train(args) -> int:
     if dist_cli.distributed(args):  # several ranks: docs/distributed.md
         with knobs.override(**emulation_knobs(args)):
             return dist_cli.run_train(args, args.argv)
-    from ..checkpoint.stats import summary_line
     from ..devices import resolve_backend
     from ..emulation import default_pool_path
     from ..emulation.cxl import SHM, memory_dir
     from ..jobs.train import pool_bytes, train
+    from ..jobs.train_text import result_lines
 
     config = train_config(args)
     config.validate()
@@ -115,38 +113,8 @@ def _run_train(args) -> int:
             print(f"emulated device models {describe_model()}", flush=True)
         result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts,
                        stop=stop.current.requested)
-    progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
-    if progress.steps == 0:
-        limit = f"--epochs {config.epochs}" if config.epochs is not None else f"--steps {config.steps}"
-        print(f"nothing to train: the pool is at batch {progress.batch}, the end of {limit}")
-    else:
-        s = timings.split_ms
-        print(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} steps/s) "
-              f"on {result.pool.device}; loss {quality.first_loss:.4f} -> {quality.final_loss:.4f}")
-        if result.pool.early_writebacks is not None:
-            print(f"early write-back: {result.pool.early_writebacks:,} unpersisted cache lines reached the media "
-                  "before their flush")
-        print(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
-              f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint {s.checkpoint:.1f} "
-              f"+ MLP {s.mlp:.1f}; {result.pool.rows_updated_per_batch:,.0f} rows updated per batch")
-    if result.pool.cost_model is not None:
-        modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.pool.cost_model["ms_per_batch"].items())
-        print(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
-    if checkpoint.method == UNDO:
-        dense_part = "" if args.mode == STRICT else f", relaxed: dense state every {args.dense_every}"
-        where = ("pipelined, capture and row flushes on the worker" if args.background_capture
-                 else "pipelined" if args.pipeline else "synchronous")
-        print(f"checkpoint: every batch durable ({where}{dense_part}); "
-              f"the pool is committed at batch {progress.batch}")
-        if checkpoint.stats is not None:
-            print(summary_line(checkpoint.stats))
-    if quality.train_auc is None:
-        pass
-    elif quality.eval_auc is None:
-        print(f"final AUC {quality.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
-    else:
-        print(f"final AUC {quality.eval_auc:.4f} (held-out), {quality.train_auc:.4f} (last batches); "
-              f"eval logloss {quality.eval_logloss:.4f}")
+    for line in result_lines(result, config):
+        print(line)
     if args.json:
         print(json.dumps(result.to_json()))
     return 0
@@ -158,7 +126,7 @@ def _say_where_training_starts(rt) -> None:
         print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
               "interrupted); training restarts at batch 0", file=sys.stderr)
     if rt.recovered_batch is not None:
-        print(f"{recovered_text(rt.path, rt.recovery, rt.recovery_seconds)}; resuming at batch {rt.start_batch}",
+        print(f"{rt.recovery.describe(rt.path, rt.recovery_seconds)}; resuming at batch {rt.start_batch}",
               flush=True)
     else:
         print(f"training from batch {rt.start_batch}", flush=True)
