@@ -1,4 +1,6 @@
-"""All tunables in one place.
+"""The process-wide settings: threads, the device backend and the emulated device's model, where
+pools go, new pools' alignment, test hooks (docs/architecture.md §9). A job's settings are
+TrainConfig's (jobs/config.py), a checkpointer's are CheckpointOptions (checkpoint/options.py).
 
 Each knob has a default, an environment override (`CXLTRAIN_<NAME>`), and can be changed for a
 block of code with `override(...)`, which restores the old values even when the block raises:

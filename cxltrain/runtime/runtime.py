@@ -160,6 +160,7 @@ class Runtime:
             raise ConfigError(f"cache_replace_every must be an integer >= 0, got {cache_replace_every!r}")
         self.cache_replace_every = cache_replace_every
         self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
+        self._prefetch_threads = KNOBS.prefetch_threads  # process-wide: read once, here
         self.prefetcher: tiering.ColdRowPrefetcher | None = None
         self._sizes = (pool_size, undo_ring_bytes or DEFAULT_UNDO_RING_BYTES,
                        dense_slot_bytes or _default_slot_bytes(model))
@@ -223,9 +224,9 @@ class Runtime:
         except CxlTrainError as e:  # the user asked for self.path: never show the side name
             raise type(e)(str(e).replace(building, self.path)) from None
         self.pool = pool
-        if self._prefetch_ids is not None and KNOBS.prefetch_threads:
+        if self._prefetch_ids is not None and self._prefetch_threads:
             cold = [t for t in self.tables.values() if not self.tiers.is_fast(t)]
-            self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, KNOBS.prefetch_threads)
+            self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, self._prefetch_threads)
         return self
 
     def _check_plan(self, pool: Pool) -> None:
