@@ -1,4 +1,6 @@
-"""All tunables in one place.
+"""The process-wide settings: threads, the device backend and the emulated device's model, where
+pools go, new pools' alignment, test hooks (docs/architecture.md §9). A job's settings are
+TrainConfig's (jobs/config.py), a checkpointer's are CheckpointOptions (checkpoint/options.py).
 
 Each knob has a default, an environment override (`CXLTRAIN_<NAME>`), and can be changed for a
 block of code with `override(...)`, which restores the old values even when the block raises:
@@ -54,20 +56,15 @@ class Knobs:
     # 1 = the row kernels (gather, sparse update, undo capture, row flush) run the native C code
     # of kernels/rows.c when it is built; 0 = always the torch kernels (for comparisons and tests).
     native_kernels: int = 1
-    # 1 = where the native kernels and the device allow it (persists a C kernel can make: PMEM, the
-    # emulated device with libpmem or the power-loss model), each table's undo capture runs inside its
-    # update, chunk by chunk of the batch's unique rows (kernels/undo.c); 0 = capture the
-    # whole record first, then update (two passes over the rows: the comparison the bench makes).
-    fused_capture: int = 1
-    # Unique rows per chunk of the fused capture: a chunk's old rows stay in cache from their capture
-    # to their update.
-    undo_chunk_rows: int = 256
     # 1 = capacity pools (a pool set's members on block storage) use the crash model: writes go to
     # a private view and only flushed pages reach the file, so a kill loses unsynced page writes,
     # as a power loss does (devices/capacity.py). For crash tests.
     capacity_crash: int = 0
     # Threads that read the next batch's cold rows ahead from a capacity pool (0 = no read-ahead).
     prefetch_threads: int = 8
+    # Unique rows per chunk of the fused capture, for crash tests that want several chunks per table
+    # and batch (0 = the checkpointer's default). Read once, where a Runtime builds its options.
+    undo_chunk_rows: int = 0
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
@@ -85,6 +82,8 @@ class Knobs:
             raise ConfigError(f"threads {self.threads} must be at least 1")
         if self.undo_ring_bytes < 0:
             raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
+        if not 0 <= self.undo_chunk_rows <= 1 << 20:
+            raise ConfigError(f"undo_chunk_rows {self.undo_chunk_rows} must be in [0, {1 << 20}]")
         if not 0 <= self.prefetch_threads <= 256:
             raise ConfigError(f"prefetch_threads {self.prefetch_threads} must be in [0, 256]")
         if self.capacity_crash not in (0, 1):
@@ -102,10 +101,6 @@ class Knobs:
                               "(--power-loss, --domain adr): elsewhere no store waits to be written back")
         if self.native_kernels not in (0, 1):
             raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
-        if self.fused_capture not in (0, 1):
-            raise ConfigError(f"fused_capture {self.fused_capture} must be 0 or 1")
-        if not 1 <= self.undo_chunk_rows <= 1 << 20:
-            raise ConfigError(f"undo_chunk_rows {self.undo_chunk_rows} must be in [1, {1 << 20}]")
 
 
 # The device backends (knob `device`): "auto" picks one of the others per path. Named here, with the

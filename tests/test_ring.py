@@ -345,8 +345,8 @@ def test_a_fused_run_leaves_the_rows_write_back_to_the_kernel(shm_dir, monkeypat
     persisted = {}
     for fused in (1, 0):
         calls.update(flush_rows=0, rows_flushed=0)
-        with knobs.override(fused_capture=fused, power_loss=STREAMING_MODEL):
-            rt, _ = train_steps(shm_dir / f"f{fused}.pool", 6)
+        with knobs.override(power_loss=STREAMING_MODEL):
+            rt, _ = train_steps(shm_dir / f"f{fused}.pool", 6, fused_capture=bool(fused))
         persisted[fused] = rt.stats.rows_persisted
         kernel = calls["rows_flushed"] if fused else calls["flush_rows"]
         python = calls["flush_rows"] if fused else calls["rows_flushed"]

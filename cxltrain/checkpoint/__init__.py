@@ -7,6 +7,7 @@
     codec.py         the snapshot encoding (no pickle: restorable from untrusted bytes)
     seam.py          the typed seam with the tables: what a table tells its guard, what a guard needs
     guard.py         batch guards: the state machine both share, and NoCheckpoint (checkpoint "off")
+    options.py       how a checkpointer runs: mode, dense_every, pipeline, capture (one value)
     checkpointer.py  the coordinator: what happens at each batch boundary (strict and relaxed modes)
     commit.py        the commit pipeline: the steps one commit takes on the worker
     ordering.py      the protocol's orderings as a strategy (a planted bug is another strategy)
@@ -25,7 +26,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "Checkpointer": "checkpointer",
+    "Checkpointer": "checkpointer", "CheckpointOptions": "options",
     "BatchGuard": "guard", "GuardState": "guard", "NoCheckpoint": "guard",
     "RecoveryReport": "recovery", "has_checkpoint": "recovery", "recover": "recovery", "roll_back": "recovery",
     "verify": "recovery",

@@ -78,12 +78,12 @@ import torch
 from ..errors import CheckpointError
 from ..faults import CrashPoint, crash_point, planted_faults
 from ..kernels import ops as row_ops
-from ..knobs import KNOBS
-from ..modes import MODES, RELAXED, STRICT
+from ..modes import RELAXED, STRICT
 from ..pool.handle import Pool
 from . import codec, dense, fused, ordering
 from .commit import CommitPipeline, DirtyRows
 from .guard import BatchGuard
+from .options import CheckpointOptions
 from .ring import RingFull, UndoRing
 from .seam import LoggedTable
 from .stats import CheckpointStats
@@ -94,19 +94,17 @@ class Checkpointer(BatchGuard):
     """Drives the protocol for the tables and dense state of one run over one pool.
 
     The pool must be recovered (its ring empty, a fresh generation) before this is built; `tables`
-    are PersistentEmbeddingBag modules attached to it. mode: "strict" or "relaxed"; dense_every:
-    k (see the module docstring); pipeline: run captures and commits on a background thread.
+    are PersistentEmbeddingBag modules attached to it. `options` (options.CheckpointOptions): the
+    mode, k = dense_every, the pipeline and where the capture runs (see the module docstring).
     Call finish() at the end of a run and detach() always.
     """
 
-    def __init__(self, pool: Pool, tables: list[LoggedTable], state: dense.DenseState, *, dense_every: int = 1,
-                 mode: str = STRICT, pipeline: bool = True, background_capture: bool = False) -> None:
-        if dense_every < 1:
-            raise CheckpointError(f"dense_every must be >= 1, got {dense_every}")
-        if mode not in MODES:
-            raise CheckpointError(f"mode must be one of {MODES}, got {mode!r}")
+    def __init__(self, pool: Pool, tables: list[LoggedTable], state: dense.DenseState,
+                 options: CheckpointOptions = CheckpointOptions()) -> None:
         super().__init__(pool, tables)
         root = pool.root
+        self.options = options
+        dense_every, mode = options.dense_every, options.mode
         self.dense_state, self.dense_every, self.mode = state, dense_every, mode
         self._ordering = ordering.for_planted(planted_faults())  # production's unless a crash test plants a bug
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq,
@@ -115,8 +113,8 @@ class Checkpointer(BatchGuard):
         self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == RELAXED)
         self.committed = root.batches_done      # the batch of the last commit handed over (embeddings)
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
-        self._worker = BackgroundWorker() if pipeline else InlineWorker()
-        self.background_capture = pipeline and background_capture
+        self._worker = BackgroundWorker() if options.pipeline else InlineWorker()
+        self.background_capture = options.captures_on_worker
         # Where a flush is a cache-line write-back, the updated rows are flushed right after their
         # update, while this core still holds them (cheaper on 2 cores than the worker flushing them
         # during the next batch: docs/benchmarks.md); where it is a system call (msync), and
@@ -142,11 +140,11 @@ class Checkpointer(BatchGuard):
         # Capture inside the update (kernels/undo.c, fused.py), chunk by chunk of a table's
         # unique rows, where the kernels and the device can persist the records without Python and
         # the capture runs on this thread; else the whole record first, then the update.
-        self.fused = (bool(KNOBS.fused_capture) and not self.background_capture and row_ops.fused_available()
+        self.fused = (options.fused_capture and not self.background_capture and row_ops.fused_available()
                       and self._ordering.fused_capture and self.ring.streams())
         if self.fused:
             fused.writer()  # refuses a native undo writer built for another record layout
-        self._chunk_rows = KNOBS.undo_chunk_rows
+        self._chunk_rows = options.undo_chunk_rows
         # table -> (its layout, records, recorded rows, their ring bytes): laid out, not landed yet
         self._fused_records: dict[str, tuple[fused.FusedUndo, list, torch.Tensor, int]] = {}
 

@@ -43,6 +43,14 @@ class RecoveryReport:
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "dense_lag": self.dense_lag}
 
+    def describe(self, path: str, seconds: float) -> str:
+        """One line: what recovering `path` rolled back, in `seconds` (as its caller timed it)."""
+        return (f"recovered {path} to batch {self.batch} in {seconds * 1000:.1f} ms (rolled back "
+                f"{self.records_restored} undo records, {self.rows_restored:,} rows, of "
+                f"{self.batches_rolled_back} uncommitted batch(es))"
+                + (f"; dense state from batch {self.dense_batch}, {self.dense_lag} batch(es) behind the embeddings "
+                   "(relaxed mode)" if self.dense_lag else ""))
+
 
 def has_checkpoint(pool: Pool) -> bool:
     """True when the pool holds a committed checkpoint: a consistent root naming a dense snapshot."""

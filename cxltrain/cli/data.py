@@ -1,8 +1,8 @@
 """The command line's data side: `train`'s file-data options, `data convert`, `eval` and `plot`.
 
-Kept out of cli.py so the main command table stays small; cli.py calls `add_train_data_options`
-from its `train` parser, `resolve_train_data` before building the TrainConfig, and `add_commands`
-from build_parser. Imports stay lazy (the command line starts without torch).
+The file-data options themselves are TrainConfig fields (options.py adds them); options.py calls
+`resolve_train_data` before building the TrainConfig; main.py calls `add_commands` from build_parser. Imports stay lazy (the
+command line starts without torch).
 """
 
 from __future__ import annotations
@@ -28,21 +28,6 @@ def parse_rows(text: str) -> int | tuple[int, ...]:
     if any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"{text}: every row count must be at least 1")
     return values[0] if len(values) == 1 else tuple(values)
-
-
-def add_train_data_options(p, positive_int, non_negative_int) -> None:
-    g = p.add_argument_group("file data and evaluation (docs/criteo.md)")
-    g.add_argument("--epochs", type=positive_int, default=None,
-                   help="with --data: passes over the file's batches (less the held-out ones); sets the steps")
-    g.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
-                   help="evaluate AUC and log loss on held-out batches every N steps (with --data: the file's "
-                        "last --eval-batches batches, never trained on)")
-    g.add_argument("--eval-batches", type=positive_int, default=4, metavar="K",
-                   help="held-out batches evaluated (default 4)")
-    g.add_argument("--metrics", metavar="FILE",
-                   help="append a JSON line of metrics every --eval-every (else 10) steps; `cxltrain plot FILE`")
-    g.add_argument("--prefetch", type=non_negative_int, default=2, metavar="N",
-                   help="batches made ahead on a background thread (default 2; 0: on the training thread)")
 
 
 def resolve_train_data(args) -> dict:

@@ -1,5 +1,5 @@
 """The command line's distributed half: `train` on several ranks, and `recover`, `export`,
-`pool info` and `import` on a run's directory. cli.py hands over here (small hooks)."""
+`pool info` and `import` on a run's directory. The one-rank commands hand over here (small hooks)."""
 
 from __future__ import annotations
 
@@ -158,21 +158,24 @@ def run_pool_info(path: str, as_json: bool) -> int:
     return 1 if any(r["problems"] for r in ranks) else 0
 
 
+# The TrainConfig fields that `import --nproc-per-node` takes: those that shape the tables and the run.
+IMPORT_FIELDS = ("steps", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent", "dense_every")
+
+
 def add_import_options(i) -> None:
-    """`cxltrain import`'s options for a distributed run's directory (cli.py adds the command)."""
+    """`cxltrain import`'s options for a distributed run's directory (recover_export.py adds the command)."""
     from ..jobs.config import TrainConfig
 
     d = TrainConfig()
     i.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="make a distributed run's directory (PATH) for N ranks, the tables re-sharded onto them; "
                         "then train it with the same options (docs/distributed.md)")
-    for name, default in (("steps", d.steps), ("batch-size", d.batch_size), ("num-tables", d.num_tables),
-                          ("rows", d.rows), ("dim", d.dim), ("seed", d.seed), ("pooling", d.pooling),
-                          ("dense-every", d.dense_every)):
-        i.add_argument(f"--{name}", type=int, default=default, help=f"with --nproc-per-node: as for train "
-                                                                   f"(default {default})")
-    i.add_argument("--zipf", type=float, default=d.zipf_exponent, dest="zipf_exponent",
-                   help="with --nproc-per-node: as for train")
+    from .options import config_options
+
+    for field, option in config_options():  # train's flags, the values read as plainly as before
+        if field.name in IMPORT_FIELDS:
+            i.add_argument(option.flag, type=int if field.type == "int" else float, default=field.default,
+                           dest=field.name, help=f"with --nproc-per-node: as for train (default {field.default})")
     i.add_argument("--sharding", default="auto", help="with --nproc-per-node: as for train (default auto)")
     i.set_defaults(data=None, checkpoint=d.checkpoint, mode=d.mode, pipeline=d.pipeline,
                    background_capture=False, epochs=None, eval_every=d.eval_every, eval_batches=d.eval_batches,
@@ -180,7 +183,7 @@ def add_import_options(i) -> None:
 
 
 def run_import(args) -> int:
-    """`cxltrain import OUT.pt DIR --nproc-per-node N`: args.source, args.path as cli.py names them."""
+    """`cxltrain import OUT.pt DIR --nproc-per-node N`: args.source, args.path as recover_export.py names them."""
     from ..jobs.reshard import import_state
 
     n = args.nproc_per_node

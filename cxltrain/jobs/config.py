@@ -14,42 +14,120 @@ MAX_SEED = (1 << 64) - 1
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+    """How a TrainConfig field is given on the command line (`train`, `plan`; cli/options.py builds
+    the parser from these). help may name the field's {default}. kind: how the value is read —
+    text, positive, non_negative, positive_float, size (64M, 2G), rows (one count or one per
+    table), choice (one of `choices`), switch (a flag that sets True), no_switch (one that sets False).
+    unset: the option's own default is None, the value then decided from others (cli/data.py)."""
+
+    flag: str
+    help: str
+    kind: str = "text"
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    unset: bool = False
+    group: str | None = None
+
+
+FILE_DATA = "file data and evaluation (docs/criteo.md)"
+
+
+def option(default, flag: str, help: str, **how):
+    """A TrainConfig field with its command-line option (Option's fields as keywords)."""
+    return dataclasses.field(default=default, metadata={"option": Option(flag, help, **how)})
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    pool: str | None = None            # pool path; None = the emulated CXL default (/dev/shm)
-    data: str | None = None            # raw Criteo file; None = synthetic Criteo-like batches
-    steps: int = 400                   # total batches of the run
-    batch_size: int = 2048
-    num_tables: int = 8
-    rows: int = 1_000_000              # rows per table
-    dim: int = 64
-    seed: int = 0
-    pooling: int = 1                   # ids per table per sample
-    zipf_exponent: float = 1.05
+    # pool path; None = the emulated CXL default (/dev/shm)
+    pool: str | None = option(None, "--pool", "pool file or DAX device (default: an emulated CXL pool in "
+                                              "/dev/shm, or the temp folder)", metavar="PATH")
+    # raw Criteo file; None = synthetic Criteo-like batches
+    data: str | None = option(None, "--data", "raw Criteo file (tab-separated label, I1..I13, C1..C26; "
+                                              "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
+                                              "made by `cxltrain data convert`, instead of synthetic data; "
+                                              "all 26 tables unless --num-tables; "
+                                              "--rows is then the hash buckets per categorical feature",
+                              metavar="PATH")
+    steps: int = option(400, "--steps", "total batches of the run (default {default})", kind="positive", unset=True)
+    batch_size: int = option(2048, "--batch-size", "default {default}", kind="positive")
+    num_tables: int = option(8, "--num-tables", "default {default}; with --data, 26 (all of Criteo's categorical "
+                                                "features)", kind="positive", unset=True)
+    rows: int = option(1_000_000, "--rows", "rows per table: one count, or one per table comma-separated "
+                                            "(default {default:,})", kind="rows")
+    dim: int = option(64, "--dim", "embedding dim (default {default})", kind="positive")
+    seed: int = option(0, "--seed", "default {default}", kind="non_negative")
+    pooling: int = option(1, "--pooling", "synthetic data: ids per table per sample (default {default})",
+                          kind="positive", unset=True)
+    zipf_exponent: float = option(1.05, "--zipf", "synthetic data: Zipf exponent of the id distribution "
+                                                  "(default {default})", kind="positive_float", unset=True)
     sparse_lr: float = 0.05            # row-wise Adagrad on the tables
     dense_lr: float = 1e-3             # Adam on the MLPs
     bottom_mlp: tuple[int, ...] = (512, 256)
     top_mlp: tuple[int, ...] = (512, 256)
-    checkpoint: str = UNDO             # "undo": every batch durable; "off": consistent only at the end
-    dense_every: int = 1               # dense snapshot every k batches (strict: and commit)
-    mode: str = STRICT                 # "strict": exact recovery; "relaxed": embeddings every batch,
-                                       # dense state every dense_every batches (docs/architecture.md §4)
-    pipeline: bool = True              # commits on a background worker; False: on the training thread
-    background_capture: bool = False   # undo captures and row flushes on the worker too (a spare core)
-    discard_checkpoint: bool = False   # checkpoint "off" may put a pool's committed batches at risk
+    checkpoint: str = option(UNDO, "--checkpoint",
+                             "undo: every batch durable, a crash costs at most the batch in flight (default); "
+                             "off: the pool is consistent only when the run ends", kind="choice", choices=CHECKPOINTS)
+    # checkpoint "off" may put a pool's committed batches at risk
+    discard_checkpoint: bool = option(False, "--discard-checkpoint",
+                                      "with --checkpoint off, accept a pool that holds committed batches: a crash "
+                                      "during the run then restarts at batch 0 (refused without it)", kind="switch")
+    dense_every: int = option(1, "--dense-every",
+                              "dense snapshot every K batches (default {default}); strict mode commits with it: "
+                              "a crash then loses at most K batches (recovery stays exact), and a row touched by "
+                              "several of a window's K batches gets one undo record, so fewer undo bytes per batch "
+                              "(docs/speed.md)", kind="positive", metavar="K")
+    # (docs/architecture.md §4)
+    mode: str = option(STRICT, "--mode",
+                       "strict: recovery is exact, embeddings and dense state commit together (default); "
+                       "relaxed: embeddings commit every batch, the dense state every K batches, so after a "
+                       "crash it may be up to K batches older (cheaper, not exact)", kind="choice", choices=MODES)
+    pipeline: bool = option(True, "--no-pipeline",
+                            "checkpoint on the training thread (undo capture and commits on the critical path) "
+                            "instead of a background worker", kind="no_switch")
+    background_capture: bool = option(False, "--background-capture",
+                                      "the background worker also captures undo records (during forward) and "
+                                      "flushes updated rows (during the next batch), instead of the training thread "
+                                      "around each update: pays off where the worker has a core of its own; on 2 "
+                                      "cores it costs more", kind="switch")
+    fused_capture: bool = True         # undo capture inside each table's update where it can (False: two passes)
     # file data, evaluation, metrics (docs/criteo.md)
-    table_rows: tuple[int, ...] | None = None  # rows of each table; None: `rows` for every table
-    epochs: int | None = None          # file data: passes over its training batches (sets steps)
-    eval_every: int = 0                # evaluate on the held-out batches every N steps (0: at the end only)
-    eval_batches: int = 4              # held-out batches (file data: its last ones, with epochs or eval_every)
-    metrics: str | None = None         # JSONL file: a line of metrics every eval_every (else 10) steps
-    prefetch: int = 2                  # batches made ahead on a background thread (0: on the training thread)
-    capacity_pool: str | None = None   # a pool set's capacity pool on block storage: the tables live there
-    fast_bytes: int | None = None      # with a capacity pool: the fast tier's budget for whole tables and
-                                       # cached rows (planner.py); None: 0 for a new set, the stored plan's on a restart
-    profile_batches: int | None = None # batches profiled to plan a new set (None: planning.PROFILE_BATCHES)
-    cache_rows: int | None = None      # with a capacity pool: hot rows each capacity table caches in the fast
-                                       # tier (cache.py); None: as the planner decides (the stored plan's on a restart)
-    cache_replace_every: int = 0       # re-place the hot-row caches every N batches from running counts (0: never)
+    table_rows: tuple[int, ...] | None = None  # rows of each table (from --rows); None: `rows` for every table
+    epochs: int | None = option(None, "--epochs", "with --data: passes over the file's batches (less the held-out "
+                                                  "ones); sets the steps", kind="positive", group=FILE_DATA)
+    eval_every: int = option(0, "--eval-every", "evaluate AUC and log loss on held-out batches every N steps (with "
+                                                "--data: the file's last --eval-batches batches, never trained on)",
+                             kind="non_negative", metavar="N", group=FILE_DATA)
+    eval_batches: int = option(4, "--eval-batches", "held-out batches evaluated (default {default})",
+                               kind="positive", metavar="K", group=FILE_DATA)
+    # JSONL file: a line of metrics every eval_every (else 10) steps
+    metrics: str | None = option(None, "--metrics", "append a JSON line of metrics every --eval-every (else 10) "
+                                                    "steps; `cxltrain plot FILE`", metavar="FILE", group=FILE_DATA)
+    prefetch: int = option(2, "--prefetch", "batches made ahead on a background thread (default {default}; 0: on the "
+                                            "training thread)", kind="non_negative", metavar="N", group=FILE_DATA)
+    # a pool set (docs/tiers.md)
+    capacity_pool: str | None = option(None, "--capacity-pool",
+                                       "a pool set: the tables live in this capacity pool on block storage (SSD, "
+                                       "disk), everything else in --pool, the fast tier (docs/tiers.md)",
+                                       metavar="PATH")
+    # None: 0 for a new set, the stored plan's on a restart
+    fast_bytes: int | None = option(None, "--fast-bytes",
+                                    "with --capacity-pool: the fast tier's room for whole tables and cached hot rows, "
+                                    "given to the planner (docs/planner.md; default 0: every table in the capacity "
+                                    "pool)", kind="size", metavar="SIZE")
+    # None: planning.PROFILE_BATCHES
+    profile_batches: int | None = option(None, "--profile-batches",
+                                         "with --capacity-pool: batches of the data the planner profiles (default 16)",
+                                         kind="positive", metavar="N")
+    # None: as the planner decides (the stored plan's on a restart)
+    cache_rows: int | None = option(None, "--cache-rows",
+                                    "with --capacity-pool: hot rows of each table cached in the fast tier, "
+                                    "persistently (docs/tiers.md; default: as the planner decides from --fast-bytes); "
+                                    "kept by the set", kind="positive", metavar="N")
+    cache_replace_every: int = option(0, "--cache-replace-every",
+                                      "re-place the hot-row caches every N batches from the lookups counted since "
+                                      "(evicted rows written back; default: never)", kind="non_negative", metavar="N")
 
     # what a resumed run must share with the run that wrote the pool
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",

@@ -6,5 +6,6 @@
     files.py         opening, sizing and locking a pool file or device
     check.py         reading and checking a pool's structures without mapping it (no torch)
     info.py          `cxltrain pool info`: what a pool or pool set holds
+    report_text.py   how that report reads: `pool info`'s lines, its JSON
     handle.py        `Pool`: a mapped pool, its regions as tensors, publish and remove
 """

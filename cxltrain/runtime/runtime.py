@@ -35,6 +35,7 @@ from torch import nn
 from ..checkpoint import (
     BatchGuard,
     Checkpointer,
+    CheckpointOptions,
     CheckpointStats,
     NoCheckpoint,
     dense,
@@ -86,6 +87,8 @@ class Runtime:
             forward, instead of the training thread right before each table's update) and the row
             flushes (during the next batch, instead of right after each update), which pays off
             where the worker has a core of its own (see checkpoint/checkpointer.py).
+        fused_capture: capture each table's undo record inside its update where the kernels and the
+            device allow it (True), or as a pass of its own before the update (False: the comparison).
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
             snapshot; resuming a pool whose metadata differs is refused.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
@@ -125,7 +128,7 @@ class Runtime:
                  optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None, *,
                  schedulers: Sequence = (), checkpoint: str = UNDO, dense_every: int = 1,
                  mode: str = STRICT, pipeline: bool = True, background_capture: bool = False,
-                 metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
+                 fused_capture: bool = True, metadata: dict | None = None, pool_size: int | None = None, undo_ring_bytes: int | None = None,
                  dense_slot_bytes: int | None = None, backend: str | None = None,
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
                  capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
@@ -157,6 +160,11 @@ class Runtime:
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
+        self.checkpoint_options = CheckpointOptions(dense_every=dense_every, mode=mode, pipeline=self.pipeline,
+                                                    background_capture=self.background_capture,
+                                                    fused_capture=bool(fused_capture),
+                                                    **({"undo_chunk_rows": KNOBS.undo_chunk_rows}
+                                                       if KNOBS.undo_chunk_rows else {}))
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
         self.tables = persistent_tables(model)
         if plan is not None and capacity_tables is None:
@@ -168,6 +176,7 @@ class Runtime:
             raise ConfigError(f"cache_replace_every must be an integer >= 0, got {cache_replace_every!r}")
         self.cache_replace_every = cache_replace_every
         self._prefetch_ids = prefetch_ids if self.tiers.capacity_path else None
+        self._prefetch_threads = KNOBS.prefetch_threads  # process-wide: read once, here
         self.prefetcher: tiering.ColdRowPrefetcher | None = None
         self._rows_per_batch = rows_per_batch
         self._sizes = (pool_size, undo_ring_bytes or self.ring_bytes(),
@@ -233,9 +242,9 @@ class Runtime:
         except CxlTrainError as e:  # the user asked for self.path: never show the side name
             raise type(e)(str(e).replace(building, self.path)) from None
         self.pool = pool
-        if self._prefetch_ids is not None and KNOBS.prefetch_threads:
+        if self._prefetch_ids is not None and self._prefetch_threads:
             cold = [t for t in self.tables.values() if not self.tiers.is_fast(t)]
-            self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, KNOBS.prefetch_threads)
+            self.prefetcher = tiering.ColdRowPrefetcher(pool, cold, self._prefetch_threads)
         self.recovery_point.opened(self)
         return self
 
@@ -350,8 +359,7 @@ class Runtime:
             self.restarted = present
             self._start_fresh(pool, tables_present=present)
         logged = tables + self._attach_caches(pool)
-        self._guard = (Checkpointer(pool, logged, self._state, dense_every=self.dense_every, mode=self.mode,
-                                    pipeline=self.pipeline, background_capture=self.background_capture)
+        self._guard = (Checkpointer(pool, logged, self._state, self.checkpoint_options)
                        if self.checkpoint == UNDO else NoCheckpoint(pool, logged, self._state))
 
     def _attach_caches(self, pool: Pool) -> list:

@@ -1,0 +1,87 @@
+"""`cxltrain crashtest`: kill training at random moments and protocol points; prove recovery exact."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .. import knobs
+from ..knobs import KNOBS
+from .common import EXIT_ERROR, non_negative_int, positive_int
+from .emulation import add_emulation_options, emulation_knobs
+
+
+def add_crashtest(sub) -> None:
+    from ..faults import PLANTED
+
+    c = sub.add_parser("crashtest", help="kill training at random moments and protocol points; prove recovery exact",
+                       description="Run training in a child process, kill it (at random moments, at named points of "
+                                   "the persistence protocol, at random device flushes, during recovery), recover, "
+                                   "compare the export with an uninterrupted run bit for bit, resume and compare "
+                                   "again. Exits non-zero on any mismatch, keeping the pool and printing the "
+                                   "commands that replay it.")
+    c.add_argument("--trials", type=positive_int, default=50, help="trials to run (default 50)")
+    c.add_argument("--seed", type=non_negative_int, default=None, help="plan of the trials (default: random, printed)")
+    c.add_argument("--trial", type=non_negative_int, default=None, metavar="K",
+                   help="run only trial K of the seed's plan (to replay one)")
+    c.add_argument("--plant", choices=PLANTED, default="",
+                   help="plant a bug that breaks a persistence rule, to see the torture catch it")
+    c.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch")
+    c.add_argument("--keep", metavar="DIR", help="where failing pools and logs are kept (default: a folder in "
+                                                 "the temp dir named after the seed)")
+    add_emulation_options(c)
+    c.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(run=_run_crashtest)
+
+
+def _run_crashtest(args) -> int:
+    import random
+    import time
+
+    from tqdm import tqdm
+
+    from ..jobs.crashtest import DeviceModel, Torture, summary
+
+    with knobs.override(**emulation_knobs(args)):
+        device = DeviceModel(bool(KNOBS.power_loss), KNOBS.domain, KNOBS.evict_rate, KNOBS.persist_bandwidth)
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    with knobs.override(threads=1):  # references and resumes in this process, as in the children
+        torture = Torture(trials=args.trials, device=device, seed=seed, plant=args.plant, only=args.trial,
+                          fail_fast=args.fail_fast, keep_dir=args.keep)
+        from ..emulation.cxl import describe_model
+
+        with knobs.override(**device.knobs(0)):
+            model = describe_model()
+        print(f"crashtest: seed {seed}, {1 if args.trial is not None else args.trials} trial(s), device models "
+              f"{model}" + (f", planted bug {args.plant}" if args.plant else ""), flush=True)
+        started = time.perf_counter()
+        bar = tqdm(total=1 if args.trial is not None else args.trials, desc="crashtest", unit="trial",
+                   disable=None if not args.no_progress else True, file=sys.stderr, dynamic_ncols=True)
+        exact = [0]
+
+        def show(result) -> None:
+            exact[0] += result.exact
+            bar.update(1)
+            bar.set_postfix(exact=exact[0], refresh=False)
+            if not result.exact:
+                bar.write(f"trial {result.plan.number}: MISMATCH ({result.plan.describe()}; recovered batch "
+                          f"{result.recovered_batch}): {result.problems[0]}", file=sys.stderr)
+
+        try:
+            results = torture.run(show)
+        finally:
+            bar.close()
+            torture.close()
+    report = summary(results, time.perf_counter() - started)
+    kinds = ", ".join(f"{k} {v['exact']}/{v['trials']}" for k, v in report["by_kind"].items())
+    print(f"{report['exact']}/{report['trials']} exact in {report['seconds']:.0f} s ({kinds}; "
+          f"{report['killed']} killed mid-run, recovered batches {report['recovered_batches']})")
+    for result in results:
+        if not result.exact:
+            print(f"trial {result.plan.number} ({result.plan.describe()}) differs; replay with:")
+            for line in torture.replay_commands(result.plan):
+                print(f"  {line}")
+    if args.json:
+        print(json.dumps({"seed": seed, "device_model": model, "plant": args.plant or None, **report}))
+    return 0 if report["exact"] == report["trials"] else EXIT_ERROR

@@ -1,0 +1,176 @@
+"""`cxltrain train` (one rank; dist.py takes several) and `cxltrain plan`, which takes its options."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from .. import knobs
+from ..errors import ConfigError
+from ..knobs import KNOBS
+from . import dist as dist_cli
+from . import stop
+from .emulation import add_emulation_options, check_emulated, emulation_knobs
+from .options import add_config_options, config_fields
+
+
+def add_train(sub) -> None:
+    from ..jobs.config import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="train DLRM with its tables in a persistent pool (the main job)",
+                       description="Train DLRM on deterministic synthetic Criteo-like data, embedding tables in a "
+                                   "persistent pool (by default an emulated CXL pool on /dev/shm).")
+    add_config_options(p)  # the TrainConfig fields that carry an option (jobs/config.py)
+    add_emulation_options(p)
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--profile", action="store_true", help="after the run, where a batch's time went, per phase, "
+                                                          "from the step split and the checkpoint's counters")
+    p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
+    dist_cli.add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
+    return p
+
+
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(config) -> None:
+    """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
+    OOM-killed minutes later."""
+    needed, available = config.memory_bytes(), _mem_available()
+    if available is not None and needed > available:
+        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch "
+                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
+                          f"--pooling {config.pooling}), "
+                          f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
+
+
+def _check_pool_space(path: str, pool_size: int) -> None:
+    """A new pool file that cannot fit in its folder is refused, with the figures, before any work."""
+    from ..devices import is_char_device
+    from ..emulation.cxl import free_bytes
+
+    if os.path.exists(path) or is_char_device(path):
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        free = free_bytes(folder)
+    except OSError:
+        return  # no such folder: creating the pool says so
+    if pool_size > free:
+        raise ConfigError(f"{path}: not enough space for the pool: it needs {pool_size:,} bytes, "
+                          f"{free:,} are free in {folder}")
+
+
+def train_config(args):
+    """The TrainConfig of `train`'s (and `plan`'s) options."""
+    from ..jobs.config import TrainConfig
+
+    return TrainConfig(**config_fields(args))
+
+
+def _run_train(args) -> int:
+    if dist_cli.distributed(args):  # several ranks: docs/distributed.md
+        if args.profile:
+            raise ConfigError("--profile profiles one process; leave it out with several ranks")
+        with knobs.override(**emulation_knobs(args)):
+            return dist_cli.run_train(args, args.argv)
+    from ..devices import resolve_backend
+    from ..emulation import default_pool_path
+    from ..emulation.cxl import SHM, memory_dir
+    from ..jobs.profile import profile_text
+    from ..jobs.train import pool_bytes, train
+    from ..jobs.train_text import result_lines
+
+    config = train_config(args)
+    config.validate()
+    _check_memory(config)  # first: a model too big for memory must not even be built
+    emulation = emulation_knobs(args)
+    pool_size = pool_bytes(config)
+    path = args.pool or default_pool_path(pool_size)
+    check_emulated(path, emulation)
+    _check_pool_space(path, pool_size)
+    # validated: from here on, what the run does
+    if args.pool is None and not path.startswith(SHM + "/") and memory_dir() == SHM:
+        print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
+              "and not an emulated CXL device)", file=sys.stderr)
+    rows = config.rows_per_table()
+    table_gb = sum(rows) * args.dim * 4 / 1e9
+    shown = f"{rows[0]:,}" if len(set(rows)) == 1 else f"up to {max(rows):,}"
+    length = f"{config.epochs} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
+    print(f"pool {path}: {config.num_tables} tables x {shown} rows x {args.dim} dims "
+          f"({table_gb:.2f} GB), batch {args.batch_size}, {length}", flush=True)
+    with knobs.override(**emulation):
+        if (KNOBS.power_loss or KNOBS.persist_bandwidth) and resolve_backend(path) == "emulated":
+            from ..emulation.cxl import describe_model
+
+            print(f"emulated device models {describe_model()}", flush=True)
+        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts,
+                       stop=stop.current.requested)
+    for line in result_lines(result, config):
+        print(line)
+    if args.profile:
+        print(profile_text(result))
+    if args.json:
+        print(json.dumps(result.to_json()))
+    return 0
+
+
+def _say_where_training_starts(rt) -> None:
+    stop.current.arm()  # from here a SIGTERM stops the loop at a batch boundary
+    if rt.restarted:
+        print(f"note: {rt.path} held these tables but no committed checkpoint (a run with --checkpoint off was "
+              "interrupted); training restarts at batch 0", file=sys.stderr)
+    if rt.recovered_batch is not None:
+        print(f"{rt.recovery.describe(rt.path, rt.recovery_seconds)}; resuming at batch {rt.start_batch}",
+              flush=True)
+    else:
+        print(f"training from batch {rt.start_batch}", flush=True)
+
+
+def add_plan(sub, train) -> None:
+    p = sub.add_parser("plan", help="print where a pool set's tables would go, without training",
+                       description="Print the placement plan `train` would use with the same options (docs/"
+                                   "planner.md): per table its tier, the hot rows cached in the fast tier and "
+                                   "the expected hit rate; for an existing pool set, the plan it stores. "
+                                   "Takes train's options (a train command line with plan in place of train); "
+                                   "those that do not decide the plan are ignored. Never writes a pool.")
+    for action in train._actions:  # the same options as train, spelled and checked once
+        if action.dest != "help":
+            p._add_action(action)
+    p.add_argument("--no-measure", action="store_false", dest="measure",
+                   help="do not measure the tiers' free space and read speed")
+    p.set_defaults(run=_run_plan, default_num_tables=train.get_default("default_num_tables"))
+
+
+def _run_plan(args) -> int:
+    from ..emulation import default_pool_path
+    from ..jobs.planning import measure_tiers, plan_for
+    from ..jobs.train import build_model, build_source
+    from ..placement.planner import format_plan
+
+    config = train_config(args)
+    config.validate()
+    if config.capacity_pool is None:
+        raise ConfigError("plan places tables in a pool set: give --capacity-pool (and --fast-bytes)")
+    path = args.pool or default_pool_path(0)
+    plan = plan_for(config, build_model(config), build_source(config), path)
+    if plan is None:
+        raise ConfigError(f"{path}: this pool set was made without a placement plan: every table is in its "
+                          "capacity pool")
+    tiers = measure_tiers(path, config.capacity_pool) if args.measure else None
+    print(format_plan(plan, tiers))
+    if args.json:
+        print(json.dumps({"pool": path, "plan": plan.to_json(), "tiers": tiers}))
+    return 0

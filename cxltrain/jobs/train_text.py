@@ -1,0 +1,53 @@
+"""How a TrainResult reads: the lines `cxltrain train` prints once a run is over."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..modes import STRICT, UNDO
+from .config import TrainConfig
+
+if TYPE_CHECKING:
+    from .train import TrainResult
+
+
+def result_lines(result: TrainResult, config: TrainConfig) -> list[str]:
+    """The run's summary, a line per subject: what was trained, the step's split, the checkpoint,
+    the model's quality (each only where the run has it)."""
+    from ..checkpoint.stats import summary_line
+
+    progress, timings, quality, checkpoint = result.progress, result.timings, result.quality, result.checkpoint
+    lines = []
+    if progress.steps == 0:
+        limit = f"--epochs {config.epochs}" if config.epochs is not None else f"--steps {config.steps}"
+        lines.append(f"nothing to train: the pool is at batch {progress.batch}, the end of {limit}")
+    else:
+        s = timings.split_ms
+        lines.append(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} "
+                     f"steps/s) on {result.pool.device}; loss {quality.first_loss:.4f} -> {quality.final_loss:.4f}")
+        if result.pool.early_writebacks is not None:
+            lines.append(f"early write-back: {result.pool.early_writebacks:,} unpersisted cache lines reached the "
+                         "media before their flush")
+        lines.append(f"step {s.total:.1f} ms = data {s.data:.1f} + embedding forward {s.embedding_forward:.1f} "
+                     f"+ embedding backward/update {s.embedding_backward_update:.1f} + checkpoint "
+                     f"{s.checkpoint:.1f} + MLP {s.mlp:.1f}; {result.pool.rows_updated_per_batch:,.0f} rows "
+                     "updated per batch")
+    if result.pool.cost_model is not None:
+        modelled = ", ".join(f"{name} {ms:.2f}" for name, ms in result.pool.cost_model["ms_per_batch"].items())
+        lines.append(f"pool traffic per batch modelled on real memory (ms; emulation/costmodel.py): {modelled}")
+    if checkpoint.method == UNDO:
+        dense_part = "" if config.mode == STRICT else f", relaxed: dense state every {config.dense_every}"
+        where = ("pipelined, capture and row flushes on the worker" if config.background_capture
+                 else "pipelined" if config.pipeline else "synchronous")
+        lines.append(f"checkpoint: every batch durable ({where}{dense_part}); "
+                     f"the pool is committed at batch {progress.batch}")
+        if checkpoint.stats is not None:
+            lines.append(summary_line(checkpoint.stats))
+    if quality.train_auc is None:
+        pass
+    elif quality.eval_auc is None:
+        lines.append(f"final AUC {quality.train_auc:.4f} (last batches; the data file has no batches left to hold out)")
+    else:
+        lines.append(f"final AUC {quality.eval_auc:.4f} (held-out), {quality.train_auc:.4f} (last batches); "
+                     f"eval logloss {quality.eval_logloss:.4f}")
+    return lines
