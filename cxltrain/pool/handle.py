@@ -33,7 +33,15 @@ from ..faults import CrashPoint, crash_armed, crash_point, planted
 from ..knobs import KNOBS
 from . import format as fmt
 from . import set_format as pool_set
-from .check import check_regions_disjoint, new_superblock, pick_root, read_region, read_root_slot, validate_superblock
+from .check import (
+    check_regions_disjoint,
+    check_set_regions,
+    new_superblock,
+    pick_root,
+    read_region,
+    read_root_slot,
+    validate_superblock,
+)
 from .files import lock_pool, open_pool_file, pread_reader
 from .format import DType, Region, RegionKind, Root, Superblock
 
@@ -148,13 +156,21 @@ class Pool:
                     raise type(e)(f"{path}: {e}") from None
                 raise
             pool = cls(path, fd, lock_fd, device, sb, root, regions)
-        if pool_set.SET_REGION in pool._regions:
-            try:
+        try:
+            if pool_set.SET_REGION in pool._regions:
                 pool.open_members()
-            except BaseException:
-                pool.close()
-                raise
+            check_set_regions(pool.regions, pool._region_bytes, sb.uuid)
+        except PoolError as e:
+            pool.close()
+            raise type(e)(e if str(e).startswith(path) else f"{path}: {e}") from None
+        except BaseException:
+            pool.close()
+            raise
         return pool
+
+    def _region_bytes(self, region: Region) -> bytes:
+        device = self.device_for(region)
+        return device.array[region.offset : region.offset + region.size].tobytes()
 
     # -- regions ----------------------------------------------------------------------------
     @property
