@@ -33,6 +33,7 @@ from ..runtime.group import DEFAULT_TIMEOUT_S, join_group, open_run_dir
 from ..runtime.group_recovery import recover_group
 from ..runtime.group_runtime import DistRuntime
 from .config import TrainConfig
+from .lifeline import end_with_launcher, mark_launcher
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import build_source
 
@@ -83,6 +84,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
              progress: bool = True) -> dict:
     """Train this rank (RANK, WORLD_SIZE and the rendezvous from torchrun's environment); returns
     rank 0's summary (every rank returns its own)."""
+    end_with_launcher()
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
     join_group(timeout_s)
@@ -204,6 +206,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
 
     args = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.1", "-m", "cxltrain", "train", *argv]
+    mark_launcher()
     try:
         torchrun.main(args)
     except ChildFailedError as e:

@@ -24,7 +24,7 @@ from .check import (
     read_root_slot,
     validate_superblock,
 )
-from .files import lock_pool, open_pool_file, pread_reader
+from .files import lock_pool, open_pool_file, pread_reader, unlock_pool
 from .format import Region, Root, Superblock
 
 
@@ -58,7 +58,7 @@ def inspect(path: str) -> PoolReport:
             report = _inspect(path, pread_reader(fd), file_size)
         finally:
             if lock_fd is not None:
-                os.close(lock_fd)
+                unlock_pool(lock_fd)
         report.in_use = lock_fd is None
         return report
 
