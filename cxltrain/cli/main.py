@@ -630,7 +630,7 @@ def _finish_report(report, as_json: bool) -> int:
 
 def _run_pool_check(args) -> int:
     from ..checkpoint.offline import check_checkpoint
-    from ..pool.info import inspect
+    from ..pool.info import check_rows, inspect
 
     report = inspect(args.path)
     checkpoint = None
@@ -641,6 +641,7 @@ def _run_pool_check(args) -> int:
             checkpoint = check_checkpoint(args.path)
         except PoolError as e:
             report.problems.append(str(e).removeprefix(f"{args.path}: "))
+    check_rows(report)
     if report.ok and not args.json:
         print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
               f"batch {report.root.batches_done}"

@@ -26,6 +26,7 @@ from .check import (
 )
 from .files import lock_pool, open_pool_file, pread_reader, unlock_pool
 from .format import Region, Root, Superblock
+from .rows import non_finite_rows
 
 
 @dataclasses.dataclass
@@ -105,6 +106,16 @@ def _check_set_regions(report: PoolReport, read: Reader) -> None:
                           lambda r: regions[r.name][1](r.offset, r.size), report.superblock.uuid)
     except PoolError as e:
         report.problems.append(str(e))
+
+
+def check_rows(report: PoolReport) -> None:
+    """`pool check`'s scan of every table row, in the set's capacity pools too (rows.py); its
+    problems go in the report. Nothing is scanned in a report with problems already."""
+    if not report.ok:
+        return
+    for pool in (report, *report.members):
+        where = "" if pool is report else f"capacity pool {pool.path}: "
+        report.problems.extend(where + p for p in non_finite_rows(pool.regions, _file_reader(pool.path)))
 
 
 def _file_reader(path: str) -> Reader:
