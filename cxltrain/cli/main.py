@@ -632,6 +632,8 @@ def _run_pool_check(args) -> int:
     from ..checkpoint.offline import check_checkpoint
     from ..pool.info import check_rows, inspect
 
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_pool_check(args.path, args.json)
     report = inspect(args.path)
     checkpoint = None
     if report.in_use:  # the writer changes the undo ring and the dense slots under us: not checked
