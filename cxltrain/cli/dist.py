@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from ..errors import ConfigError
 from ..runtime import manifest as run_dir
@@ -112,6 +113,9 @@ def run_recover(path: str, as_json: bool) -> int:
     m = run_dir.read(path)  # refused here, before torch starts
     run_dir.check(path, m, m["world_size"], None, None)
     from ..runtime.group_recovery import recover_dir
+    from ..runtime.run_check import refuse_damaged_run_dir
+
+    refuse_damaged_run_dir(path)
 
     done = recover_dir(path)
     moved = [r for r in done if r.target != r.batch]
@@ -137,6 +141,7 @@ def run_export(path: str, out: str, save, as_json: bool) -> int:
 def run_pool_info(path: str, as_json: bool) -> int:
     from ..placement.sharding import ShardingPlan
     from ..pool.info import inspect
+    from ..runtime.run_check import check_run_dir
 
     m = run_dir.read(path)
     ranks = []
@@ -155,7 +160,27 @@ def run_pool_info(path: str, as_json: bool) -> int:
         for r in ranks:
             print(f"  rank {r['rank']}: {r['pool']}, committed at batch {r['batch']}"
                   + (f"; {r['problems'][0]}" if r["problems"] else ""))
-    return 1 if any(r["problems"] for r in ranks) else 0
+    return _say_problems(check_run_dir(path).problems)
+
+
+def run_pool_check(path: str, as_json: bool) -> int:
+    """`pool check DIR`: every rank pool, and the manifest against each; exit 1 on a problem."""
+    from ..runtime.run_check import check_run_dir
+
+    found = check_run_dir(path)
+    if not found.problems and not as_json:
+        m = run_dir.read(path)
+        print(f"ok: {path}: {m['world_size']} rank(s) of run {m['run']}, {m['state']}"
+              + ("" if found.batch is None else f", every rank recoverable to batch {found.batch}"))
+    if as_json:
+        print(json.dumps({"path": path, "ok": not found.problems, "problems": found.problems, "batch": found.batch}))
+    return _say_problems(found.problems)
+
+
+def _say_problems(problems: list[str]) -> int:
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
 
 
 # The TrainConfig fields that `import --nproc-per-node` takes: those that shape the tables and the run.

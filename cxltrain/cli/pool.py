@@ -94,8 +94,10 @@ def _finish_report(report, as_json: bool) -> int:
 
 def _run_pool_check(args) -> int:
     from ..checkpoint.offline import check_checkpoint
-    from ..pool.info import inspect
+    from ..pool.info import check_rows, inspect
 
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_pool_check(args.path, args.json)
     report = inspect(args.path)
     checkpoint = None
     if report.in_use:  # the writer changes the undo ring and the dense slots under us: not checked
@@ -105,6 +107,7 @@ def _run_pool_check(args) -> int:
             checkpoint = check_checkpoint(args.path)
         except PoolError as e:
             report.problems.append(str(e).removeprefix(f"{args.path}: "))
+    check_rows(report)
     if report.ok and not args.json:
         print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
               f"batch {report.root.batches_done}"

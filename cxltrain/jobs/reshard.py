@@ -30,6 +30,7 @@ from ..runtime import manifest as run_dir
 from ..runtime.group_recovery import recover_dir
 from ..runtime.interop import DLRM_COLLECTION
 from ..runtime.recovery_point import AgreedMinimum
+from ..runtime.run_check import refuse_damaged_run_dir
 from ..tables.bag import region_names
 from .config import TrainConfig
 from .sharded_settings import check_config, plan_for, settings_for
@@ -55,6 +56,7 @@ def _is_table_key(key: str) -> bool:
 
 def export_dir(directory: str) -> dict:
     """{"batch", "model", "optimizers", "schedulers"} as a single process exports them."""
+    refuse_damaged_run_dir(directory)  # before recovery writes to any pool
     done = recover_dir(directory)
     m = run_dir.read(directory)
     plan = ShardingPlan.from_json(m["plan"])

@@ -32,6 +32,7 @@ from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .data_source import training_data
+from .lifeline import end_with_launcher, mark_launcher
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import GroupFacts, TrainResult, run_steps
 
@@ -64,6 +65,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
              progress: bool = True) -> TrainResult:
     """Train this rank (RANK, WORLD_SIZE and the rendezvous from torchrun's environment); returns
     what this rank did and measured (its `group` says which rank it is)."""
+    end_with_launcher()
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
     join_group(timeout_s)
@@ -208,6 +210,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
 
     args = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.1", "-m", "cxltrain", "train", *argv]
+    mark_launcher()
     try:
         torchrun.main(args)
     except ChildFailedError as e:

@@ -21,20 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 
 import numpy as np
 
-from ..errors import ConfigError, PoolError
+from ..errors import ConfigError
 from ..pool import format as fmt
 from ..pool.format import RegionKind
+from ..pool.plan_format import PLAN_BYTES, PLAN_HEADER, PLAN_MAGIC, PLAN_REGION, PLAN_VERSION, plan_json
 from .table import CAPACITY, FAST, TablePlacement
 
-PLAN_REGION = "cxltrain.plan"
-PLAN_BYTES = 16 << 10
-PLAN_HEADER = struct.Struct("<IIII")      # magic, version, JSON length, zero
-PLAN_MAGIC = int.from_bytes(b"CXPL", "little")
-PLAN_VERSION = 1
 PAGE_BYTES = 4096                          # what a capacity-tier read of one cold row costs at least
 
 
@@ -227,11 +222,7 @@ def pack_plan(plan: Plan, uuid: bytes) -> bytes:
 
 
 def unpack_plan(raw: bytes, uuid: bytes, where: str) -> Plan:
-    magic, version, length, zero = PLAN_HEADER.unpack_from(raw)
-    if (magic != PLAN_MAGIC or version != PLAN_VERSION or zero or length > len(raw)
-            or not fmt.is_sealed(raw, uuid)):
-        raise PoolError(f"{where}: its placement plan ({PLAN_REGION}) is damaged")
-    return Plan.from_json(json.loads(raw[PLAN_HEADER.size : PLAN_HEADER.size + length]))
+    return Plan.from_json(plan_json(raw, uuid, where))
 
 
 def store_plan(pool, plan: Plan) -> None:

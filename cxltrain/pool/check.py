@@ -15,8 +15,10 @@ import uuid as uuidlib
 from typing import Callable
 
 from ..errors import ConfigError, NotAPoolError, PoolCorruptError, PoolVersionError
+from . import cache_format
 from . import format as fmt
 from .format import SLOT_NAMES, DType, Region, RegionKind, Root, Superblock
+from .plan_format import PLAN_REGION, plan_json
 
 Reader = Callable[[int, int], bytes]  # (offset, length) -> the bytes there
 
@@ -172,3 +174,21 @@ def check_regions_disjoint(regions: list[Region]) -> None:
     for a, b in zip(spans, spans[1:]):
         if a.end > b.offset:
             raise PoolCorruptError(f"regions {a.name!r} and {b.name!r} overlap")
+
+
+def check_set_regions(regions: dict[str, Region], read: Callable[[Region], bytes], uuid: bytes) -> None:
+    """Refuse (PoolCorruptError) a pool set whose primary holds a damaged placement plan or a
+    hot-row cache map naming a row outside its table or a row twice. regions: every region of the
+    set by name (primary and capacity pools); read: the bytes of one; uuid: the primary's."""
+    if PLAN_REGION in regions:
+        plan_json(read(regions[PLAN_REGION]), uuid, "the set")
+    for name in regions:
+        table = cache_format.table_of(name)
+        if table is None:
+            continue
+        where = f"the hot-row cache of table {table!r}"
+        state = regions.get(cache_format.region_names(table)[1])
+        weights = regions.get(f"{table}.weight")
+        if state is None or weights is None or state.shape[1] < cache_format.MAP_COLUMNS:
+            raise PoolCorruptError(f"{where}: its row map or its table's rows are missing")
+        cache_format.check_map(cache_format.map_of(state, read(state)), weights.shape[0], where)

@@ -1,7 +1,9 @@
 """Opening and locking a pool file, for `Pool` and for inspection alike.
 
 A pool is opened by one process at a time: an exclusive flock on the file (shared for read-only
-inspection); a second opener gets PoolLockedError.
+inspection); a second opener gets PoolLockedError. The lock dies with the process that took it:
+a forked child (a DataLoader worker) would otherwise share the locked descriptor and keep the pool
+locked after a SIGKILL of its parent, refusing the restart a supervisor makes at once.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import stat
 
 from ..devices import device_size
 from ..errors import DeviceError, NotAPoolError, PoolError, PoolLockedError
+from . import format as fmt
 from .check import Reader
+
+CREATING = ".creating"  # the side name a pool is built under until its first commit (Runtime, import)
 
 
 class open_pool_file:
@@ -34,7 +39,7 @@ class open_pool_file:
                 raise NotAPoolError(f"{self.path}: not a regular file or DAX device")
             self.fd = os.open(self.path, flags)
         except FileNotFoundError:
-            raise PoolError(f"{self.path}: no such pool") from None
+            raise PoolError(f"{self.path}: no such pool{_creation_left_behind(self.path)}") from None
         except IsADirectoryError:
             raise NotAPoolError(f"{self.path}: is a directory, not a pool") from None
         except PermissionError:
@@ -59,8 +64,34 @@ def pread_reader(fd: int) -> Reader:
     return read
 
 
+_LOCKS: set[int] = set()  # the lock descriptors this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: let go of the parent's locks. flock belongs to the open file description,
+    which fork shares (as it does an OFD lock; only O_CLOEXEC-style closing at exec is automatic),
+    so the child's copies are pointed at /dev/null: the numbers stay valid for whatever closes
+    them later, and the lock goes with the last descriptor of the parent."""
+    if not _LOCKS:
+        return
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd in _LOCKS:
+        os.dup2(null, fd)
+    os.close(null)
+    _LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
+def unlock_pool(fd: int) -> None:
+    """Release a lock lock_pool took (closes its descriptor)."""
+    _LOCKS.discard(fd)
+    os.close(fd)
+
+
 def lock_pool(path: str, writable: bool) -> int:
-    """Take the pool's advisory lock on a descriptor of its own; returns it (close it to unlock).
+    """Take the pool's advisory lock on a descriptor of its own; returns it (unlock_pool releases it).
 
     flock belongs to an open file description. mmap dup()s the data descriptor, so a lock taken on
     that one would live on for as long as any view of the mapping does; a separate descriptor is
@@ -74,4 +105,39 @@ def lock_pool(path: str, writable: bool) -> int:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise PoolLockedError(f"{path}: pool is in use by another process") from None
         raise DeviceError(f"{path}: cannot lock: {e.strerror}") from None
+    _LOCKS.add(fd)
     return fd
+
+
+def _creation_left_behind(path: str) -> str:
+    """What to add to "no such pool" when PATH.creating exists: a creation still running, or one
+    that was killed, whose file is removed here (remove_stale: only once its creator is dead)."""
+    building = path + CREATING
+    if not os.path.lexists(building):
+        return ""
+    try:
+        remove_stale(building)
+    except PoolLockedError:
+        return f" yet ({building} is being created by a running process)"
+    except PoolError as e:
+        return f" ({e})"
+    return f" (removed {building}, left behind by a creation that was killed)"
+
+
+def remove_stale(path: str) -> None:
+    """Delete `path` (a pool a crashed process was building under a side name), unless another
+    process holds it open, which raises PoolLockedError, or it is not provably a pool of ours (our
+    magic, or the mark of an unfinished one, at offset 0), which raises PoolError."""
+    if not os.path.lexists(path):
+        return
+    if not os.path.isfile(path) or os.path.islink(path):
+        raise PoolError(f"{path}: is in the way and is not a pool left unfinished by cxltrain; move it away")
+    lock_fd = lock_pool(path, writable=True)  # refuses while its builder is alive
+    try:
+        with open(path, "rb") as f:
+            magic = int.from_bytes(f.read(8), "little")
+        if magic not in (fmt.MAGIC, fmt.BUILDING_MAGIC):
+            raise PoolError(f"{path}: is in the way and is not a pool left unfinished by cxltrain; move it away")
+        os.unlink(path)  # under the lock: a builder that starts now creates a new file
+    finally:
+        unlock_pool(lock_fd)

@@ -33,8 +33,16 @@ from ..faults import CrashPoint, crash_armed, crash_point, planted
 from ..knobs import KNOBS
 from . import format as fmt
 from . import set_format as pool_set
-from .check import check_regions_disjoint, new_superblock, pick_root, read_region, read_root_slot, validate_superblock
-from .files import lock_pool, open_pool_file, pread_reader
+from .check import (
+    check_regions_disjoint,
+    check_set_regions,
+    new_superblock,
+    pick_root,
+    read_region,
+    read_root_slot,
+    validate_superblock,
+)
+from .files import lock_pool, open_pool_file, pread_reader, remove_stale, unlock_pool  # noqa: F401 (re-exported)
 from .format import DType, Region, RegionKind, Root, Superblock
 
 
@@ -120,7 +128,7 @@ class Pool:
                 os.unlink(path)  # never leave a half-made pool file behind
             os.close(target.fd)
             if lock_fd >= 0:
-                os.close(lock_fd)
+                unlock_pool(lock_fd)
             raise
 
     @classmethod
@@ -140,7 +148,7 @@ class Pool:
                 device = (mapper(path, fd, sb.pool_size) if mapper is not None and writable
                           else map_device(path, fd, sb.pool_size, writable=writable, backend=backend))
             except BaseException as e:
-                os.close(lock_fd)
+                unlock_pool(lock_fd)
                 if isinstance(e, NotAPoolError) and stat.S_ISCHR(os.fstat(fd).st_mode):
                     raise NotAPoolError(f"{path}: not a cxltrain pool; format the device with "
                                         f"`cxltrain pool create {path}`") from None
@@ -148,13 +156,21 @@ class Pool:
                     raise type(e)(f"{path}: {e}") from None
                 raise
             pool = cls(path, fd, lock_fd, device, sb, root, regions)
-        if pool_set.SET_REGION in pool._regions:
-            try:
+        try:
+            if pool_set.SET_REGION in pool._regions:
                 pool.open_members()
-            except BaseException:
-                pool.close()
-                raise
+            check_set_regions(pool.regions, pool._region_bytes, sb.uuid)
+        except PoolError as e:
+            pool.close()
+            raise type(e)(e if str(e).startswith(path) else f"{path}: {e}") from None
+        except BaseException:
+            pool.close()
+            raise
         return pool
+
+    def _region_bytes(self, region: Region) -> bytes:
+        device = self.device_for(region)
+        return device.array[region.offset : region.offset + region.size].tobytes()
 
     # -- regions ----------------------------------------------------------------------------
     @property
@@ -381,7 +397,7 @@ class Pool:
                 member.close()
             self.device.close()
             os.close(self._fd)
-            os.close(self._lock_fd)
+            unlock_pool(self._lock_fd)
 
     def __enter__(self) -> "Pool":
         return self
@@ -391,25 +407,6 @@ class Pool:
 
     def __repr__(self) -> str:
         return f"<Pool {self.path} {self.device.kind} seq={self.root.seq} regions={len(self._regions)}>"
-
-
-def remove_stale(path: str) -> None:
-    """Delete `path` (a pool a crashed process was building under a side name), unless another
-    process holds it open, which raises PoolLockedError, or it is not provably a pool of ours (our
-    magic, or the mark of an unfinished one, at offset 0), which raises PoolError."""
-    if not os.path.lexists(path):
-        return
-    if not os.path.isfile(path) or os.path.islink(path):
-        raise PoolError(f"{path}: is in the way and is not a pool left unfinished by cxltrain; move it away")
-    lock_fd = lock_pool(path, writable=True)  # refuses while its builder is alive
-    try:
-        with open(path, "rb") as f:
-            magic = int.from_bytes(f.read(8), "little")
-        if magic not in (fmt.MAGIC, fmt.BUILDING_MAGIC):
-            raise PoolError(f"{path}: is in the way and is not a pool left unfinished by cxltrain; move it away")
-        os.unlink(path)  # under the lock: a builder that starts now creates a new file
-    finally:
-        os.close(lock_fd)
 
 
 def publish(pool: Pool, path: str) -> None:

@@ -18,13 +18,15 @@ from .check import (
     Reader,
     SlotStatus,
     check_regions_disjoint,
+    check_set_regions,
     pick_root,
     read_region,
     read_root_slot,
     validate_superblock,
 )
-from .files import lock_pool, open_pool_file, pread_reader
+from .files import lock_pool, open_pool_file, pread_reader, unlock_pool
 from .format import Region, Root, Superblock
+from .rows import non_finite_rows
 
 
 @dataclasses.dataclass
@@ -57,7 +59,7 @@ def inspect(path: str) -> PoolReport:
             report = _inspect(path, pread_reader(fd), file_size)
         finally:
             if lock_fd is not None:
-                os.close(lock_fd)
+                unlock_pool(lock_fd)
         report.in_use = lock_fd is None
         return report
 
@@ -88,7 +90,40 @@ def _inspect(path: str, read: Reader, file_size: int) -> PoolReport:
     set_region = next((r for r in report.regions if r.name == pool_set.SET_REGION), None)
     if set_region is not None and not report.problems:
         _inspect_members(report, read(set_region.offset, set_region.size))
+    if not report.problems:
+        _check_set_regions(report, read)
     return report
+
+
+def _check_set_regions(report: PoolReport, read: Reader) -> None:
+    """The plan and cache map checks of `Pool.open`, over the primary's and its members' regions."""
+    regions = {r.name: (r, read) for r in report.regions}
+    for member in report.members:
+        member_read = _file_reader(member.path)
+        regions.update((r.name, (r, member_read)) for r in member.regions if r.name not in regions)
+    try:
+        check_set_regions({name: r for name, (r, _) in regions.items()},
+                          lambda r: regions[r.name][1](r.offset, r.size), report.superblock.uuid)
+    except PoolError as e:
+        report.problems.append(str(e))
+
+
+def check_rows(report: PoolReport) -> None:
+    """`pool check`'s scan of every table row, in the set's capacity pools too (rows.py); its
+    problems go in the report. Nothing is scanned in a report with problems already."""
+    if not report.ok:
+        return
+    for pool in (report, *report.members):
+        where = "" if pool is report else f"capacity pool {pool.path}: "
+        report.problems.extend(where + p for p in non_finite_rows(pool.regions, _file_reader(pool.path)))
+
+
+def _file_reader(path: str) -> Reader:
+    def read(offset: int, length: int) -> bytes:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+    return read
 
 
 def _inspect_members(report: PoolReport, raw: bytes) -> None:
@@ -109,8 +144,10 @@ def _inspect_members(report: PoolReport, raw: bytes) -> None:
         except PoolError as e:
             report.problems.append(f"{where}: {e}")
             continue
-        report.members.append(member)
         report.problems.extend(f"{where}: {problem}" for problem in member.problems)
+        if member.superblock is None or member.root is None:
+            continue  # nothing of it can be listed
+        report.members.append(member)
         if member.problems:
             continue
         region = next((r for r in member.regions if r.name == pool_set.MEMBER_REGION), None)

@@ -1,0 +1,47 @@
+"""A rank ends with its launcher: torchrun starts each rank in a session of its own, so killing the
+launcher (or its process group) would leave the ranks training unsupervised, holding their pools.
+
+    mark_launcher()        # in the launcher, before torchrun starts the ranks
+    end_with_launcher()    # in each rank, first thing
+
+The kernel kills the rank (PR_SET_PDEATHSIG, SIGKILL) when the launcher dies; a rank whose launcher
+died before that was armed sees itself re-parented and exits at once. SIGKILL: a rank blocked in a
+collective could not act on a catchable signal, and recovery makes a kill at any moment exact.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+from ..errors import CxlTrainError
+
+LAUNCHER_ENV = "CXLTRAIN_LAUNCHER_PID"
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"   # set by torchrun in every rank it starts
+PR_SET_PDEATHSIG = 1
+
+
+class LauncherGone(CxlTrainError):
+    """The process that launched this rank is no longer its parent."""
+
+
+def mark_launcher() -> None:
+    """Name this process as the launcher of the ranks it starts (they inherit the environment)."""
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+
+
+def end_with_launcher() -> None:
+    """In a rank started by torchrun: die with the launcher; LauncherGone if it is gone already."""
+    if TORCHRUN_ENV not in os.environ:
+        return  # one rank in the launcher's own process: nothing to outlive
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # no prctl (not Linux): the parent check below still runs once
+    # after arming: a launcher that dies from here on kills this rank; one that died before shows here
+    parent, launcher = os.getppid(), os.environ.get(LAUNCHER_ENV)
+    if parent == 1 or (launcher is not None and int(launcher) != parent):
+        raise LauncherGone(f"rank {os.environ.get('RANK', '?')}: its launcher exited before it started; not "
+                           "training unsupervised")

@@ -1,0 +1,112 @@
+"""Nothing outlives a killed trainer (issue 35, item 4): its DataLoader workers do not keep the
+pool locked, so a restart right after a SIGKILL opens it; the ranks of `train --nproc-per-node 2`
+end with their launcher; and a creation killed half-way is named, and removed, by the next command
+that meets it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cxltrain.faults import CRASH_ENV
+from cxltrain.pool.handle import Pool
+from helpers import cxltrain, cxltrain_command
+
+TRAINER_WITH_WORKERS = """
+import sys, time
+from torch.utils.data import DataLoader, Dataset
+from cxltrain.pool.handle import Pool
+
+class Slow(Dataset):
+    def __len__(self):
+        return 1 << 20
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+pool = Pool.create(sys.argv[1], 1 << 20)
+batches = iter(DataLoader(Slow(), batch_size=1, num_workers=2))
+next(batches)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_restart_right_after_a_sigkill_opens_the_pool_its_workers_held(shm_dir):
+    path = str(shm_dir / "workers.pool")
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER_WITH_WORKERS, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        Pool.open(path).close()  # at once, as torchrun or a supervisor restarts it
+    finally:
+        trainer.kill()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_ranks_end_with_their_launcher(shm_dir):
+    run = shm_dir / "run"
+    command = cxltrain_command() + ["train", "--nproc-per-node", "2", "--pool", str(run), "--steps", "100000",
+                                    "--batch-size", "96", "--num-tables", "3", "--rows", "2000", "--dim", "16",
+                                    "--no-progress", "--dist-timeout", "30"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = []
+    try:
+        for line in launcher.stdout:
+            if "training from batch" in line:
+                break
+        ranks = _children(launcher.pid)
+        assert len(ranks) == 2, ranks
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_alive, ranks)), "the ranks outlived their launcher"
+        done = cxltrain("pool", "check", run)
+        assert done.returncode == 0, done.stderr
+    finally:
+        launcher.kill()
+        for pid in ranks:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("command", [("pool", "info"), ("pool", "check"), ("recover",)])
+def test_a_creation_killed_half_way_is_named_and_removed(shm_dir, command):
+    path = shm_dir / "killed.pool"
+    killed = cxltrain("train", "--pool", path, "--steps", "2", "--num-tables", "2", "--rows", "1000",
+                      "--no-progress", env={CRASH_ENV: "create:before-superblock"})
+    assert killed.returncode != 0 and os.path.exists(f"{path}.creating"), killed
+    done = cxltrain(*command, path)
+    assert done.returncode == 1 and f"removed {path}.creating" in done.stderr, done
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not os.path.exists(f"{path}.creating")
+
+
+def test_a_creation_still_running_is_left_alone(shm_dir):
+    path = str(shm_dir / "running.pool")
+    with Pool.create(path + ".creating", 1 << 20):  # this process is its creator, alive
+        done = cxltrain("pool", "info", path)
+        assert done.returncode == 1 and "being created by a running process" in done.stderr, done
+        assert os.path.exists(path + ".creating")
