@@ -44,6 +44,7 @@ from torch import nn
 
 from ..checkpoint.seam import in_dense_only
 from ..errors import ConfigError, NonFiniteError, PoolError
+from ..faults import Planted, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
@@ -548,12 +549,13 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
         raise NonFiniteError(f"table {table.name!r}: gradient{where} is not finite (NaN or inf); stopped "
                              "before updating the table, and the batch is not committed")
     undo, guard, cache = None, table.checkpointer, table.cache
+    slots_late = cache is not None and planted(Planted.CACHED_UPDATE_UNLOGGED)  # a crash test's planted bug
     if guard is not None:
         # ORDERING U1c: the undo record of these rows is durable (before_update returns only
         # then) before the update below issues the batch's first in-place store into them, or
         # the update writes it, chunk by chunk, each durable before its rows are stored (U1h).
         undo = guard.before_update(table, batch, fusable and cache is None)
-        if cache is not None:
+        if cache is not None and not slots_late:
             # ORDERING U1f: the cache slots' undo record is durable (before_update returns only
             # then) before the update below issues the first store into the cached rows.
             guard.before_update(cache.slots, batch)
@@ -566,6 +568,8 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
     if guard is not None:
         table_rows = unique_rows
         if cache is not None:  # the cached rows were updated in their slots
+            if slots_late:  # the planted bug: their record taken after the stores, holding the new values
+                guard.before_update(cache.slots, batch)
             slots, table_rows = cache.homes(unique_rows)
             guard.after_update(cache.slots, batch, slots)
         guard.after_update(table, batch, table_rows)
