@@ -451,18 +451,8 @@ static int cached_rows_read(PyObject *fields, struct cached_rows *c, int with_st
     *c = (struct cached_rows){0};
     if (fields == Py_None)
         return 0;
-    if (!PyDict_Check(fields)) {
-        PyErr_SetString(PyExc_TypeError, "sparse_update: the cache's fields must be a dict");
-        return -1;
-    }
-    PyObject *none = PyTuple_New(0);
-    if (none == NULL)
-        return -1;
-    const int parsed = PyArg_ParseTupleAndKeywords(none, fields, "KpKnKnL:sparse_update's cache", names, &slot_of,
-                                                   &c->wide, &weight, &c->w_stride, &state, &c->s_stride,
-                                                   &c->slots);
-    Py_DECREF(none);
-    if (!parsed)
+    if (named_fields(fields, "KpKnKnL:sparse_update's cache", names, &slot_of, &c->wide, &weight, &c->w_stride,
+                     &state, &c->s_stride, &c->slots) < 0)
         return -1;
     c->slot_of = (const void *)(uintptr_t)slot_of;
     c->weight = (float *)(uintptr_t)weight;

@@ -60,6 +60,17 @@ def random_lookups(g, rows, lookups, bags):
     return indices, offsets
 
 
+def random_update(g, rows, dim, pad, lookups, bags, mode):
+    """(weight [R, D + pad], state [R, 1], indices [N], offsets [B], grad_out [B, D], per-sample
+    weights [N] in mode "weighted", else None): one random update's inputs."""
+    weight = random_table(g, rows, dim + pad)
+    state = torch.rand(rows, 1, generator=g)
+    indices, offsets = random_lookups(g, rows, lookups, bags)
+    grad_out = torch.randn(bags, dim, generator=g)
+    psw = torch.rand(lookups, generator=g) if mode == "weighted" else None
+    return weight, state, indices, offsets, grad_out, psw
+
+
 # -- gather (recovery's scatter is ring.restore: tests/test_ring_restore.py) ----------------------
 @needs_native
 @settings(max_examples=60, deadline=None)
@@ -85,11 +96,7 @@ def update(rule, mode, indices, offsets, grad_out, psw, lr=0.3, eps=1e-6):
        rule=st.sampled_from(["sgd", "rowwise_adagrad"]))
 def test_sparse_update_equals_torch(seed, rows, dim, pad, lookups, bags, mode, rule):
     g = torch.Generator().manual_seed(seed)
-    weight = random_table(g, rows, dim + pad)
-    state = torch.rand(rows, 1, generator=g)
-    indices, offsets = random_lookups(g, rows, lookups, bags)
-    grad_out = torch.randn(bags, dim, generator=g)
-    psw = torch.rand(lookups, generator=g) if mode == "weighted" else None
+    weight, state, indices, offsets, grad_out, psw = random_update(g, rows, dim, pad, lookups, bags, mode)
     fn = update(rule, "mean" if mode == "mean" else "sum", indices, offsets, grad_out, psw)
     (ours, [w1, s1]), (theirs, [w2, s2]) = run_both(fn, weight, state)
     assert torch.equal(ours, theirs) and torch.equal(ours, torch.unique(indices))
@@ -134,11 +141,7 @@ def test_the_cached_update_equals_the_split_update_bit_for_bit(seed, rows, dim, 
     """One kernel call with the row map and the slots gives each row, cached or not, the very bits
     the Python split (hits and misses updated apart) gave: same lookups, same order, same scale."""
     g = torch.Generator().manual_seed(seed)
-    weight = random_table(g, rows, dim + pad)
-    state = torch.rand(rows, 1, generator=g)
-    indices, offsets = random_lookups(g, rows, lookups, bags)
-    grad_out = torch.randn(bags, dim, generator=g)
-    psw = torch.rand(lookups, generator=g) if mode == "weighted" else None
+    weight, state, indices, offsets, grad_out, psw = random_update(g, rows, dim, pad, lookups, bags, mode)
     kept = torch.nonzero(torch.rand(rows, generator=g) < cached).reshape(-1)
     slot_count = kept.numel() + 3  # spare slots stay as they are
     slot_of = torch.full((rows,), -1, dtype=torch.int64 if wide else torch.int32)
