@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cxltrain import knobs
-from cxltrain.checkpoint.layout import split_payload
 from cxltrain.checkpoint import fused
+from cxltrain.checkpoint.layout import split_payload
 from cxltrain.devices.libpmem import load as load_libpmem
 from cxltrain.devices.registry import map_device
 from cxltrain.kernels import native, ops

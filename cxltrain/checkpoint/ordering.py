@@ -28,8 +28,16 @@ import torch
 
 from ..faults import Planted, PlantedDist
 from ..kernels.native import NativePersistence
-from .fused import (HEADER_STOP, PAYLOAD_STOP, PERSIST_HEADER, PERSIST_PAYLOAD, PERSIST_TAIL, STORE_HEADER,
-                    STORE_TAIL, UPDATE)
+from .fused import (
+    HEADER_STOP,
+    PAYLOAD_STOP,
+    PERSIST_HEADER,
+    PERSIST_PAYLOAD,
+    PERSIST_TAIL,
+    STORE_HEADER,
+    STORE_TAIL,
+    UPDATE,
+)
 from .seam import LoggedTable
 from .window import WindowCaptures
 
