@@ -412,8 +412,9 @@ class PersistentEmbeddingBag(nn.Module):
                             undo: row_ops.UndoChunks | None = None) -> torch.Tensor:
         """The batch's fused sparse update in place, straight from its lookups (indices [N], offsets [B],
         grad_out [B, D]): one kernel call reduces duplicates and updates each unique row once, where
-        it lives (a cached row in its cache slot). Returns the rows it updated [U], sorted. (A crash test's update:mid kill lands inside that
-        kernel: kernels/ops.py.) undo: the undo records the kernel writes as it goes (the checkpointer's)."""
+        it lives (a cached row in its cache slot). Returns the rows it updated [U], sorted. (A crash
+        test's update:mid kill lands inside that kernel: kernels/ops.py.) undo: the undo records the
+        kernel writes as it goes (the checkpointer's)."""
         storage = self._require_storage()
         weights = None if per_sample_weights is None else per_sample_weights.contiguous()
         cached = None if self.cache is None else self.cache.locations()
