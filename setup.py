@@ -1,12 +1,23 @@
-"""Builds the native row kernels; everything else about the package is in pyproject.toml.
+"""Builds the native row kernels and lists the packages; the rest of the metadata is in pyproject.toml.
 
 The extension is optional: when it cannot be compiled (no C compiler, no Python headers), the
 install still succeeds and cxltrain.kernels falls back to its torch kernels with one warning.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
+
+# emulation/ and kernels/ are top-level folders of the repository installed inside the cxltrain
+# namespace (a top-level import name `kernels` collides with a PyPI package). Every package under
+# the three folders is found here, so a new one cannot be left out of a normal install.
+HOMES = {"cxltrain": "cxltrain", "cxltrain.emulation": "emulation", "cxltrain.kernels": "kernels"}
+PACKAGES = [name for prefix, folder in HOMES.items()
+            for name in [prefix, *(f"{prefix}.{sub}" for sub in find_packages(folder))]]
 
 setup(
+    packages=PACKAGES,
+    package_dir=HOMES,
+    # CUDA sources (and their headers) are read at run time, where CuPy compiles them.
+    package_data={"": ["*.cu", "*.cuh", "*.h"]},
     ext_modules=[
         Extension(
             "cxltrain.kernels._rows",
@@ -19,7 +30,7 @@ setup(
             extra_link_args=["-O3", "-flto"],
             optional=True,
         ),
-        # The Criteo line parser (cxltrain/data/native_parse.py falls back to Python without it).
+        # The Criteo line parser (cxltrain/data/lines.py falls back to Python without it).
         Extension(
             "cxltrain.kernels._criteo",
             sources=["kernels/criteo.c"],
