@@ -85,6 +85,7 @@ class Planted:
     UPDATE_BEFORE_HEADER = "update-before-header"    # U1 (fused update): a chunk's rows stored before its header
     KERNEL_SKIPS_ROW_FLUSH = "kernel-skips-row-flush"  # U2 (fused update): its rows' flush counted, never done
     UNLOGGED_ADMISSION = "unlogged-admission"        # U1: cache slots filled with no undo record of them first
+    CACHED_UPDATE_UNLOGGED = "cached-update-unlogged"  # U1: cached rows updated before their slots' record is taken
 
 
 class PlantedDist:

@@ -17,6 +17,7 @@ dim, K optimizer-state columns.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Protocol
 
 import numpy as np
@@ -84,6 +85,18 @@ def unique_rows_and_order(indices: torch.Tensor, table_rows: int) -> tuple[np.nd
     return rows[:count], order
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedRows:
+    """Where a table's cached rows live (as FBGEMM's caching kernels take cache locations): the row
+    map slot_of [R] int32 or int64 (each row's slot, -1: not cached, the table row is its copy), the
+    slots' weights [S, P'] and state [S, K'] (K' >= K; None for sgd). sparse_update reads and
+    updates a cached row in its slot, every other row in the table."""
+
+    slot_of: torch.Tensor
+    weights: torch.Tensor
+    state: torch.Tensor | None
+
+
 class UndoChunks(Protocol):
     """The undo records a fused update writes as it goes, as sparse_update sees them: the writer
     and its record layout are the checkpoint layer's (cxltrain/checkpoint/fused.py FusedUndo)."""
@@ -108,7 +121,8 @@ def fused_available() -> bool:
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                   grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
                   per_sample_weights: torch.Tensor | None = None, mode: str = "sum", *, lr: float,
-                  eps: float = 0.0, undo: UndoChunks | None = None) -> torch.Tensor:
+                  eps: float = 0.0, undo: UndoChunks | None = None,
+                  cached: CachedRows | None = None) -> torch.Tensor:
     """The fused sparse update of one table for one batch, in place; returns the rows [U] it updated,
     sorted ascending (U <= N).
 
@@ -126,6 +140,10 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     chunk of the unique rows, by the writer's step list (UndoChunks; the updated values are the same
     bits as without), each durable right before its chunk's rows are updated, and the chunk's
     updated rows written back where the writer asks for it.
+
+    cached: a hot-row cache's row map and slots (CachedRows): each unique row is read and updated
+    where it lives, its slot or its table row, with the same arithmetic (the returned rows are
+    table row ids either way). Not with undo: a cached table's records are written first.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -152,13 +170,19 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         _check("per_sample_weights", per_sample_weights, torch.float32, 1)
         if mode != "sum" or per_sample_weights.numel() != indices.numel():
             raise ValueError("per_sample_weights need mode 'sum' and one weight per lookup")
+    if cached is not None:
+        _check_cached(cached, rule, weight, state, dim)
+        if undo is not None:
+            raise ValueError("the fused undo capture records table rows only; a cached table's records come first")
     lib = native.lib()
     if lib is None:
         _check_bounds(indices, weight.shape[0])
+        if cached is not None:
+            _check_slots(cached, indices)
         if offsets is None:
             offsets = torch.arange(bags, dtype=torch.int64)
         rows = torch_rows.sparse_update(rule, weight, state, indices, grad_out, offsets, per_sample_weights, mode,
-                                        lr, eps, _stop_after(indices, weight.shape[0]))
+                                        lr, eps, _stop_after(indices, weight.shape[0]), cached)
         crash_point(CrashPoint.UPDATE_MID)
         return rows
     out = torch.empty(indices.numel(), dtype=torch.int64)
@@ -166,7 +190,9 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
                  state.shape[1] if state is not None else 0, weight.shape[0], dim, indices.data_ptr(), indices.numel(),
                  grad_out.data_ptr(), dim, bags, _address(offsets), mode == "mean", _address(per_sample_weights), lr,
                  eps, out.data_ptr(), _stop_after(indices, weight.shape[0]))
-    if undo is None:
+    if cached is not None:
+        unique = lib.sparse_update(*arguments, None, _cache_fields(cached))
+    elif undo is None:
         unique = lib.sparse_update(*arguments)
     else:
         if not fused_available():
@@ -178,6 +204,41 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         undo.kernel_done(stopped, runs)
     crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]
+
+
+def _check_cached(cached: CachedRows, rule: str, weight: torch.Tensor, state: torch.Tensor | None, dim: int) -> None:
+    """The row map [R] and the slots' arrays, as sparse_update's kernels read them."""
+    slot_of = cached.slot_of
+    if not isinstance(slot_of, torch.Tensor) or slot_of.dtype not in (torch.int32, torch.int64):
+        raise TypeError("the row map slot_of must be an int32 or int64 tensor")
+    _check("slot_of", slot_of, slot_of.dtype, 1)
+    if slot_of.numel() != weight.shape[0]:
+        raise ValueError(f"the row map has {slot_of.numel()} entries, the table {weight.shape[0]} rows")
+    _check("cached weights", cached.weights, torch.float32, 2)
+    if cached.weights.shape[1] < dim:
+        raise ValueError(f"the slots hold {cached.weights.shape[1]} columns, the update {dim}")
+    if rule == "rowwise_adagrad":
+        _check("cached state", cached.state, torch.float32, 2)
+        if cached.state.shape[0] != cached.weights.shape[0] or cached.state.shape[1] < state.shape[1]:
+            raise ValueError(f"the slots' state must be [{cached.weights.shape[0]}, >= {state.shape[1]}], "
+                             f"got {list(cached.state.shape)}")
+
+
+def _check_slots(cached: CachedRows, indices: torch.Tensor) -> None:
+    """The torch kernels' first pass over the looked-up rows' map entries, as the C kernel's."""
+    if indices.numel():
+        slots = cached.slot_of[indices]
+        if int(slots.min()) < -1 or int(slots.max()) >= cached.weights.shape[0]:
+            raise ValueError(f"sparse_update: the row map sends a looked-up row outside the "
+                             f"{cached.weights.shape[0]} slots; nothing was written")
+
+
+def _cache_fields(cached: CachedRows) -> dict:
+    """The named fields the C kernel reads the cache from (rows.c cached_rows_read)."""
+    state = cached.state
+    return dict(slot_of=cached.slot_of.data_ptr(), wide=cached.slot_of.dtype == torch.int64,
+                weight=cached.weights.data_ptr(), w_stride=cached.weights.shape[1], state=_address(state),
+                s_stride=0 if state is None else state.shape[1], slots=cached.weights.shape[0])
 
 
 def _stop_after(indices: torch.Tensor, table_rows: int) -> int:

@@ -133,6 +133,37 @@ static PyObject *copy_rows(PyObject *self, PyObject *args)
  * ------------------------------------------------------------------------------------------- */
 enum rule { RULE_SGD = 0, RULE_ROWWISE_ADAGRAD = 1 };
 
+/* A table's hot-row cache as the update sees it (as FBGEMM's caching kernels take cache locations):
+ * the row map and the slots' arrays. A cached row is read and updated in its slot only. */
+struct cached_rows {
+    const void *slot_of;    /* [R] int32 or int64: the slot of each row, -1 not cached; NULL: no cache */
+    int wide;               /* slot_of is int64 */
+    float *weight;          /* [S, w_stride] floats, columns [0, dim) updated */
+    Py_ssize_t w_stride;
+    float *state;           /* [S, s_stride] floats, column 0 used (Adagrad only) */
+    Py_ssize_t s_stride;
+    int64_t slots;          /* S */
+};
+
+static inline int64_t cached_slot(const struct cached_rows *c, int64_t row)
+{
+    if (!c->slot_of)
+        return -1;
+    return c->wide ? ((const int64_t *)c->slot_of)[row] : ((const int32_t *)c->slot_of)[row];
+}
+
+/* A first pass over the lookups' map entries: the index of the first lookup whose row maps outside
+ * [-1, S), or -1 (a damaged map is refused before any store, as a bad row is). */
+static Py_ssize_t first_bad_slot(const struct cached_rows *c, const int64_t *rows, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; c->slot_of && i < count; i++) {
+        const int64_t slot = cached_slot(c, rows[i]);
+        if (slot < -1 || slot >= c->slots)
+            return i;
+    }
+    return -1;
+}
+
 
 struct update_args {
     int rule;
@@ -156,7 +187,21 @@ struct update_args {
     struct fused_undo *undo; /* capture and update in one pass (an undo plan), or NULL */
     const int64_t *sorted;  /* [N] the lookups by row (sort_lookups' order, from unique_rows), or NULL:
                                sorted here. Checked before use (sorted_order_holds). */
+    struct cached_rows cache; /* where cached rows live instead (no row map: every row is the table's) */
 };
+
+/* Where a row lives: its slot when the row map caches it, else its table row. */
+static inline void row_home(const struct update_args *a, int64_t row, float **w, float **s)
+{
+    const int64_t slot = cached_slot(&a->cache, row);
+    if (slot >= 0) {
+        *w = a->cache.weight + slot * a->cache.w_stride;
+        *s = a->cache.state + slot * a->cache.s_stride;
+    } else {
+        *w = a->weight + row * a->w_stride;
+        *s = a->state + row * a->s_stride;
+    }
+}
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
  * table's row count needs): `order` ends up listing lookups by row, each row's in lookup order. */
@@ -227,12 +272,14 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
         if (a->undo && unique == a->undo->next_start && undo_next_chunk(a->undo, a->out_rows, unique)) \
             break;                                                                                \
         const int64_t row = a->indices[order[j]];                                                 \
+        float *w, *s;                                                                             \
         if (j + PREFETCH_ROWS < a->n) { /* a row some lookups ahead: its weights and state */     \
-            const int64_t ahead = a->indices[order[j + PREFETCH_ROWS]];                           \
-            prefetch_row((const char *)(a->weight + ahead * a->w_stride), (size_t)dim * 4, 1);    \
+            row_home(a, a->indices[order[j + PREFETCH_ROWS]], &w, &s);                            \
+            prefetch_row((const char *)w, (size_t)dim * 4, 1);                                    \
             if (a->rule != RULE_SGD)                                                              \
-                __builtin_prefetch(a->state + ahead * a->s_stride, 1);                            \
+                __builtin_prefetch(s, 1);                                                         \
         }                                                                                         \
+        row_home(a, row, &w, &s); /* the slot of a cached row, else the table row */              \
         for (Py_ssize_t d = 0; d < dim; d++)                                                      \
             acc[d] = 0.0f;                                                                        \
         for (; j < a->n && a->indices[order[j]] == row; j++) {                                    \
@@ -246,7 +293,6 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
                 for (Py_ssize_t d = 0; d < dim; d++)                                              \
                     acc[d] += g[d];                                                               \
         }                                                                                         \
-        float *w = a->weight + row * a->w_stride;                                                 \
         if (a->rule == RULE_SGD) {                                                                \
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
                 w[d] = fmaf(-a->lr, acc[d], w[d]);                                                \
@@ -254,7 +300,6 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
             float squares = 0.0f;                                                                 \
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
                 squares += acc[d] * acc[d];                                                       \
-            float *s = a->state + row * a->s_stride;                                              \
             *s = *s + squares / (float)dim;                                                       \
             const float denom = sqrtf(*s) + a->eps;                                               \
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
@@ -285,7 +330,7 @@ static Py_ssize_t update_rows_fma(const struct update_args *a, const int64_t *or
 static update_rows_fn update_rows = update_rows_plain;
 
 /* 0 on success; 1 bad index (at *bad); 2 bad offsets; 4 a given order that is not the lookups' own;
- * -1 out of memory. */
+ * 5 a row map entry outside the slots; -1 out of memory. */
 static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, Py_ssize_t *bad)
 {
     *bad = first_bad_row(a->indices, a->n, a->table_rows);
@@ -293,6 +338,8 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
         return 1;
     if (a->sorted && !sorted_order_holds(a->indices, a->n, a->sorted))
         return 4;
+    if (first_bad_slot(&a->cache, a->indices, a->n) >= 0)
+        return 5;
     if (a->offsets) {
         if (a->bags < 1 || a->offsets[0] != 0)
             return 2;
@@ -395,17 +442,47 @@ static PyObject *unique_rows(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(unique);
 }
 
+/* The cache's named fields (a dict: slot_of, wide, weight, w_stride, state, s_stride, slots), or
+ * None: no cache. 0, or -1 with an exception set. */
+static int cached_rows_read(PyObject *fields, struct cached_rows *c, int with_state)
+{
+    static char *names[] = {"slot_of", "wide", "weight", "w_stride", "state", "s_stride", "slots", NULL};
+    unsigned long long slot_of, weight, state;
+    *c = (struct cached_rows){0};
+    if (fields == Py_None)
+        return 0;
+    if (named_fields(fields, "KpKnKnL:sparse_update's cache", names, &slot_of, &c->wide, &weight, &c->w_stride,
+                     &state, &c->s_stride, &c->slots) < 0)
+        return -1;
+    c->slot_of = (const void *)(uintptr_t)slot_of;
+    c->weight = (float *)(uintptr_t)weight;
+    c->state = (float *)(uintptr_t)state;
+    if (!c->slot_of || !c->weight || (with_state && !c->state) || c->slots < 0) {
+        PyErr_SetString(PyExc_ValueError, "sparse_update: the cache needs its row map, slot weights and (Adagrad) "
+                        "slot state");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *sparse_update(PyObject *self, PyObject *args)
 {
     struct update_args a;
     struct fused_undo u;
     unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows;
     long long table_rows;
-    PyObject *undo_fields = Py_None;
-    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|O", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+    PyObject *undo_fields = Py_None, *cache_fields = Py_None;
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|OO", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
                           &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
-                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &undo_fields))
+                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &undo_fields, &cache_fields))
         return NULL;
+    if (cached_rows_read(cache_fields, &a.cache, a.rule != RULE_SGD) < 0)
+        return NULL;
+    if (a.cache.slot_of && undo_fields != Py_None) {
+        PyErr_SetString(PyExc_ValueError, "sparse_update: the fused undo capture records table rows only; a "
+                        "cached table's update takes its records first");
+        return NULL;
+    }
     if (a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) {
         PyErr_Format(PyExc_ValueError, "unknown update rule %d", a.rule);
         return NULL;
@@ -456,6 +533,11 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     if (status == 2) {
         PyErr_Format(PyExc_ValueError, "offsets must start at 0, be non-decreasing and at most %zd; nothing was written",
                      a.n);
+        return NULL;
+    }
+    if (status == 5) {
+        PyErr_Format(PyExc_ValueError, "sparse_update: the row map sends a looked-up row outside the %lld slots; "
+                     "nothing was written", (long long)a.cache.slots);
         return NULL;
     }
     if (status == 4) {
@@ -769,9 +851,11 @@ static PyMethodDef methods[] = {
      "(scatter false: dst row i := src row rows[i]) or scatter (dst row rows[i] := src row i)"},
     {"sparse_update", sparse_update, METH_VARARGS,
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
-     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after[, undo]) -> unique rows updated (all of them, or "
-     "stop_after when that is fewer; -1: no stop); undo: the undo writer's fields (a dict, undo.c undo_read): "
-     "the records written chunk by chunk by its step list, and then (unique, stopped phase, runs written back)"},
+     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after[, undo[, cache]]) -> unique rows updated (all of "
+     "them, or stop_after when that is fewer; -1: no stop); undo: the undo writer's fields (a dict, undo.c "
+     "undo_read): the records written chunk by chunk by its step list, and then (unique, stopped phase, runs "
+     "written back); cache: the row map and slot arrays (a dict, cached_rows_read), each cached row updated in "
+     "its slot"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "

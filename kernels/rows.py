@@ -78,20 +78,27 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                   grad_out: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-                  mode: str, lr: float, eps: float, stop_after: int = -1) -> torch.Tensor:
+                  mode: str, lr: float, eps: float, stop_after: int = -1, cached=None) -> torch.Tensor:
     """The fused sparse update composed of the steps above; returns the updated rows [U], sorted.
 
     indices [N], grad_out [B, D] (one gradient per bag), offsets [B]; rule "sgd" or "rowwise_adagrad";
     stop_after: update only the first that many unique rows (crash tests; -1: all), as the C kernel.
+    cached: a hot-row cache (ops.CachedRows): the cached rows are updated in their slots instead.
     """
     grads = lookup_gradients(grad_out, offsets, indices.numel(), mode, per_sample_weights)
     rows, summed = reduce_duplicates(indices, grads)
     if stop_after >= 0:
         rows, summed = rows[:stop_after], summed[:stop_after]
-    if rule == "sgd":
-        sgd_update(weight, rows, summed, lr)
-    else:
-        rowwise_adagrad_update(weight, state, rows, summed, lr, eps)
+    homes = [(weight, state, rows, summed)]
+    if cached is not None:  # each row's rule is its own: updating slots and table rows apart changes no bit
+        slots = cached.slot_of[rows].to(torch.int64)
+        hit = slots >= 0
+        homes = [(weight, state, rows[~hit], summed[~hit]), (cached.weights, cached.state, slots[hit], summed[hit])]
+    for where, where_state, at, grads_at in homes:
+        if rule == "sgd":
+            sgd_update(where, at, grads_at, lr)
+        else:
+            rowwise_adagrad_update(where, where_state, at, grads_at, lr, eps)
     return rows
 
 

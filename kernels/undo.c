@@ -9,6 +9,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdarg.h>
 #include <string.h>
 
 #include "crc32.h"
@@ -182,6 +183,23 @@ static int read_steps(struct fused_undo *u, const unsigned char *steps, Py_ssize
     return 0;
 }
 
+int named_fields(PyObject *fields, const char *format, char **names, ...)
+{
+    if (!PyDict_Check(fields)) {
+        PyErr_Format(PyExc_TypeError, "%s: its fields must be a dict", strchr(format, ':') + 1);
+        return -1;
+    }
+    PyObject *none = PyTuple_New(0);
+    if (none == NULL)
+        return -1;
+    va_list fields_at;
+    va_start(fields_at, names);
+    const int parsed = PyArg_VaParseTupleAndKeywords(none, fields, format, names, fields_at);
+    va_end(fields_at);
+    Py_DECREF(none);
+    return parsed ? 0 : -1;
+}
+
 int undo_read(PyObject *fields, struct fused_undo *u, const char *weights, Py_ssize_t row_bytes, const char *state,
               Py_ssize_t state_bytes, int64_t table_rows)
 {
@@ -194,20 +212,10 @@ int undo_read(PyObject *fields, struct fused_undo *u, const char *weights, Py_ss
     const char *steps;
     Py_ssize_t steps_length;
     *u = (struct fused_undo){.weights = weights, .state = state, .row_bytes = row_bytes, .state_bytes = state_bytes};
-    if (!PyDict_Check(fields)) {
-        PyErr_SetString(PyExc_TypeError, "sparse_update: the undo writer's fields must be a dict");
-        return -1;
-    }
-    PyObject *none = PyTuple_New(0);
-    if (none == NULL)
-        return -1;
-    const int parsed = PyArg_ParseTupleAndKeywords(
-        none, fields, "KOKnnnKKKIIKKny#niKnO:sparse_update's undo writer", names, &ring, &ring_persistence,
-        &recorded, &u->recorded_count, &u->chunk_rows, &u->chunks, &rec_offset, &rec_first, &headers,
-        &u->payload_seed, &u->header_seed, &tails, &tail_seeds, &u->tail_offset, &steps, &steps_length,
-        &u->stop_chunk, &u->stop_phase, &lookup_order, &u->lookup_count, &row_write_back);
-    Py_DECREF(none);
-    if (!parsed)
+    if (named_fields(fields, "KOKnnnKKKIIKKny#niKnO:sparse_update's undo writer", names, &ring, &ring_persistence,
+                     &recorded, &u->recorded_count, &u->chunk_rows, &u->chunks, &rec_offset, &rec_first, &headers,
+                     &u->payload_seed, &u->header_seed, &tails, &tail_seeds, &u->tail_offset, &steps, &steps_length,
+                     &u->stop_chunk, &u->stop_phase, &lookup_order, &u->lookup_count, &row_write_back) < 0)
         return -1;
     u->ring = (char *)(uintptr_t)ring;
     u->recorded = (const int64_t *)(uintptr_t)recorded;

@@ -57,6 +57,10 @@ struct fused_undo {
     Py_ssize_t flush_runs;        /* ... in this many runs of adjacent rows */
 };
 
+/* Named fields (a dict) parsed as PyArg_ParseTupleAndKeywords parses keywords; format ends in
+ * ":what" (the caller, for the errors). 0, or -1 with an exception set. */
+int named_fields(PyObject *fields, const char *format, char **names, ...);
+
 /* u from the writer's named fields (a dict, fused.py); the table's rows as the update has them.
  * 0, or -1 with an exception set. */
 int undo_read(PyObject *fields, struct fused_undo *u, const char *weights, Py_ssize_t row_bytes, const char *state,

@@ -163,6 +163,15 @@ def test_the_crash_test_catches_cached_rows_recorded_too_early(folders, referenc
         assert_same_export(resumed(primary, capacity, "1"), reference)
 
 
+def test_the_crash_test_catches_cached_rows_updated_before_their_record(folders, reference):
+    """Planted: the slots' undo record is taken after the update stored into them (U1f), so it
+    holds the new values. Recovery cannot roll the cached rows back, and the resumed run ends
+    elsewhere."""
+    primary, capacity = killed(folders, CACHED_ROWS_FLUSHED, Planted.CACHED_UPDATE_UNLOGGED, power_loss="1")
+    with pytest.raises(AssertionError):
+        assert_same_export(resumed(primary, capacity, "1"), reference)
+
+
 @pytest.mark.parametrize("args, says", [
     (["--cache-rows", "10"], "needs --capacity-pool"),
     (["--capacity-pool", "CAP", "--cache-rows", "3001"], "--cache-rows must be an integer from 1"),

@@ -60,6 +60,17 @@ def random_lookups(g, rows, lookups, bags):
     return indices, offsets
 
 
+def random_update(g, rows, dim, pad, lookups, bags, mode):
+    """(weight [R, D + pad], state [R, 1], indices [N], offsets [B], grad_out [B, D], per-sample
+    weights [N] in mode "weighted", else None): one random update's inputs."""
+    weight = random_table(g, rows, dim + pad)
+    state = torch.rand(rows, 1, generator=g)
+    indices, offsets = random_lookups(g, rows, lookups, bags)
+    grad_out = torch.randn(bags, dim, generator=g)
+    psw = torch.rand(lookups, generator=g) if mode == "weighted" else None
+    return weight, state, indices, offsets, grad_out, psw
+
+
 # -- gather (recovery's scatter is ring.restore: tests/test_ring.py) ----------------------
 @needs_native
 @settings(max_examples=60, deadline=None)
@@ -85,11 +96,7 @@ def update(rule, mode, indices, offsets, grad_out, psw, lr=0.3, eps=1e-6):
        rule=st.sampled_from(["sgd", "rowwise_adagrad"]))
 def test_sparse_update_equals_torch(seed, rows, dim, pad, lookups, bags, mode, rule):
     g = torch.Generator().manual_seed(seed)
-    weight = random_table(g, rows, dim + pad)
-    state = torch.rand(rows, 1, generator=g)
-    indices, offsets = random_lookups(g, rows, lookups, bags)
-    grad_out = torch.randn(bags, dim, generator=g)
-    psw = torch.rand(lookups, generator=g) if mode == "weighted" else None
+    weight, state, indices, offsets, grad_out, psw = random_update(g, rows, dim, pad, lookups, bags, mode)
     fn = update(rule, "mean" if mode == "mean" else "sum", indices, offsets, grad_out, psw)
     (ours, [w1, s1]), (theirs, [w2, s2]) = run_both(fn, weight, state)
     assert torch.equal(ours, theirs) and torch.equal(ours, torch.unique(indices))
@@ -102,6 +109,69 @@ def test_sparse_update_equals_torch(seed, rows, dim, pad, lookups, bags, mode, r
     else:
         torch.testing.assert_close(s1, s2, rtol=1e-6, atol=0)
         torch.testing.assert_close(w1, w2, rtol=1e-6, atol=1e-6)
+
+
+def split_update(rule, mode, indices, offsets, grad_out, psw, weight, state, slot_of, slot_weight, slot_state,
+                 lr=0.3, eps=1e-6):
+    """The cached update as it was done before the kernel took the row map: the lookups split into
+    hits (slots) and misses (table rows) in Python, each lookup's gradient scaled there (1/len in
+    mode mean, or its per-sample weight), then the kernel once per side, each lookup its own bag."""
+    n = indices.numel()
+    lengths = torch.diff(offsets, append=torch.tensor([n], dtype=torch.int64))
+    bag_of = torch.repeat_interleave(torch.arange(offsets.numel()), lengths)
+    grads = grad_out[bag_of].contiguous()
+    scale = (1.0 / lengths.to(torch.float32))[bag_of] if mode == "mean" else psw
+    slots = slot_of[indices].to(torch.int64)
+    hit = slots >= 0
+    for where, where_state, at in ((slot_weight, slot_state, slots), (weight, state, indices)):
+        for side in (hit,) if where is slot_weight else (~hit,):
+            if bool(side.any()):
+                ops.sparse_update(rule, where, where_state, at[side].contiguous(), grads[side].contiguous(), None,
+                                  None if scale is None else scale[side].contiguous(), "sum", lr=lr, eps=eps)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 200), dim=st.integers(1, 70), pad=st.integers(0, 9),
+       lookups=st.integers(0, 300), bags=st.integers(1, 50), mode=st.sampled_from(["sum", "mean", "weighted"]),
+       rule=st.sampled_from(["sgd", "rowwise_adagrad"]), cached=st.floats(0, 1), wide=st.booleans(),
+       native_flag=st.sampled_from([1, 0]))
+def test_the_cached_update_equals_the_split_update_bit_for_bit(seed, rows, dim, pad, lookups, bags, mode, rule,
+                                                               cached, wide, native_flag):
+    """One kernel call with the row map and the slots gives each row, cached or not, the very bits
+    the Python split (hits and misses updated apart) gave: same lookups, same order, same scale."""
+    g = torch.Generator().manual_seed(seed)
+    weight, state, indices, offsets, grad_out, psw = random_update(g, rows, dim, pad, lookups, bags, mode)
+    kept = torch.nonzero(torch.rand(rows, generator=g) < cached).reshape(-1)
+    slot_count = kept.numel() + 3  # spare slots stay as they are
+    slot_of = torch.full((rows,), -1, dtype=torch.int64 if wide else torch.int32)
+    slot_of[kept] = torch.randperm(slot_count, generator=g)[: kept.numel()].to(slot_of.dtype)
+    slot_weight = random_table(g, slot_count, dim + pad)
+    slot_state = torch.rand(slot_count, 2, generator=g)  # the cache's: state columns, then its map column
+    mode_of = "mean" if mode == "mean" else "sum"
+    inputs = [weight, state, slot_weight, slot_state]
+    with knobs.override(native_kernels=native_flag):
+        expected = [t.clone() for t in inputs]
+        split_update(rule, mode_of, indices, offsets, grad_out, psw, *expected[:2], slot_of, *expected[2:])
+        got = [t.clone() for t in inputs]
+        slots = ops.CachedRows(slot_of, got[2], got[3] if rule == "rowwise_adagrad" else None)
+        rows_done = ops.sparse_update(rule, got[0], got[1] if rule == "rowwise_adagrad" else None, indices,
+                                      grad_out, offsets, psw, mode_of, lr=0.3, eps=1e-6, cached=slots)
+    assert torch.equal(rows_done, torch.unique(indices))
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+
+
+@pytest.mark.parametrize("native_flag", [1, 0])
+def test_a_row_map_outside_the_slots_is_refused_before_any_store(native_flag):
+    weight, state = torch.zeros(10, 4), torch.zeros(10, 1)
+    slot_of = torch.full((10,), -1, dtype=torch.int32)
+    slot_of[3] = 2  # two slots only
+    slots = ops.CachedRows(slot_of, torch.zeros(2, 4), torch.zeros(2, 2))
+    with knobs.override(native_kernels=native_flag), pytest.raises(ValueError, match="outside the 2 slots"):
+        ops.sparse_update("rowwise_adagrad", weight, state, torch.tensor([1, 3]), torch.ones(2, 4), lr=0.1,
+                          eps=1e-8, cached=slots)
+    assert not weight.any() and not state.any() and not slots.weights.any()
 
 
 @needs_native

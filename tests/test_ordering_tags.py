@@ -22,7 +22,7 @@ WHERE = {
     "U1c": "cxltrain/tables/bag.py",                   # before_update (record durable) precedes the update
     "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
     "U1e": "cxltrain/tables/cache.py",                    # hot-row cache: the slots' record durable before admission fills them
-    "U1f": "cxltrain/tables/cache.py",                    # hot-row cache: the slots' record durable before the hits' update
+    "U1f": "cxltrain/tables/bag.py",                   # hot-row cache: the slots' record durable before the update stores into them
     "U1g": "cxltrain/tables/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
     "U1h": "kernels/rows.c",                       # fused capture: each chunk's record durable before its rows' update
     "U1i": "cxltrain/checkpoint/ordering.py",      # fused capture: payload, then header, then tail mark, then rows

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..checkpoint.seam import in_dense_only
 from ..errors import ConfigError, NonFiniteError, PoolError
+from ..faults import Planted, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
@@ -350,40 +351,17 @@ class PersistentEmbeddingBag(nn.Module):
         if last_offset and offsets.numel() < 1:
             raise ValueError(f"table {self.name!r}: include_last_offset needs at least one offset")
         learns = torch.is_grad_enabled() and not self.frozen
-        if self.cache is not None and not last_offset:
-            return self._cached_forward(indices, offsets, per_sample_weights, learns)
-        batch = None
-        if self.checkpointer is not None and learns and indices.numel():
+        guard = self.checkpointer if learns and indices.numel() else None
+        source, positions, batch = rows, indices, None
+        if self.cache is not None:  # never with include_last_offset (cache.check_table)
+            source, positions, batch = self.cache.lookups(guard, self, indices)
+        elif guard is not None:
             # the rows' undo record must be durable before backward stores into them
-            batch = self.checkpointer.capture(self, indices)
+            batch = guard.capture(self, indices)
         anchor = torch.empty(0, requires_grad=learns)
         general = not self._fused or last_offset
-        return _BagLookup.apply(anchor, self, rows, indices, offsets, per_sample_weights, batch, general, last_offset)
-
-    def _cached_forward(self, indices, offsets, per_sample_weights, learns):
-        """forward through the hot-row cache (cache.py): the lookups of cached rows read their slots."""
-        cache, guard = self.cache, self.checkpointer
-        if guard is not None and learns and indices.numel():
-            batch = guard.in_flight
-            if cache.pending:
-                cache.admit(guard)  # the first batch with gradients fills the cache, logged (cache.py)
-            elif cache.replace_every and batch is not None and batch % cache.replace_every == 0 \
-                    and cache.replaced_in != batch:
-                cache.replace(guard)  # every replace_every batches, logged (cache.py)
-            cache.replaced_in = batch
-            cache.count(indices)
-        slots, hit = cache.split(indices)
-        batch = None
-        if guard is not None and learns and indices.numel():
-            # both undo records (cached and capacity rows) must be durable before backward stores
-            if not bool(hit.all()):
-                batch = guard.capture(self, indices[~hit])
-            if bool(hit.any()):
-                batch = guard.capture(cache.slots, slots[hit])
-        local, positions = cache.gather(indices, slots, hit)
-        anchor = torch.empty(0, requires_grad=learns)
-        return _CachedLookup.apply(anchor, self, local, positions, indices, offsets, per_sample_weights, batch,
-                                   slots, hit)
+        return _BagLookup.apply(anchor, self, source, positions, indices, offsets, per_sample_weights, batch, general,
+                                last_offset)
 
     def _validate(self, input, offsets, per_sample_weights):
         where = f"table {self.name!r}"
@@ -433,14 +411,16 @@ class PersistentEmbeddingBag(nn.Module):
                             per_sample_weights: torch.Tensor | None, grad_out: torch.Tensor,
                             undo: row_ops.UndoChunks | None = None) -> torch.Tensor:
         """The batch's fused sparse update in place, straight from its lookups (indices [N], offsets [B],
-        grad_out [B, D]): one kernel call reduces duplicates and updates each unique row once.
-        Returns the rows it updated [U], sorted. (A crash test's update:mid kill lands inside that
-        kernel: kernels/ops.py.) undo: the undo records the kernel writes as it goes (the checkpointer's)."""
+        grad_out [B, D]): one kernel call reduces duplicates and updates each unique row once, where
+        it lives (a cached row in its cache slot). Returns the rows it updated [U], sorted. (A crash
+        test's update:mid kill lands inside that kernel: kernels/ops.py.) undo: the undo records the
+        kernel writes as it goes (the checkpointer's)."""
         storage = self._require_storage()
         weights = None if per_sample_weights is None else per_sample_weights.contiguous()
+        cached = None if self.cache is None else self.cache.locations()
         with torch.no_grad():
             return self.optimizer.update(storage, self._state, indices.contiguous(), _dense_gradient(grad_out),
-                                         offsets.contiguous(), weights, self.mode, undo)
+                                         offsets.contiguous(), weights, self.mode, undo, cached)
 
     def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
                       grad_out: torch.Tensor, last_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,8 +488,11 @@ def pool_holds(pool: Pool, tables) -> bool:
 
 
 class _BagLookup(torch.autograd.Function):
-    """Forward: embedding_bag over the pool rows. Backward: the fused sparse update, in place
-    (general: the per-row update from autograd's row gradients, for the modes the kernel lacks).
+    """Forward: embedding_bag over `source` [*, P] at `positions` [N]: the pool rows at the indices
+    themselves, or for a table with a hot-row cache each lookup's row gathered from its slot or its
+    table row (cache.HotRowCache.lookups). Backward: the fused sparse update, in place, each row
+    where it lives (general: the per-row update from autograd's row gradients, for the modes the
+    kernel lacks; never cached).
 
     `anchor` is an empty tensor that requires grad, so autograd calls backward although the
     table's rows are not a Parameter (they must not be: torch would then allocate a dense
@@ -517,13 +500,14 @@ class _BagLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, table, rows, indices, offsets, per_sample_weights, batch, general, last_offset):
+    def forward(ctx, anchor, table, source, positions, indices, offsets, per_sample_weights, batch, general,
+                last_offset):
         ctx.table, ctx.batch, ctx.general, ctx.last_offset = table, batch, general, last_offset
         ctx.save_for_backward(indices, offsets, per_sample_weights)
         # the contiguous padded rows [R, P]: embedding_bag copies a non-contiguous table whole
-        pooled = F.embedding_bag(indices, rows, offsets, mode=table.mode, per_sample_weights=per_sample_weights,
+        pooled = F.embedding_bag(positions, source, offsets, mode=table.mode, per_sample_weights=per_sample_weights,
                                  include_last_offset=last_offset, padding_idx=table.padding_idx)
-        return pooled[:, : table.embedding_dim] if rows.shape[1] != table.embedding_dim else pooled
+        return pooled[:, : table.embedding_dim] if source.shape[1] != table.embedding_dim else pooled
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -541,32 +525,7 @@ class _BagLookup(torch.autograd.Function):
                 def update(undo):
                     return table.update_from_lookups(indices, offsets, per_sample_weights, grad_out, undo)
             _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update, not ctx.general)
-        return None, None, None, None, None, None, None, None, None
-
-
-class _CachedLookup(torch.autograd.Function):
-    """_BagLookup for a table with a hot-row cache: forward pools the batch's unique rows gathered
-    from the cache and the capacity rows (`local` [U, P], the lookups' positions in it); backward
-    is the fused update split between them (cache.HotRowCache.update)."""
-
-    @staticmethod
-    def forward(ctx, anchor, table, local, positions, indices, offsets, per_sample_weights, batch, slots, hit):
-        ctx.table, ctx.batch = table, batch
-        ctx.save_for_backward(indices, offsets, per_sample_weights, slots, hit)
-        pooled = F.embedding_bag(positions, local, offsets, mode=table.mode, per_sample_weights=per_sample_weights)
-        return pooled[:, : table.embedding_dim] if local.shape[1] != table.embedding_dim else pooled
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        indices, offsets, per_sample_weights, slots, hit = ctx.saved_tensors
-        table = ctx.table
-        if indices.numel():
-            grad_out = _dense_gradient(grad_out)
-            def update(undo):  # None: the split update writes its records through the guard
-                return table.cache.update(table.checkpointer, ctx.batch, indices, offsets, per_sample_weights,
-                                          grad_out, table.mode, slots, hit)
-            _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update)
-        return (None,) * 10
+        return None, None, None, None, None, None, None, None, None, None
 
 
 def _dense_gradient(grad_out: torch.Tensor) -> torch.Tensor:
@@ -590,20 +549,31 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
         where = "" if batch is None else f" in batch {batch}"
         raise NonFiniteError(f"table {table.name!r}: gradient{where} is not finite (NaN or inf); stopped "
                              "before updating the table, and the batch is not committed")
-    undo = None
-    if table.checkpointer is not None:
+    undo, guard, cache = None, table.checkpointer, table.cache
+    slots_late = cache is not None and planted(Planted.CACHED_UPDATE_UNLOGGED)  # a crash test's planted bug
+    if guard is not None:
         # ORDERING U1c: the undo record of these rows is durable (before_update returns only
         # then) before the update below issues the batch's first in-place store into them, or
         # the update writes it, chunk by chunk, each durable before its rows are stored (U1h).
-        undo = table.checkpointer.before_update(table, batch, fusable)
+        undo = guard.before_update(table, batch, fusable and cache is None)
+        if cache is not None and not slots_late:
+            # ORDERING U1f: the cache slots' undo record is durable (before_update returns only
+            # then) before the update below issues the first store into the cached rows.
+            guard.before_update(cache.slots, batch)
     try:
         unique_rows = update(undo)
     except BaseException:
-        if table.checkpointer is not None:
-            table.checkpointer.fail_batch(table)
+        if guard is not None:
+            guard.fail_batch(table)
         raise
-    if table.checkpointer is not None:
-        table.checkpointer.after_update(table, batch, unique_rows)
+    if guard is not None:
+        table_rows = unique_rows
+        if cache is not None:  # the cached rows were updated in their slots
+            if slots_late:  # the planted bug: their record taken after the stores, holding the new values
+                guard.before_update(cache.slots, batch)
+            slots, table_rows = cache.homes(unique_rows)
+            guard.after_update(cache.slots, batch, slots)
+        guard.after_update(table, batch, table_rows)
     stats = table.stats
     stats.updates += 1
     stats.lookups += indices.numel()
