@@ -61,16 +61,18 @@ def _unregister(address: int) -> None:
 
 
 def mapped_view(pool, region: str, host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A CUDA tensor over the same bytes as `host` (a view of `region`'s rows in `pool`, any shape,
-    C-contiguous), or None where CUDA refuses to register the region's mapping."""
+    """A CUDA tensor over the same bytes as `host` (a float32 view of `region`'s rows in `pool`, any
+    shape and strides), or None where CUDA refuses to register the region's mapping."""
     import cupy
 
     mapping = pool.device_for(pool.region(region)).array if pool.members else pool.device.array
     if not _register(pool, mapping):
         return None
     pointer = cupy.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)
-    nbytes = host.numel() * host.element_size()
+    item = host.element_size()
+    extent = item * (1 + sum((size - 1) * stride for size, stride in zip(host.shape, host.stride())))
     with cupy.cuda.Device(device.index or 0):
-        memory = cupy.cuda.UnownedMemory(pointer, nbytes, owner=mapping, device_id=device.index or 0)
-        array = cupy.ndarray(tuple(host.shape), dtype=np.float32, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        memory = cupy.cuda.UnownedMemory(pointer, extent, owner=mapping, device_id=device.index or 0)
+        array = cupy.ndarray(tuple(host.shape), dtype=np.float32, memptr=cupy.cuda.MemoryPointer(memory, 0),
+                             strides=tuple(stride * item for stride in host.stride()))
     return torch.as_tensor(array, device=device)

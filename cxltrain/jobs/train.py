@@ -105,6 +105,8 @@ class PoolUse:
     device_model: str | None = None    # what the emulated device modelled (power loss, domain, write-back)
     cost_model: dict | None = None     # per batch: pool traffic and what it would take on each memory preset
     early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
+    compute_device: str = "cpu"        # where the MLPs, lookups and updates ran (docs/gpu.md)
+    device_cached_rows: int = 0        # rows of all tables held in the GPU's hot-row cache
 
 
 @dataclasses.dataclass
@@ -145,6 +147,7 @@ class TrainResult:
                 "recovered_batch": progress.recovered_batch, "recovery_seconds": progress.recovery_seconds,
                 "checkpoint_stats": checkpoint.stats, "device_model": pool.device_model,
                 "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks,
+                "compute_device": pool.compute_device, "device_cached_rows": pool.device_cached_rows,
                 "group": None if self.group is None else dataclasses.asdict(self.group)}
 
 
@@ -323,7 +326,8 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
     return TrainResult(
         pool=PoolUse(path=rt.path, device=device.kind, rows_updated_per_batch=rows_updated,
                      device_model=device.model, cost_model=modelled_costs(step.tables, rt, steps, device_work),
-                     early_writebacks=None if device.evictor is None else device.evictor.lines_written),
+                     early_writebacks=None if device.evictor is None else device.evictor.lines_written,
+                     **_compute_facts(step.tables)),
         progress=RunProgress(batch=rt.batch, steps=steps, start_batch=first, restarted=rt.restarted,
                              recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds),
         timings=RunTimings(seconds=seconds, steps_per_s=steps / seconds if steps else 0.0, split_ms=split),
@@ -335,6 +339,14 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
                                      background_capture=config.background_capture and config.pipeline,
                                      stats=None if stats is None else stats.to_json()),
         group=step.group_facts(config.steps - timed_from))
+
+
+def _compute_facts(tables: list) -> dict:
+    """Where the tables' lookups and updates ran, and how many rows the device cached."""
+    placed = [t.device_rows for t in tables if getattr(t, "device_rows", None) is not None]
+    if not placed:
+        return {}
+    return {"compute_device": str(placed[0].device), "device_cached_rows": sum(rows.cached for rows in placed)}
 
 
 def _step(config: TrainConfig, step, data: TrainingData, rt: Runtime, batch, clock, timed_from: int,

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..checkpoint.seam import in_dense_only
 from ..errors import ConfigError, NonFiniteError, PoolError
-from ..faults import Planted, planted
+from ..faults import Planted, PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
@@ -577,7 +577,7 @@ class _DeviceBagLookup(torch.autograd.Function):
         if ctx.indices.numel():
             rows = table.device_rows
             stored = None
-            if planted(Planted.DEVICE_UPDATE_BEFORE_CAPTURE):  # a crash test's planted bug: U1 broken
+            if planted(PlantedDevice.DEVICE_UPDATE_BEFORE_CAPTURE):  # a crash test's planted bug: U1 broken
                 stored = rows.update(saved, grad_out, table.optimizer)
 
             def update(undo):

@@ -29,7 +29,7 @@ import dataclasses
 import torch
 
 from ..errors import ConfigError
-from ..faults import CrashPoint, crash_due
+from ..faults import CrashPoint, crash_due, crash_point
 from ..kernels.device_kernels import row_kernels
 
 
@@ -140,6 +140,7 @@ class DeviceRows:
             # synchronised) before the caller tells the guard of these rows, which flushes them on the
             # host, now or at the batch's commit.
             torch.cuda.current_stream(self.device).synchronize()
+        crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the rows half-updated in the pool
         return ids[:count].cpu()
 
     def _gather(self, host: torch.Tensor, reached: torch.Tensor | None, cache: torch.Tensor | None,
