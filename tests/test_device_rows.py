@@ -13,7 +13,6 @@ from cxltrain.kernels.device_kernels import TorchRowKernels
 from cxltrain.pool.handle import Pool
 from cxltrain.tables.bag import PersistentEmbeddingBag
 from cxltrain.tables.optim import SGD, RowWiseAdagrad
-
 from helpers import cxltrain
 
 ROWS, DIM = 300, 12  # rows padded to 16 floats
