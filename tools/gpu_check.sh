@@ -18,13 +18,13 @@ if ! bash tools/bootstrap.sh >"$out/setup.log" 2>&1; then
 fi
 BIN=.venv/bin
 
-$BIN/python -m pytest -m gpu -v -p no:randomly tests/test_gpu.py tests/test_bench_gpu.py ${PYTEST_ARGS:-} \
+$BIN/python -m pytest -m gpu -v tests/test_gpu.py tests/test_bench_gpu.py ${PYTEST_ARGS:-} \
     >"$out/pytest-gpu.log" 2>&1
 tests=$?
 echo "gpu tests: exit $tests"; grep -E "passed|failed|error" "$out/pytest-gpu.log" | tail -3
 
-$BIN/cxltrain bench --gpu ${BENCH_ARGS:-} --json-out "$out/bench-gpu.json" >"$out/bench-gpu.txt" 2>"$out/bench-gpu.err"
-echo "gpu bench: exit $?"; cat "$out/bench-gpu.txt"; tail -3 "$out/bench-gpu.err"
+$BIN/cxltrain bench --gpu --json ${BENCH_ARGS:-} >"$out/bench-gpu.txt" 2>"$out/bench-gpu.err"
+echo "gpu bench: exit $?"; grep -v '^{' "$out/bench-gpu.txt"; tail -3 "$out/bench-gpu.err"
 
 $BIN/cxltrain train --device auto --steps ${TRAIN_STEPS:-200} --no-progress >"$out/train.txt" 2>&1
 echo "make train on the GPU: exit $?"; tail -12 "$out/train.txt"
