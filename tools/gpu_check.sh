@@ -18,7 +18,7 @@ if ! bash tools/bootstrap.sh >"$out/setup.log" 2>&1; then
 fi
 BIN=.venv/bin
 
-$BIN/python -m pytest -m gpu -v tests/test_gpu.py tests/test_bench_gpu.py ${PYTEST_ARGS:-} \
+$BIN/python -m pytest -m 'gpu or not slow' -v tests/test_gpu.py tests/test_bench_gpu.py tests/test_device_rows.py ${PYTEST_ARGS:-} \
     >"$out/pytest-gpu.log" 2>&1
 tests=$?
 echo "gpu tests: exit $tests"; grep -E "passed|failed|error" "$out/pytest-gpu.log" | tail -3

@@ -68,7 +68,7 @@ def mapped_view(pool, region: str, host: torch.Tensor, device: torch.device) -> 
     mapping = pool.device_for(pool.region(region)).array if pool.members else pool.device.array
     if not _register(pool, mapping):
         return None
-    pointer = cupy.cuda.runtime.hostGetDevicePointer(host.data_ptr(), 0)
+    pointer = host.data_ptr()  # unified addressing: a registered mapping's device address is its host address
     item = host.element_size()
     extent = item * (1 + sum((size - 1) * stride for size, stride in zip(host.shape, host.stride())))
     with cupy.cuda.Device(device.index or 0):
