@@ -184,7 +184,7 @@ def test_train_on_the_gpu_runs_and_resumes_to_the_same_pool(shm_dir, gpu_refs):
 
 # between the capture and the update; mid-update; between the rows' copy and the commit
 CRASH_POINTS = [f"{CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}:7", f"{CrashPoint.UPDATE_MID}:9",
-                f"{CrashPoint.UPDATE_ROWS_FLUSHED}:8", f"{CrashPoint.COMMIT_BEFORE_ROOT}:5"]
+                f"{CrashPoint.COMMIT_BETWEEN_ROWS_AND_SNAPSHOT}:4", f"{CrashPoint.COMMIT_BEFORE_ROOT}:5"]
 
 
 @pytest.mark.parametrize("crash_at", CRASH_POINTS)

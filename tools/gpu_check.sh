@@ -17,12 +17,17 @@ if ! bash tools/bootstrap.sh >"$out/setup.log" 2>&1; then
     exit 1
 fi
 BIN=.venv/bin
+$BIN/python -c 'import sysconfig, os; i = sysconfig.get_paths()["include"]; print("Python.h:", os.path.exists(i + "/Python.h"), i)' \
+    >>"$out/machine.txt" 2>&1
+command -v cc gcc >>"$out/machine.txt" 2>&1
+$BIN/python -c 'from cxltrain.kernels import native; print("native row kernels:", native.lib() is not None)' >>"$out/machine.txt" 2>&1
 
 $BIN/python -m pytest -m 'gpu or not slow' -v tests/test_gpu.py tests/test_bench_gpu.py tests/test_device_rows.py ${PYTEST_ARGS:-} \
     >"$out/pytest-gpu.log" 2>&1
 tests=$?
 echo "gpu tests: exit $tests"; grep -E "passed|failed|error" "$out/pytest-gpu.log" | tail -3
 
+[ "${GPU_CHECK_BENCH:-1}" = 0 ] && exit $tests
 $BIN/cxltrain bench --gpu --json ${BENCH_ARGS:-} >"$out/bench-gpu.txt" 2>"$out/bench-gpu.err"
 echo "gpu bench: exit $?"; grep -v '^{' "$out/bench-gpu.txt"; tail -3 "$out/bench-gpu.err"
 
