@@ -2,13 +2,14 @@
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-slow bench bench-extras clean
+.PHONY: setup train test test-slow gpu-check bench bench-extras clean
 
 setup:
 	@bash tools/bootstrap.sh
 
+# --device auto: the GPU when one is present (and CuPy with it), else the CPU
 train: setup
-	$(BIN)/cxltrain train $(ARGS)
+	$(BIN)/cxltrain train --device auto $(ARGS)
 
 # Two pytest workers (pytest-xdist), a file each at a time, where xdist is installed; TEST_WORKERS=0 runs
 # the suite in one process.
@@ -21,6 +22,10 @@ test: setup
 	@if $(BIN)/python -m ruff --version >/dev/null 2>&1; then echo "$(BIN)/python -m ruff check ."; \
 		$(BIN)/python -m ruff check .; else echo "lint skipped: ruff is not installed"; fi
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# On a GPU machine: the tests marked gpu, the GPU bench and a short training run, logs in $(GPU_CHECK_OUT)
+gpu-check:
+	@bash tools/gpu_check.sh
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

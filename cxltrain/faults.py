@@ -96,6 +96,12 @@ class PlantedDist:
     ERROR_IN_STEP = "error-in-step"                  # the last rank's step raises a RuntimeError (a bug, not a lost peer)
 
 
+class PlantedDevice:
+    """The planted bugs of the GPU path (tables/bag.py, tables/device_rows.py); a CPU run never reaches them."""
+
+    DEVICE_UPDATE_BEFORE_CAPTURE = "device-update-before-capture"  # U1: the update kernel runs before the record is durable
+
+
 def _names(namespace: type) -> tuple[str, ...]:
     return tuple(value for key, value in vars(namespace).items() if key.isupper() and isinstance(value, str))
 
@@ -103,6 +109,7 @@ def _names(namespace: type) -> tuple[str, ...]:
 CRASH_POINTS = frozenset(_names(CrashPoint))
 PLANTED = _names(Planted)
 DIST_PLANTED = _names(PlantedDist)
+DEVICE_PLANTED = _names(PlantedDevice)
 
 
 def _parse_crash(value: str | None) -> tuple[str, int] | None:
@@ -118,10 +125,10 @@ def _parse_crash(value: str | None) -> tuple[str, int] | None:
 
 def _parse_faults(value: str) -> frozenset[str]:
     faults = frozenset(f for f in value.split(",") if f)
-    unknown = sorted(faults - set(PLANTED) - set(DIST_PLANTED))
+    unknown = sorted(faults - set(PLANTED) - set(DIST_PLANTED) - set(DEVICE_PLANTED))
     if unknown:
         raise ValueError(f"{FAULT_ENV}={value!r}: unknown planted fault(s) {', '.join(unknown)}; "
-                         f"registered: {', '.join(PLANTED + DIST_PLANTED)}")
+                         f"registered: {', '.join(PLANTED + DIST_PLANTED + DEVICE_PLANTED)}")
     return faults
 
 

@@ -132,9 +132,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     "sum" only). A row's lookup gradients are summed in lookup order, then the rule is applied once
     per row: sgd w -= lr*g; rowwise_adagrad s += mean(g^2), w -= lr*g/(sqrt(s)+eps).
 
-    The C kernel is bit-identical to the torch kernels except in rowwise_adagrad's mean(g^2), where
-    torch's vectorised sum adds in another order (a few float32 ulps; same bits at D = 1), and is
-    deterministic run to run.
+    The C kernel and the torch kernels (rows.py) give the same bits, deterministic run to run.
 
     undo (fused_available() only): the batch's undo records are written in the same pass, chunk by
     chunk of the unique rows, by the writer's step list (UndoChunks; the updated values are the same

@@ -62,10 +62,15 @@ def rowwise_adagrad_update(weight: torch.Tensor, state: torch.Tensor, rows: torc
     weight [R, P], state [R, K] (column 0 used), rows [U], grads [U, D].
     """
     dim = grads.shape[1]
+    # rounded as kernels/rows.c: the squares added in column order, the root correctly rounded
+    # (torch's float32 sqrt on the CPU is not always), so this fallback gives the C kernel's bits
+    squares = torch.zeros(grads.shape[0], dtype=grads.dtype, device=grads.device)
+    for column in range(dim):
+        squares = squares + grads[:, column] * grads[:, column]
     accumulated = state.index_select(0, rows)
-    accumulated[:, 0].add_(grads.square().mean(dim=1))
+    accumulated[:, 0].add_(squares / float(dim))
     state.index_copy_(0, rows, accumulated)
-    step = grads / (accumulated[:, :1].sqrt() + eps)
+    step = grads / (accumulated[:, :1].double().sqrt().float() + eps)
     updated = weight.index_select(0, rows)
     updated[:, :dim].add_(step, alpha=-lr)
     weight.index_copy_(0, rows, updated)

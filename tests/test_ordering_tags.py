@@ -30,6 +30,7 @@ WHERE = {
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
     "U2d": "cxltrain/checkpoint/commit.py",        # a pool set's capacity pools synced before the root
+    "U2e": "cxltrain/tables/device_rows.py",       # GPU: the stores into the pool left the GPU before the rows are noted
     "U3a": "cxltrain/checkpoint/commit.py",        # reclaim after the durable root
     "U3b": "cxltrain/checkpoint/ordering.py",      # distributed: never reclaim above the agreed G
     "U4": "cxltrain/checkpoint/checkpointer.py",   # capture from the rows after the previous update
@@ -49,6 +50,7 @@ ENFORCED_BY = {
     "U2b": "pipeline.seal_and_write_root(",  # after persist_rows (above the tag)
     "U2c": "self.pool.commit(",
     "U2d": ".sync_capacity(",
+    "U2e": ".synchronize()",
     "U3a": "self.ring.reclaim(",
     "U3b": "min(done, agreed)",
     "U4": "capture_source(",

@@ -103,7 +103,22 @@ PY
         done
         [ ${#skipped[@]} -eq 0 ] || echo "warning: cannot install ${skipped[*]} (no network?); make test goes on without them" >&2
     fi
+    ensure_native_kernels
     touch "$STAMP"
+}
+
+# The C row kernels are an optional extension (setup.py): an editable install that left them out, or
+# a build that failed, would leave the slower torch kernels in use without a word. Build them in place
+# then, and where that fails too, say so in one line with the log's name.
+ensure_native_kernels() {
+    local check='from cxltrain.kernels import native; import sys; sys.exit(native.lib() is None)'
+    if "$VENV/bin/python" -W ignore -c "$check" >/dev/null 2>&1; then
+        return
+    fi
+    if ! "$VENV/bin/python" setup.py -q build_ext --inplace >"$VENV/native-build.log" 2>&1 \
+        || ! "$VENV/bin/python" -W ignore -c "$check" >/dev/null 2>&1; then
+        echo "warning: the native row kernels did not build (see $VENV/native-build.log); using the torch kernels" >&2
+    fi
 }
 
 ensure_libpmem

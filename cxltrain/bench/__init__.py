@@ -14,6 +14,8 @@ Layer: above the trainer, beside the command line. Modules:
     suite.py      runs every measurement, one after the other
     report.py     the text report and the targets;  plot.py  the plot
     dist.py       `cxltrain bench --dist`
+    gpu.py        `cxltrain bench --gpu`: cxltrain's GPU placements against torch with its tables in GPU
+                  memory (gpu_runs.py, the runs and their turns), and the gather bandwidth (gpu_gather.py)
 
 The lab's instruments (the floors, the tiers side by side) are scripts in tools/ (tools/README.md);
 nothing here imports them.

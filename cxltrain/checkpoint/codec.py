@@ -163,9 +163,9 @@ class _Encoder:
 
     def tensor(self, t: torch.Tensor, path: tuple) -> list:
         name = _TORCH_NAMES.get(t.dtype)
-        if name is None or not t.is_cpu or t.layout != torch.strided or t.is_nested:
+        if name is None or not (t.is_cpu or t.is_cuda) or t.layout != torch.strided or t.is_nested:
             raise TypeError(f"cannot encode {_path(path)}: tensor of dtype {t.dtype}, device {t.device}, "
-                            f"layout {t.layout} (need a CPU strided tensor of {', '.join(_TORCH_DTYPES)})")
+                            f"layout {t.layout} (need a CPU or CUDA strided tensor of {', '.join(_TORCH_DTYPES)})")
         self.arrays.append(len(self.blobs))
         self.sources.append(t)
         return ["T", name, list(t.shape), *self.blob(_tensor_bytes(t, name))]
@@ -182,11 +182,16 @@ class _Encoder:
 
 def _viewable(t: torch.Tensor, name: str) -> bool:
     """Whether _tensor_bytes gives a view of the tensor's memory (not a copy)."""
+    if not t.is_cpu:
+        return False
     return name != "bfloat16" and t.is_contiguous() and not t.is_neg()
 
 
 def _tensor_bytes(t: torch.Tensor, name: str) -> np.ndarray:
-    """A tensor's bytes in C order, uint8 [nbytes]: a view of it when it can be (no copy)."""
+    """A tensor's bytes in C order, uint8 [nbytes]: a view of it when it can be (no copy). A tensor
+    on a GPU is copied to the host first, before anything can change it (the snapshot's D2H copy)."""
+    if t.device.type != "cpu":
+        t = t.detach().cpu()
     if _viewable(t, name):  # the common case, ~3x cheaper
         return (t.detach() if t.requires_grad else t).numpy().reshape(-1).view(np.uint8)
     # A lazily negated view holds un-negated bits; contiguous() copies only strided views.

@@ -6,8 +6,11 @@ import json
 import os
 import sys
 
-from ..errors import CxlTrainError
+from ..errors import ConfigError, CxlTrainError
 from . import dist as dist_cli
+from .common import positive_int
+
+GPU_ONLY = ("device", "rows", "blocks", "steps")  # options of --gpu alone
 
 
 def add_bench(sub) -> None:
@@ -25,10 +28,31 @@ def add_bench(sub) -> None:
     b.add_argument("--dist", action="store_true", help="distributed runs instead: step time strict vs off, bytes "
                                                        "exchanged per batch at 1, 2 and 4 ranks, and the group's "
                                                        "recovery after a kill (docs/distributed.md)")
+    b.add_argument("--gpu", action="store_true",
+                   help="GPU runs instead: plain PyTorch with its tables in GPU memory against cxltrain's tables in "
+                        "GPU memory, in the mapped pool, and in the pool with a hot-row cache, durability on and "
+                        "off, at pooling 1 and 20, side by side; and the GPU's gather bandwidth over the link "
+                        "(needs CUDA and CuPy; about 3 minutes)")
+    b.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="with --gpu: where the runs go (default cuda; cpu runs the same path through torch's row "
+                        "kernels, for tests, and skips the gather bandwidth)")
+    b.add_argument("--rows", type=positive_int, default=None, metavar="N",
+                   help="with --gpu: rows per table (default 1,000,000)")
+    b.add_argument("--blocks", type=positive_int, default=None, metavar="N",
+                   help="with --gpu: timed blocks of each run (default 12; under 10, no intervals)")
+    b.add_argument("--steps", type=positive_int, default=None, metavar="K",
+                   help="with --gpu: steps a block (default 5)")
     b.set_defaults(run=_run_bench)
 
 
 def _run_bench(args) -> int:
+    given = [f"--{name}" for name in GPU_ONLY if getattr(args, name) is not None]
+    if given and not args.gpu:
+        raise ConfigError(f"{', '.join(given)}: only with --gpu")
+    if args.gpu and (args.dist or args.plot):
+        raise ConfigError("--gpu runs on its own: without --dist and --plot")
+    if args.gpu:
+        return _run_gpu_bench(args)
     if args.dist:
         return dist_cli.run_bench(args)
     from ..bench.plot import require_matplotlib, save_plot
@@ -49,3 +73,29 @@ def _run_bench(args) -> int:
     if args.json:
         print(json.dumps(results.to_json()))
     return 0
+
+
+def _run_gpu_bench(args) -> int:
+    """`bench --gpu`: refused in one line where CUDA or CuPy is missing (unless --device cpu)."""
+    import dataclasses
+
+    import torch
+
+    from ..bench import gpu
+    from ..devices.gpu_mapping import gpu_problem
+
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and (problem := gpu_problem()) is not None:
+        raise ConfigError(f"bench --gpu: {problem} (--device cpu runs the same path on the CPU)")
+    shapes = gpu.QUICK if args.quick else gpu.GpuShapes()
+    changes = {"rows": args.rows, "blocks": args.blocks, "block_steps": args.steps}
+    shapes = dataclasses.replace(shapes, **{k: v for k, v in changes.items() if v is not None})
+    results = gpu.run(shapes, device, quick=args.quick,
+                      log=lambda line: print(f"bench: {line}", file=sys.stderr, flush=True))
+    print(gpu.format_text(results))
+    if args.json:
+        print(json.dumps(results))
+    failed = gpu.failures(results)
+    if failed:
+        print(f"cxltrain: error: bench --gpu: {failed} measurement(s) failed (their lines say why)", file=sys.stderr)
+    return 1 if failed else 0

@@ -92,6 +92,16 @@ class TrainConfig:
                                       "around each update: pays off where the worker has a core of its own; on 2 "
                                       "cores it costs more", kind="switch")
     fused_capture: bool = True         # undo capture inside each table's update where it can (False: two passes)
+    # (docs/gpu.md)
+    device: str = option("cpu", "--device",
+                         "where the MLPs, lookups and updates run: cpu (default), cuda (the tables stay in the pool, "
+                         "which the GPU reads and writes over the link), or auto (cuda when a GPU and CuPy are "
+                         "there)", kind="choice", choices=("cpu", "cuda", "auto"))
+    device_cache_rows: int | None = option(None, "--device-cache-rows",
+                                           "with a GPU: hot rows of each table held in GPU memory (default: every "
+                                           "row when the tables fit in half the GPU's free memory, else two "
+                                           "batches' worth of unique rows; 0: none)", kind="non_negative",
+                                           metavar="N")
     # file data, evaluation, metrics (docs/criteo.md)
     table_rows: tuple[int, ...] | None = None  # rows of each table (from --rows); None: `rows` for every table
     epochs: int | None = option(None, "--epochs", "with --data: passes over the file's batches (less the held-out "
@@ -184,6 +194,8 @@ class TrainConfig:
             if not isinstance(self.cache_rows, int) or not 1 <= self.cache_rows <= min(self.rows_per_table()):
                 raise ConfigError(f"--cache-rows must be an integer from 1 to the rows of a table "
                                   f"({min(self.rows_per_table()):,}), got {self.cache_rows!r}")
+        if self.device_cache_rows is not None and self.device == "cpu":
+            raise ConfigError("--device-cache-rows sizes a GPU's hot-row cache: it needs --device cuda or auto")
         if not isinstance(self.cache_replace_every, int) or self.cache_replace_every < 0:
             raise ConfigError(f"--cache-replace-every must be an integer >= 0, got {self.cache_replace_every!r}")
         for name in ("sparse_lr", "dense_lr"):

@@ -115,3 +115,22 @@ def _probe_reads(folder: str) -> dict:
         if os.path.exists(path):
             os.unlink(path)
     return {"read_mb_s": reads * page / seconds / 1e6, "how": how}
+
+
+def device_cache_ids(config: TrainConfig, model, source, device) -> dict:
+    """{table: the row ids [C] a GPU's hot-row cache holds}, hottest first (profiled from `source`),
+    sized by planner.device_cache_rows within half the GPU's free memory (--device-cache-rows
+    overrides; 0: no cache)."""
+    import torch
+
+    if config.device_cache_rows == 0:
+        return {}
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+    tables = [(t.name, t.num_embeddings,
+               sum(spec.nbytes(KNOBS.row_align) for spec in t.region_specs()) // t.num_embeddings)
+              for t in model.tables]
+    sizes = planner.device_cache_rows(tables, free // 2, config.batch_size * config.pooling, config.device_cache_rows)
+    if all(sizes[name] == rows for name, rows, _ in tables):  # every row: no profile needed
+        return {name: torch.arange(rows) for name, rows, _ in tables}
+    profiles = table_profiles(config, model, source, HOT_LIST_BATCHES)
+    return {p.name: torch.from_numpy(p.hot_rows(sizes[p.name]).astype(np.int64)) for p in profiles if sizes[p.name]}

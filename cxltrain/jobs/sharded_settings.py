@@ -27,3 +27,5 @@ def check_config(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("a distributed run commits in strict mode only (relaxed mode has no one recovery point)")
     if config.data is not None:
         raise ConfigError("a distributed run trains on synthetic data (--data is single-process for now)")
+    if config.device == "cuda":
+        raise ConfigError("--device cuda trains in one process for now; leave out --nproc-per-node or the device")

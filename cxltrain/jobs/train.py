@@ -16,6 +16,7 @@ run ends normally; a run that dies part-way starts over from batch 0 the next ti
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -27,7 +28,8 @@ from tqdm import tqdm
 from ..data.batch import BatchSource
 from ..data.prefetch import Prefetcher
 from ..devices import DeviceCounters
-from ..errors import NonFiniteError, TrainingStopped
+from ..devices.gpu_mapping import gpu_problem
+from ..errors import ConfigError, NonFiniteError, TrainingStopped
 from ..knobs import KNOBS
 from ..models import DLRM
 from ..models.metrics import logloss, roc_auc
@@ -36,7 +38,7 @@ from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
 from .metrics_log import MetricsLog
-from .planning import plan_and_hot_rows
+from .planning import device_cache_ids, plan_and_hot_rows
 
 # Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up,
 # DDP's bucket rebuild).
@@ -103,6 +105,8 @@ class PoolUse:
     device_model: str | None = None    # what the emulated device modelled (power loss, domain, write-back)
     cost_model: dict | None = None     # per batch: pool traffic and what it would take on each memory preset
     early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
+    compute_device: str = "cpu"        # where the MLPs, lookups and updates ran (docs/gpu.md)
+    device_cached_rows: int = 0        # rows of all tables held in the GPU's hot-row cache
 
 
 @dataclasses.dataclass
@@ -143,6 +147,7 @@ class TrainResult:
                 "recovered_batch": progress.recovered_batch, "recovery_seconds": progress.recovery_seconds,
                 "checkpoint_stats": checkpoint.stats, "device_model": pool.device_model,
                 "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks,
+                "compute_device": pool.compute_device, "device_cached_rows": pool.device_cached_rows,
                 "group": None if self.group is None else dataclasses.asdict(self.group)}
 
 
@@ -192,9 +197,12 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     if data.steps != config.steps:  # --epochs: the steps are the epochs' batches
         config = dataclasses.replace(config, steps=data.steps)
     source = data.train
-    model = build_model(config)
+    device = compute_device(config.device)
+    model = build_model(config).to(device)  # the MLPs (before their optimizer, and before a restore fills them)
     dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
     with make_runtime(config, model, dense_opt, pool_path, source) as rt:
+        if device.type != "cpu":  # after recovery: a device cache is filled from the recovered pool
+            model.place_tables(device, device_cache_ids(config, model, source, device))
         if on_ready is not None:
             on_ready(rt)
         result = run_steps(config, LocalStep(model, rt.optimizers), data, rt, progress, stop)
@@ -204,11 +212,26 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     return result
 
 
+def compute_device(name: str) -> torch.device:
+    """The device `--device` names: cpu, cuda (refused in one line without a GPU or CuPy), or auto
+    (cuda where it would not be refused)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    problem = gpu_problem()
+    if problem is not None:
+        if name == "auto":
+            return torch.device("cpu")
+        raise ConfigError(f"--device cuda: {problem}")
+    # cuBLAS picks reduction orders by workspace; a fixed one keeps a resumed run bit-identical
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return torch.device("cuda")
+
+
 def train_step(model: DLRM, batch, optimizers, b: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One step on batch `b`: forward, the loss (checked before backward), backward (the tables
     update their rows in place in the pool), the dense optimizers' steps. Returns (logits [B], loss)."""
     logits = model(batch)
-    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
     if not bool(torch.isfinite(loss)):  # before backward: neither tables nor MLPs take a NaN step
         raise NonFiniteError(f"batch {b}: the loss is {loss.item()}; stopped before its backward, and the "
                              "batch is not committed")
@@ -303,7 +326,8 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
     return TrainResult(
         pool=PoolUse(path=rt.path, device=device.kind, rows_updated_per_batch=rows_updated,
                      device_model=device.model, cost_model=modelled_costs(step.tables, rt, steps, device_work),
-                     early_writebacks=None if device.evictor is None else device.evictor.lines_written),
+                     early_writebacks=None if device.evictor is None else device.evictor.lines_written,
+                     **_compute_facts(step.tables)),
         progress=RunProgress(batch=rt.batch, steps=steps, start_batch=first, restarted=rt.restarted,
                              recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds),
         timings=RunTimings(seconds=seconds, steps_per_s=steps / seconds if steps else 0.0, split_ms=split),
@@ -317,6 +341,14 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
         group=step.group_facts(config.steps - timed_from))
 
 
+def _compute_facts(tables: list) -> dict:
+    """Where the tables' lookups and updates ran, and how many rows the device cached."""
+    placed = [t.device_rows for t in tables if getattr(t, "device_rows", None) is not None]
+    if not placed:
+        return {}
+    return {"compute_device": str(placed[0].device), "device_cached_rows": sum(rows.cached for rows in placed)}
+
+
 def _step(config: TrainConfig, step, data: TrainingData, rt: Runtime, batch, clock, timed_from: int,
           tail: int, losses: list, tail_logits: list, tail_labels: list, metrics: MetricsLog) -> None:
     """One training step of the loop, and what it records; every eval_every steps, an evaluation."""
@@ -327,7 +359,7 @@ def _step(config: TrainConfig, step, data: TrainingData, rt: Runtime, batch, clo
     logits, labels, loss = step(batch, b)
     losses.append(loss.item())
     if b >= config.steps - tail:
-        tail_logits.append(logits.detach())
+        tail_logits.append(logits.detach().cpu())
         tail_labels.append(labels)
     evaluated = None
     if config.eval_every and (b + 1) % config.eval_every == 0:
@@ -415,7 +447,7 @@ def evaluate(model: DLRM, source: BatchSource, indices: range) -> tuple[float | 
     with torch.no_grad():
         for b in indices:
             batch = source.batch(b)
-            logits.append(model(batch))
+            logits.append(model(batch).cpu())
             labels.append(batch.labels)
     logits_all, labels_all = torch.cat(logits), torch.cat(labels)
     return roc_auc(logits_all, labels_all), logloss(logits_all, labels_all)

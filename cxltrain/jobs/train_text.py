@@ -25,6 +25,9 @@ def result_lines(result: TrainResult, config: TrainConfig) -> list[str]:
         s = timings.split_ms
         lines.append(f"trained {progress.steps} batches in {timings.seconds:.1f} s ({timings.steps_per_s:.1f} "
                      f"steps/s) on {result.pool.device}; loss {quality.first_loss:.4f} -> {quality.final_loss:.4f}")
+        if result.pool.compute_device != "cpu":
+            lines.append(f"on {result.pool.compute_device}: MLPs, lookups and updates; "
+                         f"{result.pool.device_cached_rows:,} rows cached in its memory, the pool written through")
         if result.pool.early_writebacks is not None:
             lines.append(f"early write-back: {result.pool.early_writebacks:,} unpersisted cache lines reached the "
                          "media before their flush")

@@ -108,11 +108,23 @@ class DLRM(nn.Module):
         for table in self.tables:
             table.materialize()
 
+    @property
+    def device(self) -> torch.device:
+        """Where the MLPs are (and placed tables pool their bags): the batch's dense part goes there."""
+        return self.top[0].weight.device
+
+    def place_tables(self, device, cached_ids: dict[str, torch.Tensor] | None = None) -> None:
+        """Run every table's lookups and updates on `device` over the pool (tables.bag.place), with
+        cached_ids[name] [C] of each table held in device memory. The MLPs move with model.to(device)."""
+        cached_ids = cached_ids or {}
+        for table in self.tables:
+            table.place(device, cached_ids.get(table.name))
+
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Logits [B] of a batch."""
+        """Logits [B] of a batch (on the model's device; the batch may stay on the CPU)."""
         if len(batch.values) != len(self.tables):
             raise ConfigError(f"batch has {len(batch.values)} sparse features, model has {len(self.tables)} tables")
-        x = self.bottom(batch.dense)
+        x = self.bottom(batch.dense.to(self.device, non_blocking=True))
         started = time.perf_counter()
         embedded = self.embedding_bag_collection.pooled(batch.values, batch.offsets)
         self.embedding_forward_seconds += time.perf_counter() - started
@@ -126,7 +138,8 @@ class DLRM(nn.Module):
 
     def loss(self, batch: Batch) -> torch.Tensor:
         """Mean binary cross-entropy of the batch (a scalar)."""
-        return nn.functional.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        logits = self(batch)
+        return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(logits.device))
 
 
 def _mlp(widths: list[int], generator: torch.Generator, *, final_activation: bool) -> nn.Sequential:

@@ -263,3 +263,19 @@ def check_same(stored: Plan | None, wanted: Plan, where: str) -> None:
         shown = "; ".join(differ[:3]) or "other tables"
         raise ConfigError(f"{where}: its stored plan differs from this run's (tier/cached rows: {shown}); "
                           "resume with the options it was made with (see `cxltrain plan`), or use another pool")
+
+
+def device_cache_rows(tables: list[tuple[str, int, int]], budget_bytes: int, batch_lookups: int,
+                      rows: int | None = None) -> dict[str, int]:
+    """Rows of each table (name, rows, bytes a row) a GPU's hot-row cache holds (DESIGN §9, FAE):
+    `rows` each when given (capped at the table), else every row when all tables fit in
+    `budget_bytes`, else each table's share of the budget by its size, and never fewer than two
+    batches' lookups (`batch_lookups` a table a batch, the most unique rows a batch can have): a
+    cache of about one batch misses what the next batch brings back."""
+    if rows is not None:
+        return {name: min(rows, count) for name, count, _ in tables}
+    total = sum(count * row_bytes for _, count, row_bytes in tables)
+    if total <= budget_bytes:
+        return {name: count for name, count, _ in tables}
+    return {name: min(count, max(2 * batch_lookups, int(budget_bytes * count * row_bytes / total) // row_bytes))
+            for name, count, row_bytes in tables}

@@ -44,11 +44,12 @@ from torch import nn
 
 from ..checkpoint.seam import in_dense_only
 from ..errors import ConfigError, NonFiniteError, PoolError
-from ..faults import Planted, planted
+from ..faults import Planted, PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
 from .cache import HotRowCache, merged
+from .device_rows import DeviceRows
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class PersistentEmbeddingBag(nn.Module):
         self.checkpointer: TableGuard | None = None
         # a pool set's hot-row cache of this table (cache.py), set by the Runtime; None: uncached
         self.cache: HotRowCache | None = None
+        # where lookups and updates run when not on the host's own path (place(): a GPU, DESIGN §9)
+        self.device_rows: DeviceRows | None = None
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, max_norm: float | None = None,
@@ -233,6 +236,24 @@ class PersistentEmbeddingBag(nn.Module):
         self._rows = self._state = None
         self.pool = None
         self.cache = None
+        self.device_rows = None
+
+    def place(self, device, cached_ids: torch.Tensor | None = None) -> DeviceRows:
+        """Run this table's lookups and updates on `device` (a GPU: DESIGN §9), over its rows in the
+        pool, with rows `cached_ids` [C] held in device memory (None: no cache). Lookups then return
+        [B, D] on that device and take indices on the CPU or on it. Call after attach (and after any
+        recovery): the cache is filled from the pool as it is now."""
+        where = f"table {self.name!r}"
+        if self.pool is None:
+            raise ConfigError(f"{where}: place() needs the table attached to a pool first")
+        if self.cache is not None:
+            raise ConfigError(f"{where}: a pool set's host cache and a device placement do not combine yet; "
+                              "train on the CPU or without --capacity-pool")
+        if not self._fused or self.include_last_offset:
+            raise ConfigError(f"{where}: the device path takes sum and mean bags without padding_idx, "
+                              "scale_grad_by_freq or include_last_offset")
+        self.device_rows = DeviceRows(self, torch.device(device), cached_ids)
+        return self.device_rows
 
     def reset_parameters(self) -> None:
         """Deterministic initial values: weights uniform(±1/sqrt(R)) from `seed`, state as the optimizer says."""
@@ -352,6 +373,11 @@ class PersistentEmbeddingBag(nn.Module):
             raise ValueError(f"table {self.name!r}: include_last_offset needs at least one offset")
         learns = torch.is_grad_enabled() and not self.frozen
         guard = self.checkpointer if learns and indices.numel() else None
+        if self.device_rows is not None:
+            # the host notes the lookups; their undo record is taken from the pool before the update
+            batch = guard.capture(self, indices) if guard is not None else None
+            anchor = torch.empty(0, requires_grad=learns)
+            return _DeviceBagLookup.apply(anchor, self, indices, offsets, per_sample_weights, batch)
         source, positions, batch = rows, indices, None
         if self.cache is not None:  # never with include_last_offset (cache.check_table)
             source, positions, batch = self.cache.lookups(guard, self, indices)
@@ -370,7 +396,12 @@ class PersistentEmbeddingBag(nn.Module):
         if input.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{where}: indices must be int64 or int32, got {input.dtype}")
         if input.device.type != "cpu":
-            raise NotImplementedError(f"{where}: only CPU inputs are supported, got {input.device}")
+            if self.device_rows is None or input.device != self.device_rows.device:
+                raise NotImplementedError(f"{where}: only CPU inputs are supported, got {input.device}")
+            # a placed table's lookups are checked and undo-logged on the host
+            input = input.cpu()
+            offsets = None if offsets is None else offsets.cpu()
+            per_sample_weights = None if per_sample_weights is None else per_sample_weights.cpu()
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError(f"{where}: offsets must be None when input is 2-D [B, L]")
@@ -526,6 +557,36 @@ class _BagLookup(torch.autograd.Function):
                     return table.update_from_lookups(indices, offsets, per_sample_weights, grad_out, undo)
             _guarded_update(table, ctx.batch, indices, grad_out, per_sample_weights, update, not ctx.general)
         return None, None, None, None, None, None, None, None, None, None
+
+
+class _DeviceBagLookup(torch.autograd.Function):
+    """A placed table's lookup (device_rows.py): forward pools the bags on the device, backward runs
+    the fused update there and writes the rows back to the pool, inside the same guard as the host
+    path (_guarded_update: finiteness, U1 before the update, the rows noted after)."""
+
+    @staticmethod
+    def forward(ctx, anchor, table, indices, offsets, per_sample_weights, batch):
+        pooled, ctx.saved = table.device_rows.lookup(indices, offsets, per_sample_weights)
+        ctx.table, ctx.batch = table, batch
+        ctx.indices, ctx.per_sample_weights = indices, per_sample_weights
+        return pooled
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        table, saved = ctx.table, ctx.saved
+        if ctx.indices.numel():
+            rows = table.device_rows
+            stored = None
+            if planted(PlantedDevice.DEVICE_UPDATE_BEFORE_CAPTURE):  # a crash test's planted bug: U1 broken
+                stored = rows.update(saved, grad_out, table.optimizer)
+
+            def update(undo):
+                # called by _guarded_update after before_update (U1c): no kernel stores into the
+                # rows before their undo record is durable on the host
+                return stored if stored is not None else rows.update(saved, grad_out, table.optimizer)
+            _guarded_update(table, ctx.batch, ctx.indices, grad_out, ctx.per_sample_weights, update)
+        ctx.saved = None
+        return None, None, None, None, None, None
 
 
 def _dense_gradient(grad_out: torch.Tensor) -> torch.Tensor:
