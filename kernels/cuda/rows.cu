@@ -23,47 +23,41 @@
 __device__ __forceinline__ long long warp_index() { return ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP; }
 __device__ __forceinline__ int lane_index() { return threadIdx.x % WARP; }
 
-/* out[u, :w] = (slot_of[ids[u]] >= 0 ? cache[slot] : src[ids[u]])[:w] for u < count.
+/* out[u, :w] = (slot_of[ids[u]] >= 0 ? cache[slot] : src[ids[u]])[:w] for u < count, in words of T
+ * (float, or float4 where every width, stride and address allows 16-byte accesses).
  * slot_of == 0: no cache. src == 0: every row is cached (the pool is not mapped). */
-extern "C" __global__ void gather_rows(unsigned long long out_, long long out_stride,
-                                       unsigned long long src_, long long src_stride,
-                                       unsigned long long ids_, long long count, long long width,
-                                       unsigned long long cache_, long long cache_stride,
+template <typename T>
+__device__ __forceinline__ void gather(unsigned long long out_, long long out_stride, unsigned long long src_,
+                                       long long src_stride, unsigned long long ids_, long long count,
+                                       long long width, unsigned long long cache_, long long cache_stride,
                                        unsigned long long slot_of_)
 {
     const long long u = warp_index();
     if (u >= count)
         return;
-    const long long *ids = (const long long *)ids_;
+    const long long row = ((const long long *)ids_)[u];
     const int *slot_of = (const int *)slot_of_;
-    const long long row = ids[u];
     const int slot = slot_of ? slot_of[row] : -1;
-    const float *from = slot >= 0 ? (const float *)cache_ + slot * cache_stride
-                                  : (const float *)src_ + row * src_stride;
-    float *to = (float *)out_ + u * out_stride;
+    const T *from = slot >= 0 ? (const T *)cache_ + slot * cache_stride : (const T *)src_ + row * src_stride;
+    T *to = (T *)out_ + u * out_stride;
     for (long long c = lane_index(); c < width; c += WARP)
         to[c] = from[c];
 }
 
-/* The 16-byte form of gather_rows: every width and stride in float4s, every address 16-byte aligned. */
-extern "C" __global__ void gather_rows4(unsigned long long out_, long long out_stride,
-                                        unsigned long long src_, long long src_stride,
-                                        unsigned long long ids_, long long count, long long width,
-                                        unsigned long long cache_, long long cache_stride,
+extern "C" __global__ void gather_rows(unsigned long long out_, long long out_stride, unsigned long long src_,
+                                       long long src_stride, unsigned long long ids_, long long count,
+                                       long long width, unsigned long long cache_, long long cache_stride,
+                                       unsigned long long slot_of_)
+{
+    gather<float>(out_, out_stride, src_, src_stride, ids_, count, width, cache_, cache_stride, slot_of_);
+}
+
+extern "C" __global__ void gather_rows4(unsigned long long out_, long long out_stride, unsigned long long src_,
+                                        long long src_stride, unsigned long long ids_, long long count,
+                                        long long width, unsigned long long cache_, long long cache_stride,
                                         unsigned long long slot_of_)
 {
-    const long long u = warp_index();
-    if (u >= count)
-        return;
-    const long long *ids = (const long long *)ids_;
-    const int *slot_of = (const int *)slot_of_;
-    const long long row = ids[u];
-    const int slot = slot_of ? slot_of[row] : -1;
-    const float4 *from = slot >= 0 ? (const float4 *)cache_ + slot * cache_stride
-                                   : (const float4 *)src_ + row * src_stride;
-    float4 *to = (float4 *)out_ + u * out_stride;
-    for (long long c = lane_index(); c < width; c += WARP)
-        to[c] = from[c];
+    gather<float4>(out_, out_stride, src_, src_stride, ids_, count, width, cache_, cache_stride, slot_of_);
 }
 
 /* out[b, :dim] = the pooled rows of bag b: lookups [offsets[b], offsets[b+1]) (the last ends at n),
