@@ -57,8 +57,8 @@ def plan_batch(indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights:
     """The BatchPlan of lookups indices [N] int64 in bags offsets [B] int64 (CPU, checked)."""
     n, bags = indices.numel(), offsets.numel()
     rows, order = row_ops.unique_rows_and_order(indices.contiguous(), table_rows)
-    starts = np.searchsorted(indices.numpy()[order], rows, side="left")
-    starts = np.append(starts, n)
+    changes = np.flatnonzero(np.diff(indices.numpy()[order])) + 1   # where the sorted ids change row
+    starts = np.concatenate(([0], changes, [n])) if n else np.zeros(1, dtype=np.int64)
     inverse = np.empty(n, dtype=np.int64)
     inverse[order] = np.repeat(np.arange(rows.size, dtype=np.int64), np.diff(starts))
     lengths = np.diff(offsets.numpy(), append=n)
