@@ -101,22 +101,31 @@ def _run_train(args) -> int:
     path = args.pool or default_pool_path(pool_size)
     check_emulated(path, emulation)
     _check_pool_space(path, pool_size)
-    # validated: from here on, what the run does
+    # validated; what the run is, said once the pool is open and recovered (on_ready), so that a run
+    # refused on the way there prints its one line and nothing before it
+    notes = []
     if args.pool is None and not path.startswith(SHM + "/") and memory_dir() == SHM:
-        print(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
-              "and not an emulated CXL device)", file=sys.stderr)
+        notes.append(f"note: /dev/shm has no room for the pool; using {path} (not memory-backed: slower, "
+                     "and not an emulated CXL device)")
     rows = config.rows_per_table()
     table_gb = sum(rows) * args.dim * 4 / 1e9
     shown = f"{rows[0]:,}" if len(set(rows)) == 1 else f"up to {max(rows):,}"
     length = f"{config.epochs} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
-    print(f"pool {path}: {config.num_tables} tables x {shown} rows x {args.dim} dims "
-          f"({table_gb:.2f} GB), batch {args.batch_size}, {length}", flush=True)
-    with knobs.override(**emulation):
+    banner = [f"pool {path}: {config.num_tables} tables x {shown} rows x {args.dim} dims "
+              f"({table_gb:.2f} GB), batch {args.batch_size}, {length}"]
+
+    def on_ready(rt) -> None:
+        for note in notes:
+            print(note, file=sys.stderr)
         if (KNOBS.power_loss or KNOBS.persist_bandwidth) and resolve_backend(path) == "emulated":
             from ..emulation.cxl import describe_model
 
-            print(f"emulated device models {describe_model()}", flush=True)
-        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=_say_where_training_starts,
+            banner.append(f"emulated device models {describe_model()}")
+        print("\n".join(banner), flush=True)
+        _say_where_training_starts(rt)
+
+    with knobs.override(**emulation):
+        result = train(config, pool_path=path, progress=not args.no_progress, on_ready=on_ready,
                        stop=stop.current.requested)
     for line in result_lines(result, config):
         print(line)

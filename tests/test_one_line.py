@@ -1,0 +1,57 @@
+"""A refused `cxltrain train` says why in one line on stderr, with nothing before it: no banner on
+stdout (it is printed once the pool is open and recovered), and it writes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers import cxltrain
+
+SMALL = ("--steps", "2", "--rows", "500", "--dim", "8", "--num-tables", "2", "--batch-size", "32", "--no-progress")
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+    """A pool that holds a small model, committed at batch 2."""
+    folder = tmp_path_factory.mktemp("one-line")
+    pool = folder / "done.pool"
+    done = cxltrain("train", "--pool", pool, *SMALL)
+    assert done.returncode == 0, done.stderr
+    return pool
+
+
+def not_a_pool(folder):
+    path = folder / "junk.pool"
+    path.write_bytes(os.urandom(1 << 16))
+    return path
+
+
+CASES = {
+    "another model in the pool": lambda c, d: ("--pool", c, *SMALL[:-1], "--dim", "16", "--no-progress"),
+    "another seed in the pool": lambda c, d: ("--pool", c, *SMALL, "--steps", "4", "--seed", "7"),
+    "checkpoint off on committed batches": lambda c, d: ("--pool", c, *SMALL, "--steps", "4", "--checkpoint", "off"),
+    "a file that is not a pool": lambda c, d: ("--pool", not_a_pool(d), *SMALL),
+    "a folder that does not exist": lambda c, d: ("--pool", d / "no" / "such" / "p.pool", *SMALL),
+    "a data file that does not exist": lambda c, d: ("--pool", d / "p.pool", "--data", d / "none.txt", *SMALL),
+    "epochs without data": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--epochs", "2"),
+    "a device cache on the cpu": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--device-cache-rows", "5"),
+    "a host cache without a capacity pool": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--cache-rows", "5"),
+    "zero rows": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--rows", "0"),
+}
+if not torch.cuda.is_available():
+    CASES["a GPU that is not there"] = lambda c, d: ("--pool", d / "p.pool", *SMALL, "--device", "cuda")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_refused_train_is_one_line(committed, tmp_path, case):
+    before = committed.read_bytes()
+    done = cxltrain("train", *CASES[case](committed, tmp_path))
+    assert done.returncode != 0
+    assert done.stdout == "", done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cxltrain") and "error: " in lines[0], done.stderr
+    assert committed.read_bytes() == before            # the refused run wrote nothing
+    assert not (tmp_path / "p.pool").exists()
