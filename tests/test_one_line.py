@@ -55,3 +55,23 @@ def test_a_refused_train_is_one_line(committed, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("cxltrain") and "error: " in lines[0], done.stderr
     assert committed.read_bytes() == before            # the refused run wrote nothing
     assert not (tmp_path / "p.pool").exists()
+
+
+def test_pool_info_refuses_what_pool_check_refuses(committed, tmp_path):
+    """A row made NaN: `pool check` finds it; `pool info` must not list the pool as if it were sound."""
+    import shutil
+
+    import numpy as np
+
+    from cxltrain.pool.handle import Pool
+
+    path = tmp_path / "nan.pool"
+    shutil.copy(committed, path)
+    with Pool.open(str(path)) as pool:
+        pool.array("t0.weight")[7, 3] = np.nan
+        pool.persist_region("t0.weight")
+    for command in ("check", "info"):
+        done = cxltrain("pool", command, path)
+        assert done.returncode == 1 and done.stdout == "", (command, done.stdout)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "row 7 holds a non-finite value" in lines[0], (command, done.stderr)

@@ -54,24 +54,23 @@ def _device_words(device) -> str:
     return device.kind
 
 
-def _inspect_or_fail(path: str):
-    from ..pool.info import inspect
-
-    report = inspect(path)
-    if report.superblock is None or report.root is None:
-        raise CxlTrainError(f"{path}: {report.problems[0]}")
-    return report
-
-
 def _run_pool_info(args) -> int:
     if run_dir.is_run_dir(args.path):
         return dist_cli.run_pool_info(args.path, args.json)
-    report = _inspect_or_fail(args.path)
-    from ..pool.report_text import report_lines
+    report, _ = _validated(args.path)
+    from ..pool.report_text import report_json, report_lines
 
-    if not args.json:  # with --json, stdout is the JSON alone
+    if not report.ok and (not args.json or report.superblock is None or report.root is None):
+        # the listing of a damaged pool would only mislead: one line
+        more = len(report.problems) - 1
+        raise CxlTrainError(f"{args.path}: {report.problems[0]}"
+                            + (f" (and {more} more problem(s): `cxltrain pool check` lists them)" if more else ""))
+    _say_in_use(report)
+    if args.json:
+        print(json.dumps(report_json(report)))
+    else:
         print("\n".join(report_lines(report)))
-    return _finish_report(report, args.json)
+    return 0 if report.ok else EXIT_ERROR
 
 
 def _say_in_use(report) -> None:
@@ -92,22 +91,29 @@ def _finish_report(report, as_json: bool) -> int:
     return 0 if report.ok else EXIT_ERROR
 
 
-def _run_pool_check(args) -> int:
+def _validated(path: str):
+    """(the report of every check `pool check` makes, what was left unchecked or None): the pool
+    layer's bounds and checksums, then the live undo records and the dense snapshot, then the rows."""
     from ..checkpoint.offline import check_checkpoint
     from ..pool.info import check_rows, inspect
 
-    if run_dir.is_run_dir(args.path):
-        return dist_cli.run_pool_check(args.path, args.json)
-    report = inspect(args.path)
-    checkpoint = None
+    report = inspect(path)
+    unchecked = None
     if report.in_use:  # the writer changes the undo ring and the dense slots under us: not checked
-        checkpoint = "undo records and dense snapshot not checked while a writer holds the pool"
+        unchecked = "undo records and dense snapshot not checked while a writer holds the pool"
     elif report.ok:  # then the checksums above the pool layer: live undo records, the dense snapshot
         try:
-            checkpoint = check_checkpoint(args.path)
+            unchecked = check_checkpoint(path)
         except PoolError as e:
-            report.problems.append(str(e).removeprefix(f"{args.path}: "))
+            report.problems.append(str(e).removeprefix(f"{path}: "))
     check_rows(report)
+    return report, unchecked
+
+
+def _run_pool_check(args) -> int:
+    if run_dir.is_run_dir(args.path):
+        return dist_cli.run_pool_check(args.path, args.json)
+    report, checkpoint = _validated(args.path)
     if report.ok and not args.json:
         print(f"ok: {report.path}: {len(report.regions)} regions, root seq {report.root.seq}, "
               f"batch {report.root.batches_done}"
