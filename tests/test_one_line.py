@@ -75,3 +75,17 @@ def test_pool_info_refuses_what_pool_check_refuses(committed, tmp_path):
         assert done.returncode == 1 and done.stdout == "", (command, done.stdout)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and "row 7 holds a non-finite value" in lines[0], (command, done.stderr)
+
+
+def test_a_rank_refusal_under_torchrun_is_one_line(tmp_path):
+    """A rank's pool damaged: the ranks refuse, torchrun restarts them, and the user sees one line."""
+    folder = tmp_path / "run"
+    dist = ("--nproc-per-node", "2", "--pool", folder, *SMALL)
+    assert cxltrain("train", *dist).returncode == 0
+    with open(folder / "rank-1.pool", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    done = cxltrain("train", *dist[:-1], "--steps", "4", "--no-progress")
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"cxltrain: error: rank 1: {folder / 'rank-1.pool'}: superblock checksum mismatch"], done.stderr

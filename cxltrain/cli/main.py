@@ -82,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cxltrain: {e}", file=sys.stderr)
         return EXIT_TERMINATED
     except CxlTrainError as e:
-        print(f"cxltrain: error: {e}", file=sys.stderr)
+        from ..jobs.lifeline import rank_error
+
+        line = f"cxltrain: error: {e}"
+        if not rank_error(line):  # a rank's error goes to its launcher, which shows one line
+            print(line, file=sys.stderr)
         return EXIT_ERROR
     except stop.Terminated:
         print("cxltrain: terminated (SIGTERM)", file=sys.stderr)

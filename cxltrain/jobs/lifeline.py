@@ -19,11 +19,26 @@ from ..errors import CxlTrainError
 
 LAUNCHER_ENV = "CXLTRAIN_LAUNCHER_PID"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"   # set by torchrun in every rank it starts
+RANK_ERROR_ENV = "CXLTRAIN_RANK_ERRORS"  # a file of the launcher's: the ranks' error lines, the first one shown
 PR_SET_PDEATHSIG = 1
 
 
 class LauncherGone(CxlTrainError):
     """The process that launched this rank is no longer its parent."""
+
+
+def rank_error(line: str) -> bool:
+    """In a rank of a launcher that collects its ranks' errors: append `line` to its file (whole
+    lines: O_APPEND) and return True; else False (the caller prints it)."""
+    path = os.environ.get(RANK_ERROR_ENV)
+    if path is None or TORCHRUN_ENV not in os.environ:
+        return False
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (line.replace("\n", " ") + "\n").encode())
+    finally:
+        os.close(fd)
+    return True
 
 
 def mark_launcher() -> None:

@@ -32,7 +32,7 @@ from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .data_source import training_data
-from .lifeline import end_with_launcher, mark_launcher
+from .lifeline import RANK_ERROR_ENV, end_with_launcher, mark_launcher
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import GroupFacts, TrainResult, run_steps
 
@@ -90,8 +90,6 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
     plan = ShardingPlan.from_json(m["plan"])
-    if rank == 0:
-        print(plan.describe(), flush=True)
     point = AgreedMinimum(directory, rank, world_size, m, fresh)
     model, dense_opt, rt = build(config, plan, point)
     comm = Comm(rank, world_size)
@@ -100,7 +98,8 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
     with rt:  # every rank agrees on G and rolls back to it first (recovery_point.py)
         recovery_seconds = time.perf_counter() - started
         recovered = point.recovered
-        if rank == 0:
+        if rank == 0:  # said once the group is open and recovered: a refused run prints only its refusal
+            print(plan.describe(), flush=True)
             where = (f"recovered every rank to batch {recovered.batch} in {recovery_seconds * 1000:.0f} ms "
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
                      if recovered else "training from batch 0")
@@ -204,19 +203,39 @@ class ShardedStep:
 # ---------------------------------------------------------------------------------------------
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     """Run `cxltrain train ARGV` on `nproc` ranks of this machine under torchrun (--standalone:
-    a free loopback port is found for the rendezvous). Returns torchrun's exit status."""
+    a free loopback port is found for the rendezvous). Returns torchrun's exit status. A rank's
+    refusal reaches the user as one line: the ranks write their error lines to a file of this
+    launcher's (RANK_ERROR_ENV) instead of stderr, and torchrun's own log is kept to its errors."""
+    import logging
+    import tempfile
+
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--monitor-interval", "0.1", "-m", "cxltrain", "train", *argv]
     mark_launcher()
-    try:
-        torchrun.main(args)
-    except ChildFailedError as e:
-        failures = e.failures
-        first = failures[min(failures)]
-        print(f"cxltrain: error: rank {first.local_rank} exited with status {first.exitcode} "
-              f"({len(failures)} rank(s) failed, after {max_restarts} restart(s) at most)", file=sys.stderr)
-        return 1
+    # torchrun warns that it sets OMP_NUM_THREADS when it is unset; the ranks set their own threads
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.run", "torch.distributed.elastic")]
+    levels = [logger.level for logger in quiet]
+    with tempfile.TemporaryDirectory(prefix="cxltrain-launch-") as folder:
+        errors = os.path.join(folder, "rank-errors")
+        os.environ[RANK_ERROR_ENV] = errors
+        try:
+            for logger in quiet:
+                logger.setLevel(logging.CRITICAL)
+            torchrun.main(args)
+        except ChildFailedError as e:
+            failures = e.failures
+            first = failures[min(failures)]
+            lines = open(errors).read().splitlines() if os.path.exists(errors) else []
+            print(lines[0] if lines else f"cxltrain: error: rank {first.local_rank} exited with status "
+                  f"{first.exitcode} ({len(failures)} rank(s) failed, after {max_restarts} restart(s) at most)",
+                  file=sys.stderr)
+            return 1
+        finally:
+            os.environ.pop(RANK_ERROR_ENV, None)
+            for logger, level in zip(quiet, levels):
+                logger.setLevel(level)
     return 0
