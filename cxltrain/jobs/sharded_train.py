@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CxlTrainError, NonFiniteError
-from ..faults import CrashPoint, PlantedDist, crash_point, planted
+from ..faults import PlantedDist, planted
 from ..knobs import KNOBS
 from ..models.exchange import Comm, SparseExchange, local_slice
 from ..models.sharded import RankModel
@@ -104,7 +104,7 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
                      if recovered else "training from batch 0")
             print(f"{world_size} rank(s): {where}", flush=True)
-        step = ShardedStep(plan, model, dense_opt, rt, comm, config.batch_size, directory)
+        step = ShardedStep(plan, model, dense_opt, rt, comm, config.batch_size, directory, point)
         result = run_steps(config, step, training_data(config), rt, progress and rank == 0)
     # the group's recovery: from every rank being here to every rank at G, agreement included
     result.progress.recovery_seconds = recovery_seconds if recovered else 0.0
@@ -135,18 +135,18 @@ def _ordered_mean_hook(world_size: int):
 
 class ShardedStep:
     """The step of one rank (train.run_steps drives it): its slice of the batch, the sparse half
-    through the exchange (which carries the agreement on G), the dense half under
+    through the exchange (which carries the ranks' targets for the agreement on G), the dense half under
     DistributedDataParallel, each rank updating its own shards."""
 
     def __init__(self, plan: ShardingPlan, model: RankModel, dense_opt, rt: Runtime, comm: Comm, batch_size: int,
-                 directory: str) -> None:
+                 directory: str, point: AgreedMinimum) -> None:
         self.model, self.dense_opt, self.rt, self.comm, self.directory = model, dense_opt, rt, comm, directory
         self.dense = model.dense
         if comm.world_size > 1:
             self.dense = torch.nn.parallel.DistributedDataParallel(model.dense)
             self.dense.register_comm_hook(None, _ordered_mean_hook(comm.world_size))
         self.exchange = SparseExchange(plan, model, comm, batch_size)
-        self.agreed = rt.start_batch
+        self.point = point  # how the group agrees on G; the exchange carries the ranks' targets
         self.first = rt.start_batch
         self.timed_bytes: int | None = None  # what this rank had sent when the timed batches began
 
@@ -164,10 +164,8 @@ class ShardedStep:
         """(logits [B_r], labels [B_r], loss) of this rank's slice of batch `b`, its updates done."""
         rt, comm = self.rt, self.comm
         local = local_slice(batch, comm.world_size, comm.rank)
-        if rt.durable_target > self.agreed:
-            crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
-        embedded, self.agreed = self.exchange.forward(local, rt.durable_target)
-        rt.agree(self.agreed)
+        embedded, least = self.exchange.forward(local, self.point.local_target(rt))
+        self.point.settle(rt, least)
         if planted(PlantedDist.ERROR_IN_STEP) and b == self.first + 1 and comm.rank == comm.world_size - 1:
             raise RuntimeError(f"planted error in the step of batch {b}")
         logits = self.dense(local.dense, embedded)

@@ -6,8 +6,8 @@
 
 One process resumes at its own durable batch. A group of ranks resumes at G, the minimum of the
 ranks' durable batches: before the pool opens every rank agrees on G and rolls back to it
-(group_recovery.py); while it trains, G is agreed again every batch (one all-reduce here, or
-carried by the sharded step's exchange, which calls `rt.agree`), and each rank's commits keep the
+(group_recovery.py); while it trains, G is agreed again every batch, one way (local_target, then
+settle), its targets carried by one all-reduce here or by the sharded step's id exchange, and each rank's commits keep the
 undo records of every batch at or above the last G (U3b). The snapshots carry that G in their
 metadata ("agreed"), so that a restart can tell whether a rank's ring still reaches the G it agrees on.
 """
@@ -87,14 +87,24 @@ class AgreedMinimum:
             self.agree_with_peers(rt)
 
     def agree_with_peers(self, rt) -> int:
-        """G = the minimum of the ranks' durable batches (one all-reduce), handed to rt.agree."""
+        """G agreed by one all-reduce of the ranks' targets (a user's own loop, before each batch)."""
+        least = torch.tensor([self.local_target(rt)], dtype=torch.int64)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN)
+        return self.settle(rt, int(least[0]))
+
+    # The one way a group agrees on G, whatever carries the targets between the ranks (the
+    # all-reduce above, or the sharded step's id exchange, which saves a collective a batch):
+    def local_target(self, rt) -> int:
+        """This rank's part: the recovery target its durable commits reach."""
         crash_point(CrashPoint.DIST_BEFORE_AGREEMENT)
         target = rt.durable_target
         if target > rt.agreed:
             crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
-        agreed = torch.tensor([target], dtype=torch.int64)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-        g = int(agreed[0])
+        return target
+
+    def settle(self, rt, least: int) -> int:
+        """G = the least target of any rank (`least`, however it travelled), handed to rt.agree."""
+        g = least
         if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT):
             g = rt.batch + 1  # as if every rank had this batch's commit durable already
         rt.agree(g)
