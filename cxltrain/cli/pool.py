@@ -22,8 +22,10 @@ def add_pool(sub) -> None:
                                                     "device for a DAX device)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=_run_pool_create)
-    for name, run, text in (("info", _run_pool_info, "show the superblock, both roots and every region"),
-                            ("check", _run_pool_check, "validate every checksum and bound; exit 1 on a problem")):
+    for name, run, text in (("info", _run_pool_info, "show the superblock, both roots and every region, after the "
+                                                     "checks of `pool check` (a damaged pool: one line, exit 1)"),
+                            ("check", _run_pool_check, "validate every checksum and bound and scan the rows for "
+                                                       "non-finite values (rows carry no checksum); exit 1 on a problem")):
         q = psub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ". Never writes.")
         q.add_argument("path")
         q.add_argument("--json", action="store_true")
