@@ -67,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # made runs several times slower where other processes share the cores (docs/benchmarks.md).
     # A user's own value stays.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # torch's C++ warnings (c10d's, where a rank cannot look up a host name, say) would come between
+    # a refusal's one line and the user, once per rank and restart; errors still show
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # a distributed launch passes them on
