@@ -47,9 +47,9 @@ class CrashPoint:
     COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
     CACHE_MID_ADMISSION = "cache:mid-admission"            # cache.py: half a table's slots filled (admission, re-placement)
     CACHE_AFTER_WRITE_BACK = "cache:after-write-back"      # cache.py: re-placement's evicted rows written back, slots not refilled
-    # distributed runs (models/exchange.py, runtime/group.py), reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
-    DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/group.py, jobs/sharded_train.py: committed here, not at peers
-    DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # runtime/group.py, models/exchange.py: step done, G not agreed
+    # distributed runs, reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
+    DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/recovery_point.py: committed here, not at peers
+    DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # runtime/recovery_point.py: step done, G not agreed
     DIST_RECOVER_BEFORE_ROOT = "dist:recover-before-root"  # runtime/group_recovery.py: rolled back to G, no root yet
 
     REACHED_PER = {
@@ -89,11 +89,14 @@ class Planted:
 
 
 class PlantedDist:
-    """The planted bugs of distributed runs (models/exchange.py, runtime/group.py); a single process never reaches them."""
+    """The planted bugs of distributed runs; a single process never reaches them."""
 
-    RECLAIM_ABOVE_AGREED = "reclaim-above-agreed"    # U3b: a rank reclaims records above the agreed target G
-    COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"  # a rank commits as if its batch were agreed
-    ERROR_IN_STEP = "error-in-step"                  # the last rank's step raises a RuntimeError (a bug, not a lost peer)
+    # U3b, checkpoint/ordering.py: a rank reclaims records above the agreed target G
+    RECLAIM_ABOVE_AGREED = "reclaim-above-agreed"
+    # runtime/recovery_point.py agree_on_g: a rank commits as if its batch were agreed
+    COMMIT_WITHOUT_AGREEMENT = "commit-without-agreement"
+    # jobs/sharded_train.py: the last rank's step raises a RuntimeError (a bug, not a lost peer)
+    ERROR_IN_STEP = "error-in-step"
 
 
 class PlantedDevice:

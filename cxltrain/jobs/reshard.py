@@ -123,7 +123,8 @@ def _check_fits(state, config: TrainConfig, plan: ShardingPlan, source: str) -> 
 def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, rank: int, manifest: dict,
                 batch: int) -> None:
     seed_everything(config.seed)  # the global RNG states a start has
-    model, dense_opt, rt = build(config, plan, AgreedMinimum(directory, rank, plan.world_size, manifest, fresh=True))
+    point = AgreedMinimum(directory, rank, plan.world_size, manifest, fresh=True)
+    model, dense_opt, rt = build(config, plan, point)
     try:
         model.dense.load_state_dict({k: v for k, v in state["model"].items() if not _is_table_key(k)})
         dense_opt.load_state_dict(state["optimizers"][0])
@@ -143,7 +144,7 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
                 if opt_state is not None:
                     opt_state.copy_(_table_tensor(state["model"], t, "optimizer_state")[lo:hi])
             shard.persist()
-        rt.agree(batch)
+        point.all_at(rt, batch)  # every rank is imported at `batch`
         first_commit(pool, batch, rt.dense_state.capture(batch))
         publish(pool, path)
     except BaseException:

@@ -7,7 +7,7 @@ Start: the manifest is checked (another world size, plan or settings is refused 
 nothing written), the ranks agree on G and roll back to it (recovery_point.py), then train from G to
 --steps: every global batch is split into equal slices, one per rank; the sparse half goes through
 the exchange (exchange.py), the dense half under DistributedDataParallel; each rank commits its
-own pool per batch, the G all-reduce riding on the step's first all-to-all.
+own pool per batch, the ranks' targets for G riding on the step's first all-to-all.
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ class ShardedStep:
         """(logits [B_r], labels [B_r], loss) of this rank's slice of batch `b`, its updates done."""
         rt, comm = self.rt, self.comm
         local = local_slice(batch, comm.world_size, comm.rank)
-        embedded, least = self.exchange.forward(local, self.point.local_target(rt))
-        self.point.settle(rt, least)
+        # G agreed through the exchange's id header: no collective of its own
+        embedded = self.point.agree_on_g(rt, lambda target: self.exchange.forward(local, target))
         if planted(PlantedDist.ERROR_IN_STEP) and b == self.first + 1 and comm.rank == comm.world_size - 1:
             raise RuntimeError(f"planted error in the step of batch {b}")
         logits = self.dense(local.dense, embedded)

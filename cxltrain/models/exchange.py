@@ -5,8 +5,8 @@ there are GPUs), in table order, summed in rank order: deterministic for a given
 Per step, with B samples in the global batch, B_r of them on rank r (its slice), D dims:
 
     1  counts    [W, 2] int64: the length of the id message for each rank, and this rank's durable
-                 recovery target, piggy-backed: the least over the ranks, from which the step's
-                 recovery point makes the agreed target G (runtime/recovery_point.py)
+                 recovery target, piggy-backed: every rank's comes back, from which the step's
+                 recovery point makes the agreed target G (runtime/recovery_point.py agree_on_g)
     2  ids       per owner, for each table it holds: the slice's bag lengths [B_r] and ids (row-wise:
                  only those in the owner's rows, made local to them)
     3  pooled    each owner looks its tables up for the whole batch ([B, D], one fused lookup), then
@@ -68,15 +68,16 @@ def local_slice(batch: Batch, world_size: int, rank: int) -> Batch:
 
 class SparseExchange:
     """The sparse half of a step for one rank: `forward(batch_slice, target)` returns the
-    embeddings of every table for this rank's samples (F x [B_r, D]) and the least `target` of any
-    rank, carried in the id exchange's header (what G is made of: runtime/recovery_point.py)."""
+    embeddings of every table for this rank's samples (F x [B_r, D]) and every rank's `target`, in
+    rank order, carried in the id exchange's header (what G is made of: runtime/recovery_point.py;
+    the exchange only carries them)."""
 
     def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm, batch_size: int) -> None:
         self.plan, self.model, self.comm = plan, model, comm
         self.slices = [slice_of(batch_size, comm.world_size, r) for r in range(comm.world_size)]
         self.dim = model.dense.embedding_dim
 
-    def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], int]:
+    def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], list[int]]:
         comm, plan = self.comm, self.plan
         messages = []
         for owner in range(comm.world_size):
@@ -88,10 +89,10 @@ class SparseExchange:
             messages.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
         header = torch.tensor([[m.numel(), target] for m in messages], dtype=torch.int64)
         received_header = torch.cat(comm.all_to_all(list(header), [2] * comm.world_size)).view(-1, 2)
-        least = int(received_header[:, 1].min())
+        targets = received_header[:, 1].tolist()
         received = comm.all_to_all(messages, received_header[:, 0].tolist())
         pooled = self._look_up(received)
-        return list(_Exchange.apply(self, *pooled)), least
+        return list(_Exchange.apply(self, *pooled)), targets
 
     def _look_up(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each held table looked up for the whole batch: [B, D] per held table, in table order."""

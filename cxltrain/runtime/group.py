@@ -12,7 +12,8 @@ holds which table (a table on one rank: table-wise; on every rank: data-parallel
 every start; on a restart every rank recovers to the agreed batch G (group_recovery.py) before the block
 begins. The user owns the exchange between ranks; the dense state must be the same on every rank
 (DDP, or every rank computing it alike), since a rank rolled back past its own snapshot takes it
-from another. The agreement is one all-reduce (MIN) per batch, on the group.
+from another. The agreement is one all-gather of the ranks' durable batches per batch, on the group
+(recovery_point.py: the least of them is G).
 """
 
 from __future__ import annotations

@@ -6,13 +6,17 @@
 
 One process resumes at its own durable batch. A group of ranks resumes at G, the minimum of the
 ranks' durable batches: before the pool opens every rank agrees on G and rolls back to it
-(group_recovery.py); while it trains, G is agreed again every batch, one way (local_target, then
-settle), its targets carried by one all-reduce here or by the sharded step's id exchange, and each rank's commits keep the
-undo records of every batch at or above the last G (U3b). The snapshots carry that G in their
+(group_recovery.py); while it trains, G is agreed again every batch, one way (agree_on_g: the least
+of the ranks' durable targets), the targets carried by the sharded step's id exchange or, where no
+exchange carries them, by one all-gather here, and each rank's commits keep the undo records of
+every batch at or above the last G (U3b). The snapshots carry that G in their
 metadata ("agreed"), so that a restart can tell whether a rank's ring still reaches the G it agrees on.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,8 +48,11 @@ class OwnBatch:
 class AgreedMinimum:
     """A group of ranks: the recovery point is G, the least durable batch of any rank, agreed by
     a collective. Entering the Runtime is collective (every rank, in the same order as its other
-    collectives). agree_each_batch: agree on G with one all-reduce before each batch is handed out
-    (a user's own loop); False where the step carries it (the sharded step's exchange).
+    collectives). Every G the rank holds comes from here: all_at (every rank at one batch) or
+    agree_on_g (the ranks' targets exchanged, its rule, planted bug and crash points).
+    agree_each_batch: no step carries the targets (a user's own loop), so agree on G with one
+    all-gather before each batch is handed out; False where the step's exchange carries them
+    (the sharded step calls agree_on_g with it).
     After entering: `recovered` (group_recovery.RankRecovery, or None on a fresh run)."""
 
     # G trails this rank's commits by a batch or two: its ring keeps their records as well
@@ -74,7 +81,7 @@ class AgreedMinimum:
     def opened(self, rt) -> None:
         """Every rank is at G; on a fresh run, every pool holds its first commit: from now on a
         restart recovers (rank 0 marks the manifest so)."""
-        rt.agree(rt.start_batch)
+        self.all_at(rt, rt.start_batch)
         if self.fresh:
             dist.barrier()
             if self.rank == 0:
@@ -83,18 +90,35 @@ class AgreedMinimum:
             self.fresh = False
 
     def at_batch(self, rt) -> None:
-        if self.agree_each_batch:
-            self.agree_with_peers(rt)
+        if self.agree_each_batch:  # no step's exchange carries the targets: the fallback collective
+            self.agree_on_g(rt)
 
-    def agree_with_peers(self, rt) -> int:
-        """G agreed by one all-reduce of the ranks' targets (a user's own loop, before each batch)."""
-        least = torch.tensor([self.local_target(rt)], dtype=torch.int64)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN)
-        return self.settle(rt, int(least[0]))
+    def all_at(self, rt, batch: int) -> None:
+        """Every rank is at `batch` (recovered to G, made fresh, or imported at it): G is that batch,
+        nothing to exchange."""
+        rt.agree(batch)
 
-    # The one way a group agrees on G, whatever carries the targets between the ranks (the
-    # all-reduce above, or the sharded step's id exchange, which saves a collective a batch):
-    def local_target(self, rt) -> int:
+    # The one way a group agrees on G while it trains, whatever carries the targets between the ranks
+    def agree_on_g(self, rt, carry: Callable[[int], tuple[Any, Sequence[int]]] | None = None) -> Any:
+        """G agreed for the batch in flight: this rank's target goes to every rank, the least of them
+        is G, handed to rt.agree. carry(target) -> (its result, every rank's target, in rank order):
+        a transport the step already has (the sharded step's id exchange: a collective saved a
+        batch); None: one all-gather of the targets (a user's own loop, before each batch). Returns
+        carry's result (None without one)."""
+        target = self._local_target(rt)
+        if carry is None:
+            mine = torch.tensor([target], dtype=torch.int64)
+            every = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(every, mine)
+            result, targets = None, [int(t) for t in every]
+        else:
+            result, targets = carry(target)
+            if len(targets) != self.world_size:
+                raise RuntimeError(f"the exchange carried {len(targets)} targets for {self.world_size} ranks")
+        self._settle(rt, targets)
+        return result
+
+    def _local_target(self, rt) -> int:
         """This rank's part: the recovery target its durable commits reach."""
         crash_point(CrashPoint.DIST_BEFORE_AGREEMENT)
         target = rt.durable_target
@@ -102,10 +126,9 @@ class AgreedMinimum:
             crash_point(CrashPoint.DIST_AFTER_LOCAL_COMMIT)  # committed here, not yet known to the peers
         return target
 
-    def settle(self, rt, least: int) -> int:
-        """G = the least target of any rank (`least`, however it travelled), handed to rt.agree."""
-        g = least
+    def _settle(self, rt, targets: Sequence[int]) -> None:
+        """G = the least target of any rank, handed to rt.agree."""
+        g = min(targets)
         if planted(PlantedDist.COMMIT_WITHOUT_AGREEMENT):
             g = rt.batch + 1  # as if every rank had this batch's commit durable already
         rt.agree(g)
-        return g
