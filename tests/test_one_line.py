@@ -10,6 +10,7 @@ import torch
 
 from helpers import cxltrain
 
+TEARDOWN = "terminate called without an active exception"
 SMALL = ("--steps", "2", "--rows", "500", "--dim", "8", "--num-tables", "2", "--batch-size", "32", "--no-progress")
 
 
@@ -87,5 +88,7 @@ def test_a_rank_refusal_under_torchrun_is_one_line(tmp_path):
         f.write(b"\xff" * 8)
     done = cxltrain("train", *dist[:-1], "--steps", "4", "--no-progress")
     assert done.returncode == 1 and done.stdout == "", done.stdout
-    lines = done.stderr.strip().splitlines()
+    # A rank torn down under load may have its C++ runtime print "terminate called without an active
+    # exception" (a thread of torch's still joinable at exit): not ours to word, left out here.
+    lines = [line for line in done.stderr.strip().splitlines() if line != TEARDOWN]
     assert lines == [f"cxltrain: error: rank 1: {folder / 'rank-1.pool'}: superblock checksum mismatch"], done.stderr
