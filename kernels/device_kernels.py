@@ -2,10 +2,9 @@
 implementations — rows.cu through CuPy on a GPU (cupy_rows.py), and torch here, the reference the GPU
 kernels are tested against and what runs the same path on CPU tensors.
 
-The reference rounds as kernels/rows.c does, so on the CPU all three give the same bits: a row's
-gradients summed in lookup order (index_add_ on the CPU adds in index order), Adagrad's sum of
-squares in column order, square roots correctly rounded, updates as `add_(x, alpha=-lr)` (one fused
-multiply-add, as rows.c's fmaf).
+The reference is the host path's torch kernels (rows.py) applied to the batch's block, so on the CPU
+all three give the same bits: a row's gradients summed in lookup order (index_add_ on the CPU adds in
+index order), then rows.py's rules, which round as kernels/rows.c does.
 
 Shapes: N lookups, B bags, U unique rows of the batch (ids sorted ascending), W columns of a block
 (P padded floats a row, or K state columns), R table rows, C cache slots, D embedding dim.
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import rows as torch_rows
 
 
 class TorchRowKernels:
@@ -53,30 +53,17 @@ class TorchRowKernels:
         """The fused update of block rows u < count, in place: rows [U, P] (columns :D), state [U, K]
         (column 0, Adagrad). Row u's lookups are order[starts[u]:starts[u+1]] [N], lookup i's
         gradient grad[bag_of[i]] [B, D], times 1/len in mode mean or its per-sample weight."""
-        dim = grad.shape[1]
         lookups = order.numel()
-        per_lookup = grad.index_select(0, bag_of)
-        if mean:
-            lengths = torch.diff(offsets, append=offsets.new_tensor([lookups]))
-            per_lookup = per_lookup * (1.0 / lengths.to(torch.float32)).index_select(0, bag_of).unsqueeze(1)
-        elif per_sample_weights is not None:
-            per_lookup = per_lookup * per_sample_weights.unsqueeze(1)
+        per_lookup = torch_rows.lookup_gradients(grad, offsets, lookups, "mean" if mean else "sum",
+                                                 None if mean else per_sample_weights)
         unique_of = torch.repeat_interleave(torch.arange(starts.numel() - 1, device=grad.device), torch.diff(starts))
-        summed = torch.zeros(starts.numel() - 1, dim, dtype=torch.float32, device=grad.device)
+        summed = torch.zeros(starts.numel() - 1, grad.shape[1], dtype=torch.float32, device=grad.device)
         summed.index_add_(0, unique_of, per_lookup.index_select(0, order))
-        summed = summed[:count]
-        weights = rows[:count, :dim]
+        at = torch.arange(count, device=grad.device)  # the block's own rows: the host path's rules apply as they are
         if rule == "sgd":
-            weights.add_(summed, alpha=-lr)
-            return
-        squares = torch.zeros(count, dtype=torch.float32, device=grad.device)
-        for column in range(dim):  # column order, as rows.c adds them
-            squares = squares + summed[:, column] * summed[:, column]
-        accumulated = state[:count, 0] + squares / float(dim)
-        state[:count, 0] = accumulated
-        # torch's float32 sqrt on the CPU is not always correctly rounded; through float64 it is, as sqrtf
-        denom = accumulated.double().sqrt().float() + eps
-        weights.add_(summed / denom.unsqueeze(1), alpha=-lr)
+            torch_rows.sgd_update(rows, at, summed[:count], lr)
+        else:
+            torch_rows.rowwise_adagrad_update(rows, state, at, summed[:count], lr, eps)
 
     def scatter(self, dest: torch.Tensor | None, values: torch.Tensor, ids: torch.Tensor, count: int,
                 cache: torch.Tensor | None, slot_of: torch.Tensor | None) -> None:
