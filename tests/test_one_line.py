@@ -41,6 +41,11 @@ CASES = {
     "a device cache on the cpu": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--device-cache-rows", "5"),
     "a host cache without a capacity pool": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--cache-rows", "5"),
     "zero rows": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--rows", "0"),
+    "a metrics file in a folder that does not exist":
+        lambda c, d: ("--pool", d / "p.pool", *SMALL, "--metrics", d / "no" / "m.jsonl"),
+    "a metrics file that is a folder": lambda c, d: ("--pool", d / "p.pool", *SMALL, "--metrics", d),
+    "more memory than there is, on 2 ranks":
+        lambda c, d: ("--nproc-per-node", "2", "--pool", d / "run", "--batch-size", "100000000", "--no-progress"),
 }
 if not torch.cuda.is_available():
     CASES["a GPU that is not there"] = lambda c, d: ("--pool", d / "p.pool", *SMALL, "--device", "cuda")
@@ -49,13 +54,13 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_refused_train_is_one_line(committed, tmp_path, case):
     before = committed.read_bytes()
-    done = cxltrain("train", *CASES[case](committed, tmp_path))
+    done = cxltrain("train", *CASES[case](committed, tmp_path), timeout=120)
     assert done.returncode != 0
     assert done.stdout == "", done.stdout
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("cxltrain") and "error: " in lines[0], done.stderr
     assert committed.read_bytes() == before            # the refused run wrote nothing
-    assert not (tmp_path / "p.pool").exists()
+    assert set(os.listdir(tmp_path)) <= {"junk.pool"}  # no pool, run directory or metrics file
 
 
 def test_pool_info_refuses_what_pool_check_refuses(committed, tmp_path):
@@ -78,17 +83,34 @@ def test_pool_info_refuses_what_pool_check_refuses(committed, tmp_path):
         assert len(lines) == 1 and "row 7 holds a non-finite value" in lines[0], (command, done.stderr)
 
 
-def test_a_rank_refusal_under_torchrun_is_one_line(tmp_path):
-    """A rank's pool damaged: the ranks refuse, torchrun restarts them, and the user sees one line."""
-    folder = tmp_path / "run"
-    dist = ("--nproc-per-node", "2", "--pool", folder, *SMALL)
-    assert cxltrain("train", *dist).returncode == 0
+DIST = ("--nproc-per-node", "2", *SMALL)
+
+
+@pytest.fixture(scope="module")
+def damaged_run(tmp_path_factory):
+    """A 2-rank run committed at batch 2, its rank 1 pool's superblock then damaged."""
+    folder = tmp_path_factory.mktemp("one-line-run") / "run"
+    assert cxltrain("train", "--pool", folder, *DIST).returncode == 0
     with open(folder / "rank-1.pool", "r+b") as f:
         f.seek(100)
         f.write(b"\xff" * 8)
-    done = cxltrain("train", *dist[:-1], "--steps", "4", "--no-progress")
+    return folder
+
+
+def test_a_rank_refusal_under_torchrun_is_one_line(damaged_run):
+    """A rank's pool damaged: the ranks refuse, torchrun restarts them, and the user sees one line."""
+    folder = damaged_run
+    done = cxltrain("train", "--pool", folder, *DIST[:-1], "--steps", "4", "--no-progress")
     assert done.returncode == 1 and done.stdout == "", done.stdout
     # A rank torn down under load may have its C++ runtime print "terminate called without an active
     # exception" (a thread of torch's still joinable at exit): not ours to word, left out here.
     lines = [line for line in done.stderr.strip().splitlines() if line != TEARDOWN]
     assert lines == [f"cxltrain: error: rank 1: {folder / 'rank-1.pool'}: superblock checksum mismatch"], done.stderr
+
+
+def test_pool_info_refuses_a_damaged_run_directory_in_one_line(damaged_run):
+    """`pool info DIR` listed the run and its ranks before the problem; now the problem alone."""
+    done = cxltrain("pool", "info", damaged_run)
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank-1.pool: superblock checksum mismatch" in lines[0], done.stderr

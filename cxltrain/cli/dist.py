@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CxlTrainError
 from ..runtime import manifest as run_dir
 
 LAUNCHER_OPTIONS = ("--nproc-per-node", "--max-restarts")
@@ -79,11 +79,13 @@ def _launch(args, argv: list[str]) -> int:
 
 def _launch_checks(args, n: int) -> None:
     from ..jobs.sharded_settings import check_config, plan_for, settings_for
+    from .train import check_memory
 
     if n < 1 or args.max_restarts < 0:
         raise ConfigError("--nproc-per-node must be >= 1 and --max-restarts >= 0")
     config = config_of(args)
     check_config(config, n)
+    check_memory(config, n)  # before any rank builds its model or makes its pool
     if run_dir.is_run_dir(args.pool):
         run_dir.check(args.pool, run_dir.read(args.pool), n, plan_for(config, n, args.sharding),
                       settings_for(config, args.sharding))
@@ -144,6 +146,11 @@ def run_pool_info(path: str, as_json: bool) -> int:
     from ..runtime.run_check import check_run_dir
 
     m = run_dir.read(path)
+    problems = check_run_dir(path).problems
+    if problems and not as_json:  # the listing of a damaged run would only mislead: one line
+        more = len(problems) - 1
+        raise CxlTrainError(problems[0] + (f" (and {more} more problem(s): `cxltrain pool check` lists them)"
+                                           if more else ""))
     ranks = []
     for r in range(m["world_size"]):
         pool = run_dir.pool_path(path, r)
@@ -160,7 +167,7 @@ def run_pool_info(path: str, as_json: bool) -> int:
         for r in ranks:
             print(f"  rank {r['rank']}: {r['pool']}, committed at batch {r['batch']}"
                   + (f"; {r['problems'][0]}" if r["problems"] else ""))
-    return _say_problems(check_run_dir(path).problems)
+    return _say_problems(problems)
 
 
 def run_pool_check(path: str, as_json: bool) -> int:

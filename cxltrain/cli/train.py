@@ -45,12 +45,17 @@ def _mem_available() -> int | None:
     return None
 
 
-def _check_memory(config) -> None:
+def check_memory(config, ranks: int = 1) -> None:
     """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
-    OOM-killed minutes later."""
-    needed, available = config.memory_bytes(), _mem_available()
+    OOM-killed minutes later. `ranks` processes each hold the model and their slice of the batch."""
+    import dataclasses
+
+    needed = config.memory_bytes() if ranks == 1 else \
+        ranks * dataclasses.replace(config, batch_size=max(1, config.batch_size // ranks)).memory_bytes()
+    available = _mem_available()
     if available is not None and needed > available:
-        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch "
+        where = "" if ranks == 1 else f" on {ranks} ranks"
+        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch{where} "
                           f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
                           f"--pooling {config.pooling}), "
                           f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
@@ -95,7 +100,7 @@ def _run_train(args) -> int:
 
     config = train_config(args)
     config.validate()
-    _check_memory(config)  # first: a model too big for memory must not even be built
+    check_memory(config)  # first: a model too big for memory must not even be built
     emulation = emulation_knobs(args)
     pool_size = pool_bytes(config)
     path = args.pool or default_pool_path(pool_size)

@@ -11,9 +11,27 @@ are present on the lines of steps that evaluated on the held-out batches (--eval
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from ..errors import ConfigError
+
+
+def check_metrics_path(path: str | None) -> None:
+    """Refuse a metrics file that could not be written, before the run touches its pool: MetricsLog
+    opens it only once the pool is open and recovered. Creates nothing."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "Is a directory"
+    elif not os.path.isdir(folder):
+        problem = "No such file or directory"
+    elif not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        problem = "Permission denied"
+    else:
+        return
+    raise ConfigError(f"{path}: cannot write the metrics file: {problem}")
 
 
 class MetricsLog:

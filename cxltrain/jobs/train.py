@@ -37,7 +37,7 @@ from ..runtime.runtime import Runtime
 from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
-from .metrics_log import MetricsLog
+from .metrics_log import MetricsLog, check_metrics_path
 from .planning import device_cache_ids, plan_and_hot_rows
 
 # Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up,
@@ -193,6 +193,7 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     config.validate()
     KNOBS.validate()
     torch.set_num_threads(KNOBS.threads)
+    check_metrics_path(config.metrics)  # written only once the pool is open: checked before it is
     data = training_data(config)  # first: a bad data file is refused before any pool is touched
     if data.steps != config.steps:  # --epochs: the steps are the epochs' batches
         config = dataclasses.replace(config, steps=data.steps)
