@@ -7,6 +7,8 @@ import re
 import signal
 from typing import Callable
 
+from ..errors import ConfigError
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 128 + signal.SIGINT
@@ -66,3 +68,31 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 4096, 64M, 2G)")
     number, unit = int(match.group(1)), match.group(2).upper()
     return number << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[unit]
+
+
+def _mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_memory(config, ranks: int = 1) -> None:
+    """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
+    OOM-killed minutes later. `ranks` processes each hold the model and their slice of the batch."""
+    import dataclasses
+
+    needed = config.memory_bytes() if ranks == 1 else \
+        ranks * dataclasses.replace(config, batch_size=max(1, config.batch_size // ranks)).memory_bytes()
+    available = _mem_available()
+    if available is not None and needed > available:
+        where = "" if ranks == 1 else f" on {ranks} ranks"
+        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch{where} "
+                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
+                          f"--pooling {config.pooling}), "
+                          f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")

@@ -79,7 +79,7 @@ def _launch(args, argv: list[str]) -> int:
 
 def _launch_checks(args, n: int) -> None:
     from ..jobs.sharded_settings import check_config, plan_for, settings_for
-    from .train import check_memory
+    from .common import check_memory
 
     if n < 1 or args.max_restarts < 0:
         raise ConfigError("--nproc-per-node must be >= 1 and --max-restarts >= 0")

@@ -11,6 +11,7 @@ from ..errors import ConfigError
 from ..knobs import KNOBS
 from . import dist as dist_cli
 from . import stop
+from .common import check_memory
 from .emulation import add_emulation_options, check_emulated, emulation_knobs
 from .options import add_config_options, config_fields
 
@@ -31,34 +32,6 @@ def add_train(sub) -> None:
     p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
     dist_cli.add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
     return p
-
-
-def _mem_available() -> int | None:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def check_memory(config, ranks: int = 1) -> None:
-    """A run whose model and batch cannot fit in memory is refused, with the figures, before it is
-    OOM-killed minutes later. `ranks` processes each hold the model and their slice of the batch."""
-    import dataclasses
-
-    needed = config.memory_bytes() if ranks == 1 else \
-        ranks * dataclasses.replace(config, batch_size=max(1, config.batch_size // ranks)).memory_bytes()
-    available = _mem_available()
-    if available is not None and needed > available:
-        where = "" if ranks == 1 else f" on {ranks} ranks"
-        raise ConfigError(f"this run needs about {needed / 1e9:,.1f} GB of memory for its model and one batch{where} "
-                          f"(--batch-size {config.batch_size}, --num-tables {config.num_tables}, --dim {config.dim}, "
-                          f"--pooling {config.pooling}), "
-                          f"but {available / 1e9:,.1f} GB is available (MemAvailable); make them smaller")
 
 
 def _check_pool_space(path: str, pool_size: int) -> None:
