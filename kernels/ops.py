@@ -141,7 +141,9 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
 
     cached: a hot-row cache's row map and slots (CachedRows): each unique row is read and updated
     where it lives, its slot or its table row, with the same arithmetic (the returned rows are
-    table row ids either way). Not with undo: a cached table's records are written first.
+    table row ids either way). With undo, the records name table rows only, those the map does not
+    cache (their slots' records are the caller's, durable before this call), and the writer writes
+    no rows back (the caller flushes the slots and the table rows).
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -170,8 +172,6 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             raise ValueError("per_sample_weights need mode 'sum' and one weight per lookup")
     if cached is not None:
         _check_cached(cached, rule, weight, state, dim)
-        if undo is not None:
-            raise ValueError("the fused undo capture records table rows only; a cached table's records come first")
     lib = native.lib()
     if lib is None:
         _check_bounds(indices, weight.shape[0])
@@ -188,17 +188,16 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
                  state.shape[1] if state is not None else 0, weight.shape[0], dim, indices.data_ptr(), indices.numel(),
                  grad_out.data_ptr(), dim, bags, _address(offsets), mode == "mean", _address(per_sample_weights), lr,
                  eps, out.data_ptr(), _stop_after(indices, weight.shape[0]))
-    if cached is not None:
-        unique = lib.sparse_update(*arguments, None, _cache_fields(cached))
-    elif undo is None:
-        unique = lib.sparse_update(*arguments)
+    cache = None if cached is None else _cache_fields(cached)
+    if undo is None:
+        unique = lib.sparse_update(*arguments, None, cache)
     else:
         if not fused_available():
             raise RuntimeError("a fused undo capture needs the native kernels' streamed stores and undo writer "
                                "(make setup rebuilds them)")
         fields = undo.kernel_fields(lib)
         with undo.lock:
-            unique, stopped, runs = lib.sparse_update(*arguments, fields)
+            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache)
         undo.kernel_done(stopped, runs)
     crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]

@@ -164,6 +164,14 @@ static Py_ssize_t first_bad_slot(const struct cached_rows *c, const int64_t *row
     return -1;
 }
 
+/* The index of the first of rows [count] that the map caches, or -1 (none, or no map). */
+static Py_ssize_t first_cached(const struct cached_rows *c, const int64_t *rows, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; c->slot_of && i < count; i++)
+        if (cached_slot(c, rows[i]) >= 0)
+            return i;
+    return -1;
+}
 
 struct update_args {
     int rule;
@@ -478,11 +486,6 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
         return NULL;
     if (cached_rows_read(cache_fields, &a.cache, a.rule != RULE_SGD) < 0)
         return NULL;
-    if (a.cache.slot_of && undo_fields != Py_None) {
-        PyErr_SetString(PyExc_ValueError, "sparse_update: the fused undo capture records table rows only; a "
-                        "cached table's update takes its records first");
-        return NULL;
-    }
     if (a.rule != RULE_SGD && a.rule != RULE_ROWWISE_ADAGRAD) {
         PyErr_Format(PyExc_ValueError, "unknown update rule %d", a.rule);
         return NULL;
@@ -518,16 +521,29 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
             }
             a.sorted = u.lookup_order;
         }
+        /* A cached row is updated in its slot, whose record the caller writes first (the records
+         * here name table rows); the write-back here would flush table rows, not the slots. */
+        if (a.cache.slot_of && u.write_back_rows) {
+            PyErr_SetString(PyExc_ValueError, "sparse_update: a cached table's update writes no rows back itself "
+                            "(its cached rows live in their slots); nothing was written");
+            return NULL;
+        }
     }
     Py_ssize_t unique = 0, bad = -1;
     int status;
     Py_BEGIN_ALLOW_THREADS
     /* the rows to record are checked too, before any store (they are the update's own rows) */
     bad = a.undo ? first_bad_row(u.recorded, u.recorded_count, a.table_rows) : -1;
-    status = bad >= 0 ? 3 : sparse_update_nogil(&a, &unique, &bad);
+    status = bad >= 0 ? 3 : a.undo && first_cached(&a.cache, u.recorded, u.recorded_count) >= 0
+                                ? 6 : sparse_update_nogil(&a, &unique, &bad);
     Py_END_ALLOW_THREADS
     if (status == 3)
         return raise_bad_row(u.recorded, bad, a.table_rows);
+    if (status == 6) {
+        PyErr_SetString(PyExc_ValueError, "sparse_update: the undo plan records a row the map caches (its slot, "
+                        "not its table row, is updated); nothing was written");
+        return NULL;
+    }
     if (status == 1)
         return raise_bad_row(a.indices, bad, a.table_rows);
     if (status == 2) {

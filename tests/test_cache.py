@@ -94,14 +94,16 @@ def test_a_set_keeps_its_cache_size(folders):
     assert runtimes[-1].cache_stats["t0"].admitted == 0 and runtimes[-1].cache_stats["t0"].hits > 0
 
 
-def killed(folders, point: str, fault: str = "", power_loss: str = "0", replace_every: int = 0) -> tuple[str, str]:
+def killed(folders, point: str, fault: str = "", power_loss: str = "0", replace_every: int = 0,
+           env: dict | None = None) -> tuple[str, str]:
     """A cached `train` child (capacity crash model, power loss as asked) killed at `point`."""
     primary, capacity = paths(folders, "k")
     args = ["train", "--pool", primary, "--capacity-pool", capacity, "--cache-rows", CACHE_ROWS,
             "--steps", REPLACING.steps if replace_every else CONFIG.steps, "--num-tables", "2", "--rows", CONFIG.rows,
             "--dim", CONFIG.dim, "--batch-size", CONFIG.batch_size, "--no-progress",
             *(["--cache-replace-every", replace_every] if replace_every else [])]
-    env = {"CXLTRAIN_CAPACITY_CRASH": "1", "CXLTRAIN_POWER_LOSS": power_loss, CRASH_ENV: point, FAULT_ENV: fault}
+    env = {"CXLTRAIN_CAPACITY_CRASH": "1", "CXLTRAIN_POWER_LOSS": power_loss, CRASH_ENV: point, FAULT_ENV: fault,
+           **(env or {})}
     done = cxltrain(*args, env=env, timeout=120)
     assert done.returncode == -9, done.stderr  # killed at the point
     return primary, capacity
@@ -170,6 +172,40 @@ def test_the_crash_test_catches_cached_rows_updated_before_their_record(folders,
     primary, capacity = killed(folders, CACHED_ROWS_FLUSHED, Planted.CACHED_UPDATE_UNLOGGED, power_loss="1")
     with pytest.raises(AssertionError):
         assert_same_export(resumed(primary, capacity, "1"), reference)
+
+
+def test_a_cached_tables_misses_are_recorded_by_its_fused_update(folders, reference, monkeypatch):
+    """The cached update takes the one-pass capture: the kernel records the misses' table rows
+    chunk by chunk (the slots' record is taken before it), and the run still ends bit-identical."""
+    from cxltrain.checkpoint.checkpointer import Checkpointer
+    from cxltrain.kernels import ops
+
+    if not ops.fused_available():
+        pytest.skip("the fused capture needs the native kernels (make setup builds them)")
+    planned = []
+    plan = Checkpointer._plan_fused
+
+    def noting(self, batch, table, indices, records, window):
+        planned.append((table.name, indices.numel(), None if records is None else records.numel()))
+        return plan(self, batch, table, indices, records, window)
+
+    monkeypatch.setattr(Checkpointer, "_plan_fused", noting)
+    primary, _ = run(folders, "fused", cache_rows=CACHE_ROWS)
+    assert_same_export(export_state(primary), reference)
+    assert {name for name, _, _ in planned} == {"t0", "t1"}
+    assert all(records is not None and 0 < records < lookups for _, lookups, records in planned), planned
+
+
+# 16-row chunks: a table's misses make several chunks; the kill stops one half-written
+FUSED_CHUNKS = {"CXLTRAIN_UNDO_CHUNK_ROWS": "16"}
+
+
+@pytest.mark.parametrize("point", [f"{CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER}:7",
+                                   f"{CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}:9"])
+@pytest.mark.parametrize("power_loss", ["0", "1"], ids=["sigkill", "power-loss"])
+def test_killed_inside_a_cached_tables_fused_capture_resumes_bit_exactly(folders, reference, point, power_loss):
+    primary, capacity = killed(folders, point, power_loss=power_loss, env=FUSED_CHUNKS)
+    assert_same_export(resumed(primary, capacity, power_loss), reference)
 
 
 @pytest.mark.parametrize("args, says", [

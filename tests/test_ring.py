@@ -211,6 +211,62 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
     pool.close()
 
 
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+def test_a_cached_tables_fused_update_records_its_table_rows_only(shm_dir, rule):
+    """With a hot-row cache (every other looked-up row in a slot), the fused update updates each row
+    where it lives, bit-identical to the kernel without a record, and its records hold exactly the
+    uncached rows, from before the update. A plan that records a cached row (its table copy is not
+    what the update changes) or asks the kernel to write rows back (it would flush table rows, not
+    slots) is refused before any store."""
+    from cxltrain.kernels import ops
+
+    pool, table, writer, indices, grad = _fused_ring(shm_dir / "cached.pool", STREAMING_MODEL, seed=17)
+    weights, state = table.storage()
+    state = state if rule == "rowwise_adagrad" else None
+    rows, order = ops.unique_rows_and_order(indices, ROWS)
+    cached_rows = rows[::2]
+    slot_of = torch.full((ROWS,), -1, dtype=torch.int32)
+    slot_of[torch.from_numpy(cached_rows)] = torch.arange(cached_rows.size, dtype=torch.int32)
+    slots = ops.CachedRows(slot_of, weights[torch.from_numpy(cached_rows)].clone(),
+                           None if state is None else state[torch.from_numpy(cached_rows)].clone())
+    expected = ops.CachedRows(slot_of, slots.weights.clone(), None if state is None else slots.state.clone())
+    expected_w, expected_s = weights.clone(), None if state is None else state.clone()
+    ops.sparse_update(rule, expected_w, expected_s, indices, grad, lr=0.1, eps=1e-8, cached=expected)
+    before_w = weights.clone()
+    region = (pool.region("t.weight"), None if state is None else pool.region("t.optim"))
+
+    refused = [(cached_rows[:3].copy(), None, "records a row the map caches")]
+    device_flush = pool.device.native_persistence()
+    if device_flush is not None:  # a device with a native row flush the plan could hand over
+        refused.append((rows[1::2].copy(), device_flush, "writes no rows back"))
+    for recorded, flush, says in refused:
+        undo, _ = writer.plan_chunks(0, *region, rows, recorded, 16)
+        undo.row_flush = flush
+        with pytest.raises(ValueError, match=says):
+            ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo, cached=slots)
+        assert torch.equal(weights, before_w) and ring.scan(pool, 5, 0, 0) == []
+
+    uncached = rows[1::2].copy()
+    undo, records = writer.plan_chunks(0, *region, rows, uncached, 16)
+    undo.lookup_order = order
+    ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo, cached=slots)
+    writer.land(records)
+    assert torch.equal(weights, expected_w) and torch.equal(slots.weights, expected.weights)
+    assert state is None or (torch.equal(state, expected_s) and torch.equal(slots.state, expected.state))
+    array, base = pool.device.array, pool.region(layout.RING_REGION).offset
+    recorded = []
+    for record in ring.scan(pool, 5, 0, 0):
+        h = record.header
+        start = base + record.offset + layout.UNDO_HEADER.size
+        old_w, _, ids = layout.split_payload(array[start : start + h.payload_bytes], h.count, h.row_bytes,
+                                             h.state_bytes)
+        ids = torch.from_numpy(ids.copy())
+        assert torch.equal(torch.from_numpy(old_w.copy()).view(torch.float32).view(h.count, -1), before_w[ids])
+        recorded.append(ids)
+    assert torch.equal(torch.cat(recorded), torch.from_numpy(uncached))
+    pool.close()
+
+
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("flush", ["device", "caller", "planted-skip"])
 def test_fused_update_writes_its_rows_back_chunk_by_chunk(shm_dir, power_loss, flush):

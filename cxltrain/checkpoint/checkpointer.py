@@ -126,7 +126,8 @@ class Checkpointer(BatchGuard):
         # records of batches >= G whatever their own target (U3b); None in a single process
         self.agreed: int | None = None
         self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs (background)
-        self._lookups: list[tuple[LoggedTable, torch.Tensor]] = []  # ... its lookups not yet captured (inline)
+        # ... its lookups not yet captured (inline): (table, lookups, those stored in the table or None: all)
+        self._lookups: list[tuple[LoggedTable, torch.Tensor, torch.Tensor | None]] = []
         self._dirty: dict[int, DirtyRows] = {}  # batch -> (table, rows) updated, not flushed at update
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
@@ -159,17 +160,19 @@ class Checkpointer(BatchGuard):
         self._batch_bytes = 0
         self._captures, self._lookups = [], []
 
-    def capture(self, table: LoggedTable, indices: torch.Tensor) -> int:
+    def capture(self, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None = None) -> int:
         """Called by a table's forward, with gradients on, before its backward can update the rows
-        `indices` [N] look up: note them for before_update, or hand their capture to the worker
-        (background_capture). Returns the batch, which the table hands back to before_update."""
+        `indices` [N] look up (of them, those of `records` [M] in the table itself; None: all):
+        note them for before_update, or hand their capture to the worker (background_capture).
+        Returns the batch, which the table hands back to before_update."""
         batch = self._check_in_batch(table)
         if not self.background_capture:
-            self._lookups.append((table, indices))
+            self._lookups.append((table, indices, records))
             return batch
         started = time.perf_counter()
         window = self.committed
-        ticket = self._worker.submit_capture(lambda: self._capture(batch, table, indices, window))
+        stored = indices if records is None else records
+        ticket = self._worker.submit_capture(lambda: self._capture(batch, table, stored, window))
         self._captures.append((table.name, ticket))
         self.stats.training_lookup_seconds += time.perf_counter() - started
         return batch
@@ -183,16 +186,16 @@ class Checkpointer(BatchGuard):
         chunk, inside the kernel), which after_update takes into the ring."""
         super().before_update(table, batch)
         if not self.background_capture:
-            mine = [indices for owner, indices in self._lookups if owner is table]
+            mine = [(indices, records) for owner, indices, records in self._lookups if owner is table]
             undo = None
             if mine:
                 started = time.perf_counter()
                 self._lookups = [entry for entry in self._lookups if entry[0] is not table]
                 if fusable and self.fused and len(mine) == 1:
-                    undo = self._plan_fused(batch, table, mine[0], self.committed)
+                    undo = self._plan_fused(batch, table, *mine[0], self.committed)
                 else:
-                    for indices in mine:
-                        self._capture(batch, table, indices, self.committed)
+                    for indices, records in mine:
+                        self._capture(batch, table, indices if records is None else records, self.committed)
                 self.stats.training_capture_seconds += time.perf_counter() - started
             return undo
         for name, ticket in self._captures:
@@ -322,26 +325,30 @@ class Checkpointer(BatchGuard):
         self._wait_for_commit()
         return True
 
-    def _plan_fused(self, batch: int, table: LoggedTable, indices: torch.Tensor,
+    def _plan_fused(self, batch: int, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None,
                     window: int) -> row_ops.UndoChunks:
         """Lay out the records the fused update of `table` writes for the rows `indices` [N] look up
-        (as _capture would record them, one record per chunk of the unique rows)."""
+        (as _capture would record them, one record per chunk of the unique rows); records [M]: the
+        lookups whose rows it stores in the table itself (None: all; the others' slots are a hot-row
+        cache's, recorded before the update by their own capture)."""
         started = time.perf_counter()
         # Capture after the previous update (as in _capture): the kernel gathers each chunk from the
         # live rows right before updating them, in b's backward, so after b-1's update.
         weights, state = table.storage()
         # the lookups are sorted by row once, here: the kernel takes this order instead of its own sort
         rows, lookup_order = row_ops.unique_rows_and_order(indices.contiguous(), weights.shape[0])
+        stored = rows if records is None else row_ops.unique_rows(records.contiguous(), weights.shape[0]).numpy()
         # as in _capture (U1d): rows recorded earlier in the commit window are left out
-        recorded = rows if self._window is None else self._window.first_touches(window, table.name, rows,
-                                                                                 weights.shape[0])
+        recorded = stored if self._window is None else self._window.first_touches(window, table.name, stored,
+                                                                                   weights.shape[0])
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
-        undo, records = self._with_room(batch, lambda: self.ring.plan_chunks(
+        undo, laid_out = self._with_room(batch, lambda: self.ring.plan_chunks(
             batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_steps))
         undo.lookup_order = lookup_order
-        undo.row_flush = self._kernel_row_flush(table)
-        self._fused_records[table.name] = (undo, records, torch.from_numpy(recorded), sum(r.size for r in records))
+        # a cached table's kernel stores into slots too, which after_update flushes with the table rows
+        undo.row_flush = self._kernel_row_flush(table) if records is None else None
+        self._fused_records[table.name] = (undo, laid_out, torch.from_numpy(recorded), sum(r.size for r in laid_out))
         self.stats.capture_seconds += time.perf_counter() - started
         return undo
 

@@ -4,6 +4,8 @@ imports the other's classes).
 What a table tells its guard (TableGuard), per lookup with gradients — shapes: N lookups, U rows:
 
     batch = guard.capture(table, indices)     forward: indices [N] int64 will be updated in backward
+    batch = guard.capture(table, indices, records)  ... of which only records [M] are stored in the
+                                              table itself (a hot-row cache updates the rest in its slots)
     guard.before_update(table, batch, fusable) backward, before the table's first in-place store
     <the table's fused update, in place>      stores into its unique rows [U]
     guard.after_update(table, batch, rows)    backward, right after: rows [U] int64, sorted
@@ -55,8 +57,9 @@ class _StatefulOptimizer(Protocol):
 class TableGuard(Protocol):
     """What a table calls at its lookups and updates (see the module docstring)."""
 
-    def capture(self, table: LoggedTable, indices: torch.Tensor) -> int:
-        """A lookup with gradients of rows `indices` [N]; returns the batch, handed back below."""
+    def capture(self, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None = None) -> int:
+        """A lookup with gradients of rows `indices` [N]; returns the batch, handed back below.
+        records [M]: the lookups whose rows the update stores into in this table (None: all N)."""
         ...
 
     def before_update(self, table: LoggedTable, batch: int | None, fusable: bool = False):

@@ -613,14 +613,17 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
     undo, guard, cache = None, table.checkpointer, table.cache
     slots_late = cache is not None and planted(Planted.CACHED_UPDATE_UNLOGGED)  # a crash test's planted bug
     if guard is not None:
+        if cache is not None and not slots_late:
+            # ORDERING U1f: the cache slots' undo record is durable (before_update returns only
+            # then) before the update below issues the first store into the cached rows. First:
+            # the table's fused records, laid out next, land in the ring after the update.
+            guard.before_update(cache.slots, batch)
         # ORDERING U1c: the undo record of these rows is durable (before_update returns only
         # then) before the update below issues the batch's first in-place store into them, or
         # the update writes it, chunk by chunk, each durable before its rows are stored (U1h).
-        undo = guard.before_update(table, batch, fusable and cache is None)
-        if cache is not None and not slots_late:
-            # ORDERING U1f: the cache slots' undo record is durable (before_update returns only
-            # then) before the update below issues the first store into the cached rows.
-            guard.before_update(cache.slots, batch)
+        # (The planted bug appends the slots' record after the update, where a fused plan's records,
+        # which land in the ring only at after_update, would be overtaken: it captures unfused.)
+        undo = guard.before_update(table, batch, fusable and not slots_late)
     try:
         unique_rows = update(undo)
     except BaseException:

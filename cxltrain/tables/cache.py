@@ -30,7 +30,9 @@ from running counts) evicts with write-back and refills the same way, logged fir
 Exactness: a batch's update is the table's one fused kernel call, given the row map and the
 slots (`locations`): each unique row is read and updated where it lives, its slot or its capacity
 row, its lookups' gradients scaled and summed in lookup order as for any row, so a cached run
-ends bit-identical to an uncached one.
+ends bit-identical to an uncached one. Its undo records: the slots' are durable before the kernel
+starts (U1f); the misses' table rows are recorded by the kernel itself, chunk by chunk, where the
+checkpointer fuses the capture (U1h), as for an uncached table.
 """
 
 from __future__ import annotations
@@ -282,8 +284,8 @@ class HotRowCache:
         self.stats.lookups += indices.numel()
         self.stats.hits += int(hit.sum())
         if guard is not None:
-            if not bool(hit.all()):
-                batch = guard.capture(table, indices[~hit])
+            if not bool(hit.all()):  # the update's lookups, of which only the misses store in the table
+                batch = guard.capture(table, indices, indices[~hit])
             if bool(hit.any()):
                 batch = guard.capture(self.slots, slots[hit])
         return (*self.gather(indices, slots, hit), batch)
