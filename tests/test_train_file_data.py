@@ -109,7 +109,26 @@ def test_epochs_held_out_evaluation_metrics_and_a_read_only_eval(files, shm_dir)
     assert evaluated.returncode == 0, evaluated.stderr
     report = json.loads(evaluated.stdout.splitlines()[-1])
     assert report["batch"] == 10 and report["batches"] == 10 and report["auc"] == pytest.approx(summary["eval_auc"])
+    by_default = cxltrain("eval", pool, "--data", files["gzip"], "--json", timeout=120)  # the same file's content
+    assert by_default.returncode == 0, by_default.stderr
+    assert json.loads(by_default.stdout.splitlines()[-1]) == report | {"which": "the 10 the run held out"}
     assert _digest(pool) == before
+
+
+def test_eval_defaults_to_the_batches_the_run_never_trained_on(files, shm_dir, capsys):
+    """Without --batches, eval reads only batches its run did not train on: after its steps, all of
+    another file, and none (a one-line refusal) where it trained on every batch."""
+    pool, synthetic = shm_dir / "d.pool", shm_dir / "s.pool"
+    train(dataclasses.replace(BASE, data=str(files["raw"]), steps=10), pool_path=str(pool), progress=False)
+    report = evaluate_pool(str(pool), str(files["converted"]))
+    assert (report["batches"], report["which"]) == (5, "those after the 10 the run trained on")
+    assert evaluate_pool(str(pool), str(files["raw"]), batches=5)["auc"] == report["auc"]
+    train(dataclasses.replace(BASE, data=None, steps=2), pool_path=str(synthetic), progress=False)
+    assert evaluate_pool(str(synthetic), str(files["raw"]))["batches"] == 15
+    train(dataclasses.replace(BASE, data=str(files["raw"]), steps=15), pool_path=str(pool), progress=False)
+    assert main(["eval", str(pool), "--data", str(files["raw"])]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "trained on every batch" in err and "--batches N" in err, err
 
 
 @pytest.mark.parametrize("args,message", [

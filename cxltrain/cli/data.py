@@ -121,7 +121,8 @@ def _add_eval(sub, positive_int, non_negative_int) -> None:
     e.add_argument("pool", metavar="POOL")
     e.add_argument("--data", required=True, metavar="PATH", help="raw Criteo file or converted folder")
     e.add_argument("--batches", type=positive_int, default=None, metavar="N",
-                   help="evaluate the last N batches of the data (default: all of it)")
+                   help="evaluate the last N batches of the data, trained on or not (default: the batches "
+                        "the pool's run never trained on)")
     e.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     e.set_defaults(run=_run_eval)
 
@@ -131,7 +132,7 @@ def _run_eval(args) -> int:
 
     result = evaluate_pool(args.pool, args.data, batches=args.batches)
     print(f"{args.pool} at batch {result['batch']}: AUC {result['auc']:.4f}, log loss {result['logloss']:.4f} "
-          f"on {result['batches']} batches ({result['samples']:,} samples) of {args.data}")
+          f"on {result['batches']} batches ({result['samples']:,} samples) of {args.data}: {result['which']}")
     if args.json:
         print(json.dumps(result))
     return 0

@@ -21,8 +21,8 @@ from .train import build_model, evaluate
 
 
 def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) -> dict:
-    """{"batch", "auc", "logloss", "batches", "samples"} of the pool's model on the data's last
-    `batches` batches (None: all of them)."""
+    """{"batch", "auc", "logloss", "batches", "samples", "which"} of the pool's model on the data's
+    last `batches` batches, or with None on the batches its run never trained on (held_out)."""
     with Pool.open(pool_path, writable=False) as pool:
         live, snapshot = verify(pool)
         rollback = sum(record.header.batch >= pool.root.batches_done for record in live)
@@ -43,10 +43,29 @@ def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) ->
         source = open_criteo(data_path, batch_size=config.batch_size, rows=config.rows_per_table(),
                              num_tables=config.num_tables, seed=config.seed)
         n = source.num_batches
-        indices = range(n - min(batches, n), n) if batches is not None else range(n)
+        if batches is not None:
+            indices, which = range(n - min(batches, n), n), f"the last {min(batches, n)}"
+        else:
+            indices, which = held_out(source, snapshot["metadata"], pool.root.batches_done)
+            if not indices:
+                raise ConfigError(f"{pool_path}: its run trained on every batch of {data_path}, so none is held out; "
+                                  "give --batches N to evaluate on the last N anyway (training batches)")
         auc, loss = evaluate(model, source, indices)
         return {"pool": pool_path, "batch": pool.root.batches_done, "auc": auc, "logloss": loss,
-                "batches": len(indices), "samples": len(indices) * config.batch_size}
+                "batches": len(indices), "samples": len(indices) * config.batch_size, "which": which}
+
+
+def held_out(source, metadata: dict, done: int) -> tuple[range, str]:
+    """(the batches of `source` the pool's run never trained on, which they are, in words): all of
+    them for data it did not train on (another fingerprint); the last `eval_batches` where it held
+    those out (--epochs, --eval-every: jobs/data_source.py); else those after its `done` batches."""
+    n = source.num_batches
+    if metadata.get("data") is None or metadata["data"] != getattr(source, "fingerprint", None):
+        return range(n), "all (not the run's training data)"
+    if "eval_batches" in metadata:
+        k = min(int(metadata["eval_batches"]), n)
+        return range(n - k, n), f"the {k} the run held out"
+    return range(min(done, n), n), f"those after the {done} the run trained on"
 
 
 def _config_of(pool_path: str, metadata: dict | None) -> TrainConfig:
