@@ -133,3 +133,23 @@ def test_train_refuses_a_damaged_set_before_writing_anything(cached_set, case):
         with pytest.raises(PoolError, match=expected):
             train(dataclasses.replace(CONFIG, steps=3, capacity_pool=capacity), pool_path=primary, progress=False)
         assert digest(primary, capacity) == before
+
+
+def test_a_capacity_pool_named_alone_is_refused_with_what_to_name(cached_set, tmp_path):
+    """Naming a set's member where the set is meant: every command says it is a capacity pool of a
+    set and to name the primary, in one line, exit 1, and writes nothing (before: `pool info` and
+    `pool check` listed it as a pool, `recover`/`export` said it held no checkpoint, `train` that 0
+    bytes were free)."""
+    primary, capacity = cached_set
+    before = digest(primary, capacity)
+    says = "is capacity pool 0 of a pool set (its primary pool's UUID "
+    for command in (("pool", "info", capacity), ("pool", "check", capacity), ("recover", capacity),
+                    ("export", capacity, tmp_path / "out.pt"),
+                    ("train", "--pool", capacity, "--steps", "3", "--rows", "3000", "--num-tables", "2",
+                     "--no-progress")):
+        done = cxltrain(*command)
+        assert done.returncode == 1 and says in done.stderr and "name the set's primary pool" in done.stderr, done
+        assert len(done.stderr.strip().splitlines()) == 1 and not done.stdout.strip(), done
+    assert not (tmp_path / "out.pt").exists() and digest(primary, capacity) == before
+    with Pool.open(primary, writable=False) as pool:  # through its primary it opens as before
+        assert [m.path for m in pool.members] == [capacity]

@@ -132,11 +132,13 @@ class Pool:
             raise
 
     @classmethod
-    def open(cls, path: str, *, writable: bool = True, backend: str | None = None, mapper=None) -> "Pool":
+    def open(cls, path: str, *, writable: bool = True, backend: str | None = None, mapper=None,
+             member: bool = False) -> "Pool":
         """Open and validate an existing pool. Nothing is mapped until every check has passed.
 
-        A pool set's primary opens its capacity pools too (open_members), each checked before
-        anything is written. mapper: maps a writable pool instead of the backend (capacity pools)."""
+        A pool set's primary opens its capacity pools too (open_members, with member=True), each
+        checked before anything is written; a capacity pool named alone is refused (PoolError).
+        mapper: maps a writable pool instead of the backend (capacity pools)."""
         with open_pool_file(path, writable, keep=True) as (fd, file_size):
             lock_fd = lock_pool(path, writable)
             read = pread_reader(fd)
@@ -145,6 +147,9 @@ class Pool:
                 root = pick_root([read_root_slot(read, sb, slot) for slot in (0, 1)]).root
                 regions = [read_region(read, sb, i) for i in range(root.dir_count)]
                 check_regions_disjoint(regions)
+                named = next((r for r in regions if r.name == pool_set.MEMBER_REGION), None)
+                if named is not None and not member:
+                    raise PoolError(f"{path}: {pool_set.named_instead_of_primary(read(named.offset, named.size), sb.uuid)}")
                 device = (mapper(path, fd, sb.pool_size) if mapper is not None and writable
                           else map_device(path, fd, sb.pool_size, writable=writable, backend=backend))
             except BaseException as e:
@@ -214,7 +219,7 @@ class Pool:
             if not os.path.exists(entry.path):
                 raise PoolError(f"{where} is missing; a pool set needs all its pools")
             try:
-                member = Pool.open(entry.path, writable=self.device.writable, mapper=open_capacity)
+                member = Pool.open(entry.path, writable=self.device.writable, mapper=open_capacity, member=True)
             except PoolError as e:
                 raise type(e)(f"{self.path}: capacity pool {e}") from None
             self.members.append(member)

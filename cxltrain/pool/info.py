@@ -46,17 +46,18 @@ class PoolReport:
         return not self.problems
 
 
-def inspect(path: str) -> PoolReport:
+def inspect(path: str, member: bool = False) -> PoolReport:
     """Check a pool without mapping or changing it. Raises PoolError only when the file cannot be
     read at all; every other problem goes in the report. A pool a writer holds is read without the
-    lock (`in_use` says so)."""
+    lock (`in_use` says so). A set's capacity pool is inspected through its primary (member=True);
+    named alone, its report says so."""
     with open_pool_file(path, writable=False) as (fd, file_size):
         try:
             lock_fd = lock_pool(path, writable=False)
         except PoolLockedError:
             lock_fd = None
         try:
-            report = _inspect(path, pread_reader(fd), file_size)
+            report = _inspect(path, pread_reader(fd), file_size, member)
         finally:
             if lock_fd is not None:
                 unlock_pool(lock_fd)
@@ -64,7 +65,7 @@ def inspect(path: str) -> PoolReport:
         return report
 
 
-def _inspect(path: str, read: Reader, file_size: int) -> PoolReport:
+def _inspect(path: str, read: Reader, file_size: int, member: bool) -> PoolReport:
     report = PoolReport(path, file_size)
     try:
         sb = report.superblock = validate_superblock(read, file_size)
@@ -87,6 +88,10 @@ def _inspect(path: str, read: Reader, file_size: int) -> PoolReport:
         check_regions_disjoint(report.regions)
     except PoolError as e:
         report.problems.append(str(e))
+    named = next((r for r in report.regions if r.name == pool_set.MEMBER_REGION), None)
+    if named is not None and not member and not report.problems:
+        report.problems.append(pool_set.named_instead_of_primary(read(named.offset, named.size), sb.uuid))
+        return report
     set_region = next((r for r in report.regions if r.name == pool_set.SET_REGION), None)
     if set_region is not None and not report.problems:
         _inspect_members(report, read(set_region.offset, set_region.size))
@@ -140,7 +145,7 @@ def _inspect_members(report: PoolReport, raw: bytes) -> None:
             report.problems.append(f"{where} is missing; a pool set needs all its pools")
             continue
         try:
-            member = inspect(entry.path)
+            member = inspect(entry.path, member=True)
         except PoolError as e:
             report.problems.append(f"{where}: {e}")
             continue

@@ -78,6 +78,16 @@ def unpack_set(raw: bytes, primary_uuid: bytes, where: str) -> list[MemberEntry]
     return entries
 
 
+def named_instead_of_primary(raw: bytes, member_uuid: bytes) -> str:
+    """What to say when a set's member (its member region `raw`) is named where the set is meant:
+    a member opens only through its primary, which knows every member and commits them as one."""
+    magic, version, number, primary = MEMBER_BODY.unpack_from(raw)
+    which = f"capacity pool {number} of a pool set (its primary pool's UUID {primary.hex()})" \
+        if magic == MEMBER_MAGIC and version == VERSION and fmt.is_sealed(raw, member_uuid) else \
+        "a capacity pool of a pool set"
+    return f"is {which}: name the set's primary pool instead, the --pool it was trained with"
+
+
 def pack_member(number: int, primary_uuid: bytes, member_uuid: bytes) -> bytes:
     return fmt.seal(MEMBER_BODY.pack(MEMBER_MAGIC, VERSION, number, primary_uuid) + bytes(4), member_uuid)
 
