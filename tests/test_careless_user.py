@@ -92,3 +92,22 @@ def test_a_bad_invocation_is_one_line_and_changes_nothing(trained, capsys, args,
     assert lines[0].startswith("cxltrain") and word in lines[0], lines[0]
     assert sorted(folder.iterdir()) == listing
     assert pool.read_bytes() == before
+
+
+def test_a_read_only_folder_is_not_called_full(tmp_path, capsys):
+    """A pool in a folder on a read-only file system is refused for that, not as "not enough
+    space" (which a small read-only mount also is). The test mounts a read-only tmpfs of its own."""
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        assert main(["train", "--pool", str(folder / "x.pool"), *SMALL]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "is not writable (a read-only file system" in err, err
+        assert "not enough space" not in err and not (folder / "x.pool").exists()
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

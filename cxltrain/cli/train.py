@@ -46,6 +46,9 @@ def _check_pool_space(path: str, pool_size: int) -> None:
         free = free_bytes(folder)
     except OSError:
         return  # no such folder: creating the pool says so
+    if not os.access(folder, os.W_OK):  # EROFS or no permission: "free" space there means nothing
+        raise ConfigError(f"{path}: cannot create the pool: {folder} is not writable (a read-only file system, "
+                          "or no permission)")
     if pool_size > free:
         raise ConfigError(f"{path}: not enough space for the pool: it needs {pool_size:,} bytes, "
                           f"{free:,} are free in {folder}")
