@@ -122,6 +122,26 @@ def test_a_dataloader_with_a_resumable_sampler_resumes_exactly_across_epochs(shm
     same_after_crashes(shm_dir, loader, [9], epochs=2, stop=14)  # batch 2 of the second epoch
 
 
+def test_a_stop_past_the_epoch_is_honoured_across_epochs_and_resumes_exactly(shm_dir):
+    """stop=10 over 7-batch epochs: one loop trains 10 batches (it was cut to the epoch's 7), into the
+    second epoch, and a crash in it resumes to the same end as epoch-by-epoch loops."""
+    path = os.path.join(shm_dir, "s.pool")
+    run(path, loader, stop=10)
+    assert export_state(path)["batch"] == 10
+    by_epochs = os.path.join(shm_dir, "e.pool")
+    run(by_epochs, loader, epochs=2, stop=10)
+    assert_same_export(export_state(path), export_state(by_epochs))
+    same_after_crashes(shm_dir, loader, [8], stop=10)
+
+
+def test_a_shuffled_dataloader_is_refused_when_the_run_starts(shm_dir):
+    """Its order is drawn anew every run: no resume could find it again, so it is refused at batch 0,
+    not after the crash (before: trained, then refused on resume)."""
+    with pytest.raises(ConfigError, match=r"shuffle=True draws a new order every run.*ResumableSampler"):
+        run(os.path.join(shm_dir, "r.pool"), lambda: DataLoader(Samples(), batch_size=8, shuffle=True,
+                                                                  collate_fn=collate))
+
+
 def test_each_epoch_is_reshuffled_and_a_pass_sees_every_sample():
     sampler = ResumableSampler(10, shuffle=True, seed=1)
     first, second = list(sampler), list(sampler)

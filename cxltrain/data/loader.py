@@ -10,9 +10,11 @@ source is read from batch b by seeking where it can:
 - a stateful loader (one with state_dict/load_state_dict, as torchdata's StatefulDataLoader) that
   the Runtime commits with every batch (`Runtime(..., schedulers=[..., loader])`): restored on
   resume to where the committed batch left it, then iterated;
-- anything else iterable (a generator, a DataLoader with torch's samplers, an IterableDataset):
-  read from its start on a fresh run; resuming it past batch 0 is refused with one line, since
-  skipping items of a source that cannot seek would silently train on other data.
+- anything else iterable (a generator, a DataLoader with torch's sequential sampler, an
+  IterableDataset): read from its start on a fresh run; resuming it past batch 0 is refused with
+  one line, since skipping items of a source that cannot seek would silently train on other data.
+  A DataLoader with shuffle=True is refused at once, on a fresh run too: no resume could find its
+  order again.
 
 Global batch b of a ResumableSampler's loader is batch b % P of epoch b // P (P = len(loader)): an
 epoch's order is a permutation drawn from (seed, epoch) alone, so each epoch reshuffles and every
@@ -22,15 +24,18 @@ position can be found again.
     for epoch in range(3):
         for batch in rt.batches(loader):      # the rest of the epoch the run is in
             ...
+    for batch in rt.batches(loader, stop=3 * len(loader)):  # or all three epochs in one loop
+        ...
 """
 
 from __future__ import annotations
 
 import collections.abc
+import itertools
 from typing import Callable, Iterator
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Sampler
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
 from ..errors import ConfigError
 
@@ -86,10 +91,13 @@ def batches_from(source, start: int, stop: int | None, *, committed: bool = Fals
                      else -(-sampler.length // source.batch_size))
         if per_epoch == 0:
             raise ConfigError("rt.batches: the DataLoader yields no batches")
-        epoch, position = divmod(start, per_epoch)
-        sampler.seek(epoch, position * source.batch_size)
-        end = (epoch + 1) * per_epoch if stop is None else min(stop, (epoch + 1) * per_epoch)
-        return None, iter(source), end
+        end = (start // per_epoch + 1) * per_epoch if stop is None else stop  # a stop past the epoch: the next ones
+        return None, _epochs(source, sampler, per_epoch, start, end), end
+    if isinstance(source, DataLoader) and isinstance(source.sampler, RandomSampler) and not committed:
+        # refused now, not at the resume it could not survive: another run draws another order
+        raise ConfigError("rt.batches: a DataLoader with shuffle=True draws a new order every run, so a run resumed "
+                          "after a crash would train on other batches; give it sampler=cxltrain.data."
+                          "ResumableSampler(dataset, shuffle=True, seed=...) instead")
     if not isinstance(source, collections.abc.Iterable):
         raise ConfigError(f"rt.batches: a {type(source).__name__} is not a data source: give an iterable "
                           "(list, generator, DataLoader), an object with .batch(b), or a callable b -> batch")
@@ -98,6 +106,18 @@ def batches_from(source, start: int, stop: int | None, *, committed: bool = Fals
                           "seek there; use a DataLoader with cxltrain.data.ResumableSampler, a list, a source with "
                           ".batch(b), or a stateful loader given to the Runtime with its schedulers")
     return None, iter(source), stop
+
+
+def _epochs(loader: DataLoader, sampler: "ResumableSampler", per_epoch: int, start: int, stop: int) -> Iterator:
+    """Batches start .. stop - 1 of a ResumableSampler's loader, epoch after epoch (per_epoch each):
+    the sampler is moved to each epoch's first batch wanted, then the loader iterated."""
+    b = start
+    while b < stop:
+        epoch, position = divmod(b, per_epoch)
+        sampler.seek(epoch, position * loader.batch_size)
+        for item in itertools.islice(loader, min(stop, (epoch + 1) * per_epoch) - b):
+            b += 1
+            yield item
 
 
 def _resumable(loader: DataLoader) -> bool:

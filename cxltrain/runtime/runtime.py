@@ -421,7 +421,8 @@ class Runtime:
         """Batches start_batch, start_batch+1, ... of `source` (an object with .batch(b), a callable
         b -> batch, a list, a torch DataLoader or any iterable: data/loader.py says which can resume
         past batch 0), up to `stop` (default: source.num_batches when it has one, the end of an
-        iterable or of a resumable DataLoader's epoch, else endless). A batch is committed when the
+        iterable or of a resumable DataLoader's epoch (a stop past it goes on into the next epochs),
+        else endless). A batch is committed when the
         loop asks for the next one, or when the block exits normally."""
         self._end_in_flight()
         get, items, stop = batches_from(source, self.batch, stop, committed=any(s is source for s in self.schedulers))
