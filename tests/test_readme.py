@@ -1,5 +1,5 @@
 """The Python examples of the docs run as written (with their pool paths moved to a test folder):
-the README's `Runtime` example, and the table example of docs/architecture.md."""
+the README's `Runtime`, TorchRec and DataLoader examples, and the table example of docs/architecture.md."""
 
 import re
 from pathlib import Path
@@ -16,7 +16,7 @@ def _blocks(path: Path, count: int) -> list[str]:
 
 
 def test_readme_runtime_example_runs_and_resumes(shm_dir):
-    code = _blocks(README, 2)[0].replace("/dev/shm/ctr.pool", str(shm_dir / "ctr.pool"))
+    code = _blocks(README, 3)[0].replace("/dev/shm/ctr.pool", str(shm_dir / "ctr.pool"))
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)
     assert namespace["rt"].batch == 50 and namespace["rt"].start_batch == 0
@@ -26,11 +26,22 @@ def test_readme_runtime_example_runs_and_resumes(shm_dir):
 
 
 def test_readme_torchrec_example_runs(shm_dir):
-    code = _blocks(README, 2)[1].replace("/dev/shm/ebc.pool", str(shm_dir / "ebc.pool"))
+    code = _blocks(README, 3)[1].replace("/dev/shm/ebc.pool", str(shm_dir / "ebc.pool"))
     code = code.replace("ebc, [])", "ebc, [], undo_ring_bytes=1 << 20)")  # a small ring: created at once
     namespace: dict = {}
     exec(compile(code, str(README), "exec"), namespace)
     assert namespace["rt"].batch == 20 and namespace["pooled"].values().shape == (2, 32)
+
+
+def test_readme_resumable_loader_example_runs_and_resumes(shm_dir):
+    code = _blocks(README, 3)[2].replace("/dev/shm/shuffled.pool", str(shm_dir / "shuffled.pool"))
+    code = code.replace("table, [])", "table, [], undo_ring_bytes=1 << 20)")  # a small ring: created at once
+    namespace: dict = {}
+    exec(compile(code, str(README), "exec"), namespace)
+    assert namespace["rt"].batch == 24  # 3 epochs of 8 batches
+    again: dict = {}
+    exec(compile(code.replace("stop=3 *", "stop=4 *"), str(README), "exec"), again)
+    assert again["rt"].recovered_batch == 24 and again["rt"].batch == 32
 
 
 def test_architecture_table_example_runs(shm_dir):
