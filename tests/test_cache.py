@@ -208,6 +208,28 @@ def test_killed_inside_a_cached_tables_fused_capture_resumes_bit_exactly(folders
     assert_same_export(resumed(primary, capacity, power_loss), reference)
 
 
+def test_train_says_what_the_capacity_tier_did(folders):
+    """Text and JSON name the capacity pool, its tables, the caches with their hit rate and the
+    storage traffic per batch (before: nothing about the tiers); one pool says nothing of them."""
+    import json
+
+    primary, capacity = paths(folders, "said")
+    common = ["--steps", "3", "--num-tables", "2", "--rows", CONFIG.rows, "--dim", CONFIG.dim, "--batch-size",
+              CONFIG.batch_size, "--no-progress", "--json"]
+    done = cxltrain("train", "--pool", primary, "--capacity-pool", capacity, "--cache-rows", CACHE_ROWS, *common)
+    assert done.returncode == 0, done.stderr
+    tiers = json.loads(done.stdout.splitlines()[-1])["tiers"]
+    assert tiers["capacity_pool"] == capacity and tiers["capacity_tables"] == ["t0", "t1"]
+    assert tiers["cache_rows"] == {"t0": CACHE_ROWS, "t1": CACHE_ROWS} and 0.5 < tiers["cache_hit_rate"] <= 1
+    assert tiers["disk_bytes_written_per_batch"] > 0  # every commit syncs the misses' pages
+    assert f"capacity tier: {capacity} holds 2 table(s); a hot-row cache of {CACHE_ROWS} rows for each of 2" \
+        in done.stdout
+    one, _ = paths(folders, "one")
+    alone = cxltrain("train", "--pool", one, *common)
+    assert alone.returncode == 0 and json.loads(alone.stdout.splitlines()[-1])["tiers"] is None
+    assert "capacity tier" not in alone.stdout
+
+
 @pytest.mark.parametrize("args, says", [
     (["--cache-rows", "10"], "needs --capacity-pool"),
     (["--capacity-pool", "CAP", "--cache-rows", "3001"], "--cache-rows must be an integer from 1"),

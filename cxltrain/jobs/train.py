@@ -107,6 +107,19 @@ class PoolUse:
     early_writebacks: int | None = None  # lines the emulated device's evictor wrote back early (None: no evictor)
     compute_device: str = "cpu"        # where the MLPs, lookups and updates ran (docs/gpu.md)
     device_cached_rows: int = 0        # rows of all tables held in the GPU's hot-row cache
+    tiers: TierUse | None = None       # a pool set's capacity tier and caches (None: one pool)
+
+
+@dataclasses.dataclass
+class TierUse:
+    """What a run on a pool set did with its capacity tier (docs/tiers.md)."""
+
+    capacity_pool: str
+    capacity_tables: list[str]         # the tables whose rows live there
+    cache_rows: dict[str, int]         # table -> hot rows cached in the fast tier (cached tables only)
+    cache_hit_rate: float | None       # the caches' share of their tables' lookups (None: no cache)
+    disk_bytes_written_per_batch: float  # this process's writes to storage (/proc/self/io): the capacity tier's
+    disk_bytes_read_per_batch: float
 
 
 @dataclasses.dataclass
@@ -148,6 +161,7 @@ class TrainResult:
                 "checkpoint_stats": checkpoint.stats, "device_model": pool.device_model,
                 "cost_model": pool.cost_model, "early_writebacks": pool.early_writebacks,
                 "compute_device": pool.compute_device, "device_cached_rows": pool.device_cached_rows,
+                "tiers": None if pool.tiers is None else dataclasses.asdict(pool.tiers),
                 "group": None if self.group is None else dataclasses.asdict(self.group)}
 
 
@@ -303,6 +317,7 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     device = rt.pool.device
     device_before = device.counters.copy()
+    io_before = _storage_io()
     loop_start = time.perf_counter()
     try:
         for batch in rt.batches(fetch, stop=config.steps):
@@ -319,6 +334,7 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
     split = clock.stop(config.steps - timed_from)  # the generator has committed the last batch
     seconds = time.perf_counter() - loop_start
     device_work = device.counters - device_before
+    io = {name: value - io_before.get(name, 0) for name, value in _storage_io().items()}
     bar.close()
 
     eval_auc, eval_loss = step.evaluate(data.evaluation, data.heldout)
@@ -328,7 +344,7 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
         pool=PoolUse(path=rt.path, device=device.kind, rows_updated_per_batch=rows_updated,
                      device_model=device.model, cost_model=modelled_costs(step.tables, rt, steps, device_work),
                      early_writebacks=None if device.evictor is None else device.evictor.lines_written,
-                     **_compute_facts(step.tables)),
+                     tiers=_tier_facts(rt, steps, io), **_compute_facts(step.tables)),
         progress=RunProgress(batch=rt.batch, steps=steps, start_batch=first, restarted=rt.restarted,
                              recovered_batch=rt.recovered_batch, recovery_seconds=rt.recovery_seconds),
         timings=RunTimings(seconds=seconds, steps_per_s=steps / seconds if steps else 0.0, split_ms=split),
@@ -340,6 +356,30 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
                                      background_capture=config.background_capture and config.pipeline,
                                      stats=None if stats is None else stats.to_json()),
         group=step.group_facts(config.steps - timed_from))
+
+
+def _storage_io() -> dict[str, int]:
+    """This process's bytes read from and written to storage so far ({} where /proc has no io file)."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
+    return {name: int(fields[name]) for name in ("read_bytes", "write_bytes") if name in fields}
+
+
+def _tier_facts(rt: Runtime, steps: int, io: dict[str, int]) -> TierUse | None:
+    """The capacity tier's part in the run, or None for a run on one pool."""
+    if rt.tiers.capacity_path is None:
+        return None
+    caches = rt.cache_stats
+    lookups = sum(s.lookups for s in caches.values())
+    per_batch = max(steps, 1)
+    return TierUse(capacity_pool=rt.tiers.capacity_path, capacity_tables=sorted(rt.tiers.capacity_tables),
+                   cache_rows=rt.cache_rows,
+                   cache_hit_rate=sum(s.hits for s in caches.values()) / lookups if lookups else None,
+                   disk_bytes_written_per_batch=io.get("write_bytes", 0) / per_batch,
+                   disk_bytes_read_per_batch=io.get("read_bytes", 0) / per_batch)
 
 
 def _compute_facts(tables: list) -> dict:

@@ -28,6 +28,8 @@ def result_lines(result: TrainResult, config: TrainConfig) -> list[str]:
         if result.pool.compute_device != "cpu":
             lines.append(f"on {result.pool.compute_device}: MLPs, lookups and updates; "
                          f"{result.pool.device_cached_rows:,} rows cached in its memory, the pool written through")
+        if result.pool.tiers is not None:
+            lines.append(_tiers_line(result.pool.tiers))
         if result.pool.early_writebacks is not None:
             lines.append(f"early write-back: {result.pool.early_writebacks:,} unpersisted cache lines reached the "
                          "media before their flush")
@@ -54,3 +56,16 @@ def result_lines(result: TrainResult, config: TrainConfig) -> list[str]:
         lines.append(f"final AUC {quality.eval_auc:.4f} (held-out), {quality.train_auc:.4f} (last batches); "
                      f"eval logloss {quality.eval_logloss:.4f}")
     return lines
+
+
+def _tiers_line(tiers) -> str:
+    """The capacity tier in one line: where, which tables, the caches, the storage traffic."""
+    cached = ""
+    if tiers.cache_rows:
+        sizes = sorted(set(tiers.cache_rows.values()))
+        rows = f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,}-{sizes[-1]:,}"
+        cached = (f"; a hot-row cache of {rows} rows for each of {len(tiers.cache_rows)} in the fast tier, "
+                  f"{tiers.cache_hit_rate:.1%} of their lookups hit")
+    return (f"capacity tier: {tiers.capacity_pool} holds {len(tiers.capacity_tables)} table(s){cached}; "
+            f"{tiers.disk_bytes_written_per_batch / 1e6:,.2f} MB written to and "
+            f"{tiers.disk_bytes_read_per_batch / 1e6:,.2f} MB read from storage per batch")

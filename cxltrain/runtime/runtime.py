@@ -376,6 +376,11 @@ class Runtime:
         """{table name: cache.CacheStats} of the tables with a hot-row cache (this block's lookups)."""
         return {name: cache.stats for name, cache in self._caches.items()}
 
+    @property
+    def cache_rows(self) -> dict[str, int]:
+        """{table name: the slots of its hot-row cache} of the tables with one."""
+        return {name: int(cache.map.shape[0]) for name, cache in self._caches.items()}
+
     def _refuse_to_risk_committed_batches(self, pool: Pool) -> None:
         """checkpoint "off" makes the root stop vouching for the tables once they change: a crash
         in the run then loses every batch committed before it. Only when asked for."""
