@@ -100,5 +100,6 @@ def test_device_cuda_without_a_gpu_is_one_line(tmp_path):
     result = cxltrain("train", "--device", "cuda", "--steps", "2", "--rows", "1000", "--pool", str(tmp_path / "p.pool"))
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--device cuda" in lines[0], result.stderr
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "docs/gpu.md) needs a CUDA build" in lines[0], \
+        result.stderr
     assert not (tmp_path / "p.pool").exists()

@@ -236,7 +236,9 @@ def compute_device(name: str) -> torch.device:
     if problem is not None:
         if name == "auto":
             return torch.device("cpu")
-        raise ConfigError(f"--device cuda: {problem}")
+        raise ConfigError(f"--device cuda: {problem}; the GPU path (MLPs, lookups and updates on the GPU, the tables "
+                          "in the pool it reads over the link: docs/gpu.md) needs a CUDA build of torch and CuPy "
+                          "(the gpu extra)")
     # cuBLAS picks reduction orders by workspace; a fixed one keeps a resumed run bit-identical
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     return torch.device("cuda")
