@@ -40,6 +40,7 @@ class CrashPoint:
     COMMIT_AFTER_ROOT = "commit:after-root"                # checkpoint/commit.py: root durable, no reclaim
     RECOVER_MID = "recover:mid"                            # checkpoint/recovery.py: one record restored
     RECOVER_BEFORE_ROOT = "recover:before-root"            # checkpoint/recovery.py: rows restored, no root
+    RECOVER_AFTER_ROOT = "recover:after-root"              # checkpoint/recovery.py: the root written, recovery done
     DEVICE_FLUSH = "device:flush"                          # emulation/cxl.py: every flush of the device
     # pool sets (docs/tiers.md)
     CAPACITY_PAGE_WRITE = "capacity:page-write"            # devices/capacity.py: every page write / sync
@@ -69,7 +70,7 @@ class CrashPoint:
         COMMIT_BETWEEN_ROOTS: "commits",
         CAPACITY_PAGE_WRITE: "commits",   # at least once per commit (the sync), more with the crash model
     }
-    RECOVERY = (RECOVER_MID, RECOVER_BEFORE_ROOT)
+    RECOVERY = (RECOVER_MID, RECOVER_BEFORE_ROOT, RECOVER_AFTER_ROOT)
 
 
 class Planted:
@@ -86,6 +87,8 @@ class Planted:
     KERNEL_SKIPS_ROW_FLUSH = "kernel-skips-row-flush"  # U2 (fused update): its rows' flush counted, never done
     UNLOGGED_ADMISSION = "unlogged-admission"        # U1: cache slots filled with no undo record of them first
     CACHED_UPDATE_UNLOGGED = "cached-update-unlogged"  # U1: cached rows updated before their slots' record is taken
+    # U2 across pools, in recovery: its root retires the records before the cold rows they restored are synced
+    RECOVERY_ROOT_BEFORE_CAPACITY_SYNC = "recovery-root-before-capacity-sync"
 
 
 class PlantedDist:

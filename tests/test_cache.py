@@ -230,6 +230,38 @@ def test_train_says_what_the_capacity_tier_did(folders):
     assert "capacity tier" not in alone.stdout
 
 
+# The set's own recovery, killed in each of its steps (crash points inside recovery, where PM bugs
+# cluster): the training run dies between the capacity pools' roots and the primary's, so the
+# capacity tier holds a batch the primary's root does not name, and recovery must restore its cold
+# rows from the records, sync them, and only then write the root that retires those records.
+BETWEEN_ROOTS = f"{CrashPoint.COMMIT_BETWEEN_ROOTS}:3"
+
+
+def killed_recovery(folders, point: str, fault: str = "") -> tuple[str, str]:
+    """A cached set killed between roots, then its `cxltrain recover` killed at `point`."""
+    primary, capacity = killed(folders, BETWEEN_ROOTS, power_loss="1")
+    env = {"CXLTRAIN_CAPACITY_CRASH": "1", "CXLTRAIN_POWER_LOSS": "1", CRASH_ENV: point, FAULT_ENV: fault}
+    dying = cxltrain("recover", primary, env=env, timeout=120)
+    assert dying.returncode == -9, dying.stderr  # killed at the point
+    return primary, capacity
+
+
+@pytest.mark.parametrize("point", [*CrashPoint.RECOVERY, f"{CrashPoint.CAPACITY_PAGE_WRITE}:1"])
+def test_a_sets_recovery_killed_anywhere_recovers_again_and_resumes_bit_exactly(folders, reference, point):
+    primary, capacity = killed_recovery(folders, point)
+    assert_same_export(resumed(primary, capacity, "1"), reference)
+
+
+def test_the_crash_test_catches_a_recovery_root_before_the_capacity_sync(folders, reference):
+    """Planted: recovery writes its root before the restored cold rows are synced. Killed right after
+    that root, the restored rows are lost with the records that held them: the capacity tier keeps
+    the batch the root no longer names, and the resumed run ends elsewhere."""
+    primary, capacity = killed_recovery(folders, CrashPoint.RECOVER_AFTER_ROOT,
+                                        Planted.RECOVERY_ROOT_BEFORE_CAPACITY_SYNC)
+    with pytest.raises(AssertionError):
+        assert_same_export(resumed(primary, capacity, "1"), reference)
+
+
 @pytest.mark.parametrize("args, says", [
     (["--cache-rows", "10"], "needs --capacity-pool"),
     (["--capacity-pool", "CAP", "--cache-rows", "3001"], "--cache-rows must be an integer from 1"),

@@ -19,7 +19,7 @@ import dataclasses
 import time
 
 from ..errors import RecoveryError
-from ..faults import CrashPoint, crash_point
+from ..faults import CrashPoint, Planted, crash_point, planted
 from ..pool.format import ROOT_RELAXED
 from ..pool.handle import Pool
 from . import layout, ring, slots
@@ -116,11 +116,17 @@ def roll_back(pool: Pool, target: int, live: list[ring.ScannedRecord], *, dense_
         if done == 0 and len(rollback) > 1:
             crash_point(CrashPoint.RECOVER_MID)  # one record restored, more to go
     pool.device.drain()
-    pool.drain_members()  # a pool set's capacity pools: restored cold rows synced
+    late_sync = planted(Planted.RECOVERY_ROOT_BEFORE_CAPACITY_SYNC)  # a crash test's planted bug
+    if not late_sync:
+        pool.drain_members()  # a pool set's capacity pools: restored cold rows synced
     crash_point(before_root)
     generation = pool.root.ring_generation + 1
     dense = {} if dense_slot is None else {"dense_slot": dense_slot, "dense_batch": target}
-    # ORDERING: the restored rows (and the snapshot at the target) are durable before the root that
-    # retires the records they came from (a new generation: they can never be live again).
+    # ORDERING: the restored rows (and the snapshot at the target) are durable, in the primary and
+    # in every capacity pool, before the root that retires the records they came from (a new
+    # generation: they can never be live again).
     pool.commit(batches_done=target, ring_generation=generation, ring_start=0, ring_start_seq=0, **dense)
+    crash_point(CrashPoint.RECOVER_AFTER_ROOT)
+    if late_sync:  # the planted bug's sync, after the root (a kill above loses the restored cold rows)
+        pool.drain_members()
     return rollback, generation
