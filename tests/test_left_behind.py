@@ -110,3 +110,44 @@ def test_a_creation_still_running_is_left_alone(shm_dir):
         done = cxltrain("pool", "info", path)
         assert done.returncode == 1 and "being created by a running process" in done.stderr, done
         assert os.path.exists(path + ".creating")
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")]
+    return found[0] if found else None
+
+
+def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir):
+    """Rank 1 stopped (SIGSTOP: a peer that is gone), rank 0 blocks in the next collective; torchrun's
+    agent would SIGTERM it, and it must end within seconds, not wait out the collective's timeout
+    (120 s here; before, its Python handler never ran while blocked, and the agent waited 30 s
+    before a SIGKILL)."""
+    run = shm_dir / "blocked"
+    command = cxltrain_command() + ["train", "--nproc-per-node", "2", "--pool", str(run), "--steps", "100000",
+                                    "--batch-size", "96", "--num-tables", "3", "--rows", "2000", "--dim", "16",
+                                    "--no-progress", "--dist-timeout", "120", "--max-restarts", "0"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = {}
+    try:
+        for line in launcher.stdout:
+            if "training from batch" in line:
+                break
+        ranks = {_rank_of(pid): pid for pid in _children(launcher.pid)}
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGSTOP)
+        time.sleep(1.0)  # rank 0 reaches the next collective and waits there for rank 1
+        os.kill(ranks[0], signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        while _alive(ranks[0]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(ranks[0]), "rank 0 ignored the SIGTERM while blocked"
+    finally:
+        launcher.kill()
+        for pid in ranks.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 from ..errors import ConfigError, CxlTrainError
 from ..runtime import manifest as run_dir
@@ -51,9 +52,13 @@ def run_train(args, argv: list[str]) -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ and args.nproc_per_node != 1:
         return _launch(args, argv)
     from ..jobs.sharded_train import run_rank
+    from .common import EXIT_TERMINATED
+    from .stop import end_blocked_rank_on_sigterm
 
     if args.nproc_per_node == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         _launch_checks(args, 1)  # one rank runs in this process: no launcher, no port
+    elif threading.current_thread() is threading.main_thread():
+        end_blocked_rank_on_sigterm(EXIT_TERMINATED)  # the agent's SIGTERM must end a blocked rank soon
     result = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,
                       progress=not args.no_progress)
     progress, group = result.progress, result.group

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import threading
+import time
+
+# A rank that a SIGTERM finds blocked in a collective ends after this long (torchrun's agent waits
+# longer, then SIGKILLs: every worker it stops would otherwise cost the group that wait).
+RANK_GRACE_S = 5.0
 
 
 class Terminated(KeyboardInterrupt):
@@ -35,3 +43,30 @@ def install() -> StopOnSigterm:
     global current
     current = StopOnSigterm()
     return current
+
+
+def end_blocked_rank_on_sigterm(exit_status: int, grace_s: float = RANK_GRACE_S) -> None:
+    """For a rank under torchrun: a SIGTERM that finds the rank blocked in a collective (a peer gone)
+    ends it `grace_s` later with `exit_status`, unless it has ended by then at a batch boundary.
+
+    Blocked in C++, the main thread never returns to the interpreter, so the Python handler above
+    never runs; the interpreter's C-level handler still writes the signal's number to the wakeup fd,
+    which a thread of this process reads. Ending the rank there is a kill as far as the pool goes:
+    every committed batch stays, and the group recovers to its last agreed point."""
+    read_end, write_end = socket.socketpair()
+    write_end.setblocking(False)
+    signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            got = read_end.recv(64)
+            if not got:
+                return
+            if signal.SIGTERM in got:
+                time.sleep(grace_s)
+                os.write(2, b"cxltrain: terminated (SIGTERM) while blocked in a collective; the rank ends now\n")
+                os._exit(exit_status)
+
+    threading.Thread(target=watch, name="cxltrain-sigterm-watch", daemon=True).start()
+    # the sockets live as long as the process: the wakeup fd must stay valid
+    end_blocked_rank_on_sigterm.sockets = (read_end, write_end)
