@@ -1,7 +1,7 @@
-"""Training on file data: a converted folder trains bit-identical to its source, a run killed on
-converted or gzipped data resumes exactly (and a planted ordering bug makes the same check fail),
-epochs and held-out evaluation, `cxltrain eval` never writes the pool, the options file data
-refuses.
+"""Training on file data: one converted folder trains bit-identical to its source at two --rows, a
+run killed on converted or gzipped data resumes exactly (and a planted ordering bug makes the same
+check fail), epochs and held-out evaluation, `cxltrain eval` never writes the pool, the options
+file data refuses.
 
 The killed runs are child processes (`cxltrain train` with CXLTRAIN_CRASH_AT and the emulated
 device's power-loss model); references, resumes and exports run in this process."""
@@ -40,7 +40,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     raw = write_criteo(folder / "day_0", 480, seed=11)
     gz = folder / "day_0.gz"
     gz.write_bytes(gzip.compress(raw.read_bytes()))
-    convert([gz], folder / "converted", rows=ROWS, seed=2)
+    convert([gz], folder / "converted")
     return {"raw": raw, "gzip": gz, "converted": folder / "converted"}
 
 
@@ -59,6 +59,28 @@ def reference(files) -> dict:
 def test_a_converted_folder_trains_bit_identical_to_its_source(files, reference, shm_dir):
     assert_same_export(run(dataclasses.replace(BASE, data=str(files["converted"]), prefetch=0), shm_dir / "c.pool"),
                        reference)
+
+
+def _logged_run(config: TrainConfig, folder: Path, name: str) -> tuple[list[dict], dict]:
+    """(the metrics file's lines, one per step with its loss and held-out AUC; the export)."""
+    metrics = folder / f"{name}.jsonl"
+    config = dataclasses.replace(config, eval_every=1, metrics=str(metrics))
+    export = run(config, folder / f"{name}.pool")
+    return [json.loads(line) for line in metrics.read_text().splitlines()], export
+
+
+@pytest.mark.parametrize("rows", [{"rows": 300}, {"rows": 125, "table_rows": tuple(100 + t for t in range(26))}])
+def test_one_conversion_trains_at_any_rows_bit_identical_to_the_raw_file(files, shm_dir, rows):
+    """The folder converted once (no rows given) against the raw file at that --rows: the same
+    loss and held-out AUC at every step, and the same export."""
+    config = dataclasses.replace(BASE, **rows)
+    raw_lines, raw_export = _logged_run(dataclasses.replace(config, data=str(files["raw"])), shm_dir, "raw")
+    lines, export = _logged_run(dataclasses.replace(config, data=str(files["converted"])), shm_dir, "converted")
+    assert len(lines) == STEPS
+    assert [(p["loss"], p["eval_auc"]) for p in lines] == [(p["loss"], p["eval_auc"]) for p in raw_lines]
+    assert_same_export(export, raw_export)
+    table = export["model"]["embedding_bag_collection.embedding_bags.t25.weight"]
+    assert table.shape[0] == (rows["table_rows"][25] if "table_rows" in rows else rows["rows"])
 
 
 def _crash_then_resume(files, kind: str, shm_dir: Path, fault: str = "") -> dict:
@@ -125,6 +147,14 @@ def test_options_that_mean_nothing_for_file_data_are_refused(files, shm_dir, cap
     assert main(["train", "--pool", str(shm_dir / "x.pool"), "--epochs", "2"]) == 1
     assert "--epochs needs file data" in capsys.readouterr().err
     assert not (shm_dir / "x.pool").exists()
+
+
+@pytest.mark.parametrize("flag", ["--rows", "--seed"])
+def test_data_convert_takes_no_rows_or_seed(files, shm_dir, capsys, flag):
+    assert main(["data", "convert", str(files["raw"]), str(shm_dir / "out"), flag, "7", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"data convert takes no {flag}: the folder keeps the categorical values and serves any {flag}" in err
+    assert len(err.splitlines()) == 1 and not (shm_dir / "out").exists()
 
 
 def test_per_table_rows_reach_the_model_and_the_data(files, shm_dir):
