@@ -1,7 +1,7 @@
 """Training on file data: one converted folder trains bit-identical to its source at two --rows, a
-run killed on converted or gzipped data resumes exactly (and a planted ordering bug makes the same
-check fail), epochs and held-out evaluation, `cxltrain eval` never writes the pool, the options
-file data refuses.
+folder in TorchRec's npy layout trains, a run killed on converted, gzipped or TorchRec data resumes
+exactly (and a planted ordering bug makes the same check fail), epochs and held-out evaluation,
+`cxltrain eval` never writes the pool, the options file data refuses.
 
 The killed runs are child processes (`cxltrain train` with CXLTRAIN_CRASH_AT and the emulated
 device's power-loss model); references, resumes and exports run in this process."""
@@ -25,7 +25,7 @@ from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.evaluate import evaluate_pool
 from cxltrain.jobs.train import train
 from cxltrain.runtime.runtime import export_state
-from helpers import assert_same_export, cxltrain, shm_tempdir, write_criteo
+from helpers import assert_same_export, cxltrain, shared_sample_rows, shm_tempdir, write_criteo, write_torchrec_days
 
 ROWS = 500
 STEPS = 10
@@ -35,13 +35,15 @@ CLI = ["--batch-size", "32", "--rows", str(ROWS), "--dim", "8", "--seed", "2", "
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """The same 480 lines (15 batches) as a raw file, a gzipped one and a converted folder."""
+    """The same 480 lines (15 batches) as a raw file, a gzipped one and a converted folder; and the
+    shared sample's 200 real lines three times over (18 batches) in TorchRec's layout, as two days."""
     folder = tmp_path_factory.mktemp("train-files")
     raw = write_criteo(folder / "day_0", 480, seed=11)
     gz = folder / "day_0.gz"
     gz.write_bytes(gzip.compress(raw.read_bytes()))
     convert([gz], folder / "converted")
-    return {"raw": raw, "gzip": gz, "converted": folder / "converted"}
+    torchrec = write_torchrec_days(folder / "torchrec", shared_sample_rows() * 3, [350, 250])
+    return {"raw": raw, "gzip": gz, "converted": folder / "converted", "torchrec": torchrec}
 
 
 def run(config: TrainConfig, pool: Path) -> dict:
@@ -81,6 +83,15 @@ def test_one_conversion_trains_at_any_rows_bit_identical_to_the_raw_file(files, 
     assert_same_export(export, raw_export)
     table = export["model"]["embedding_bag_collection.embedding_bags.t25.weight"]
     assert table.shape[0] == (rows["table_rows"][25] if "table_rows" in rows else rows["rows"])
+
+
+def test_a_torchrec_folder_trains_and_resumes_exactly(files, shm_dir):
+    """TorchRec's day_N_*.npy read as they are: a run killed part-way resumes to the uninterrupted
+    run's export, and the trained model scores the held-out batches."""
+    config = dataclasses.replace(BASE, data=str(files["torchrec"]))
+    uninterrupted = train(config, pool_path=str(shm_dir / "u.pool"), progress=False).to_json()
+    assert uninterrupted["batch"] == STEPS and 0 < uninterrupted["eval_auc"] < 1
+    assert_same_export(_crash_then_resume(files, "torchrec", shm_dir), export_state(str(shm_dir / "u.pool")))
 
 
 def _crash_then_resume(files, kind: str, shm_dir: Path, fault: str = "") -> dict:

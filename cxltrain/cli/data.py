@@ -118,12 +118,13 @@ def _run_convert(args) -> int:
 
 def _add_eval(sub, positive_int, non_negative_int) -> None:
     e = sub.add_parser("eval", help="AUC and log loss of a pool's model on data (read-only: never writes the pool)",
-                       description="Evaluate the model committed in POOL on batches of --data (a raw Criteo file "
-                                   "or a converted folder), read with the settings the pool was trained with. "
+                       description="Evaluate the model committed in POOL on batches of --data (a raw Criteo file, "
+                                   "a converted folder or TorchRec's day_N_*.npy folder), read with the settings the pool was trained with. "
                                    "The pool is opened read-only; a pool with a batch to roll back is refused "
                                    "(run `cxltrain recover` first).")
     e.add_argument("pool", metavar="POOL")
-    e.add_argument("--data", required=True, metavar="PATH", help="raw Criteo file or converted folder")
+    e.add_argument("--data", required=True, metavar="PATH",
+                   help="raw Criteo file, converted folder or folder in TorchRec's npy layout")
     e.add_argument("--batches", type=positive_int, default=None, metavar="N",
                    help="evaluate the last N batches of the data (default: all of it)")
     e.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
