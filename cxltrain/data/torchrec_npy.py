@@ -51,8 +51,11 @@ _SAMPLES, _SAMPLE_BYTES = 64, 64 << 10
 def is_torchrec_folder(path: str | os.PathLike) -> bool:
     """Whether `path` is a folder with TorchRec's day_N_*.npy files and no converted manifest."""
     path = Path(path)
-    return (path.is_dir() and not (path / MANIFEST).exists()
-            and any(_NAME.fullmatch(p.name) for p in path.iterdir()))
+    try:
+        return (path.is_dir() and not (path / MANIFEST).exists()
+                and any(_NAME.fullmatch(p.name) for p in path.iterdir()))
+    except OSError:     # unreadable: ConvertedCriteo, asked next, says what is wrong in one line
+        return False
 
 
 class TorchRecFolder(CriteoSource):
