@@ -64,9 +64,10 @@ def test_a_converted_folder_trains_bit_identical_to_its_source(files, reference,
 
 
 def _logged_run(config: TrainConfig, folder: Path, name: str) -> tuple[list[dict], dict]:
-    """(the metrics file's lines, one per step with its loss and held-out AUC; the export)."""
+    """(the metrics file's lines, one per step with its loss and held-out AUC; the export).
+    One held-out batch: evaluating after every step is what writes a line per step."""
     metrics = folder / f"{name}.jsonl"
-    config = dataclasses.replace(config, eval_every=1, metrics=str(metrics))
+    config = dataclasses.replace(config, eval_every=1, eval_batches=1, metrics=str(metrics))
     export = run(config, folder / f"{name}.pool")
     return [json.loads(line) for line in metrics.read_text().splitlines()], export
 
