@@ -166,7 +166,7 @@ def _append_lines(parser: LineParser, raw: bytes, line_no: int, writers: dict) -
         if odd.any():
             lines, tables = np.nonzero(odd)                        # row-major: the cells ascend
             first = writers["labels"].rows                         # the folder's line of columns' line 0
-            writers["cells"].append((first + lines.astype(np.uint64)) * NUM_CATEGORICAL + tables)
+            writers["cells"].append((first + lines.astype(np.uint64)) * NUM_CATEGORICAL + tables.astype(np.uint64))
             writers["hashes"].append(hashes[odd])
         writers["dense"].append(columns.dense)
         writers["sparse"].append(np.where(hashes < _NARROW, hashes, 0))
