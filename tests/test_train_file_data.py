@@ -19,7 +19,7 @@ import pytest
 
 from cxltrain.cli import main
 from cxltrain.data.converted import convert
-from cxltrain.errors import ConfigError, PoolCorruptError
+from cxltrain.errors import ConfigError, PoolCorruptError, RecoveryError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.evaluate import evaluate_pool
@@ -84,6 +84,19 @@ def test_one_conversion_trains_at_any_rows_bit_identical_to_the_raw_file(files, 
     assert_same_export(export, raw_export)
     table = export["model"]["embedding_bag_collection.embedding_bags.t25.weight"]
     assert table.shape[0] == (rows["table_rows"][25] if "table_rows" in rows else rows["rows"])
+
+
+def test_the_resume_check_is_the_folders_fingerprint_and_the_runs_rows_and_seed(files, shm_dir):
+    """The folder holds no rows or seed, so the pool's settings are what a resume must match; the
+    folder's fingerprint is its source's, so the raw file resumes a run begun on the folder."""
+    pool, config = shm_dir / "p.pool", dataclasses.replace(BASE, data=str(files["converted"]), rows=300, steps=2)
+    train(config, pool_path=str(pool), progress=False)
+    with pytest.raises(RecoveryError, match=r"other settings \(seed 2 vs 3\)"):
+        train(dataclasses.replace(config, steps=4, seed=3), pool_path=str(pool), progress=False)
+    with pytest.raises(RecoveryError, match=r"float32 \[300, 8\], table 't0' expects table_weights float32 \[400, 8\]"):
+        train(dataclasses.replace(config, steps=4, rows=400), pool_path=str(pool), progress=False)
+    resumed = train(dataclasses.replace(config, steps=4, data=str(files["raw"])), pool_path=str(pool), progress=False)
+    assert resumed.to_json()["start_batch"] == 2 and resumed.to_json()["batch"] == 4
 
 
 def test_a_torchrec_folder_trains_and_resumes_exactly(files, shm_dir):
