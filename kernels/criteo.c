@@ -2,17 +2,20 @@
  * Native Criteo line parser: cxltrain.kernels._criteo (a private module; call it through
  * cxltrain/data/lines.py, which checks the arrays before handing over addresses).
  *
- *   parse_lines(buffer, start, sep, num_tables, keys, rows, count, dense, ids, labels)
+ *   parse_lines(buffer, start, sep, num_tables, keys, rows, count, dense, ids, labels, present)
  *       -> (lines, end, status)
  *
  * Parses up to `count` lines of `buffer` from byte `start`: the label, the 13 integer counts as
  * float64 (missing = 0; the caller takes log1p(max(x, 0)), so the result is the Python parser's bit
  * for bit) and the first `num_tables` categorical hashes as row ids splitmix64(h ^ keys[t]) %
- * rows[t] (missing = row 0). It stops at the first line it does not accept and returns status 1
- * with `end` at that line's first byte: the caller hands that one line to the Python parser, which
- * either reads it (a form only Python accepts, such as a CSV count written "2.6e2") or raises the
- * one-line error naming it. So the C path accepts a subset of what Python accepts and gives the
- * same values; every judgement about a bad line is Python's. Status 0: `count` lines done, or the
+ * rows[t] (missing = row 0). With `rows` 0 it keeps the hashes h themselves instead (missing = 0)
+ * and marks each field present (1) or missing (0) in `present` [count, num_tables] uint8: the
+ * form `cxltrain data convert` stores, hashed to rows when read. It stops at the first line it
+ * does not accept and returns status 1 with `end` at that line's first byte: the caller hands
+ * that one line to the Python parser, which either reads it (a form only Python accepts, such as
+ * a CSV count written "2.6e2") or raises the one-line error naming it. So the C path accepts a
+ * subset of what Python accepts and gives the same values; every judgement about a bad line is
+ * Python's. Status 0: `count` lines done, or the
  * buffer ended (a final line without a newline counts).
  *
  * The GIL is released while parsing, so a prefetch thread parses while training computes.
@@ -75,7 +78,7 @@ static inline int parse_count(const char *p, const char *e, double *out)
 
 /* One line [p, e) without its newline (a trailing '\r' already dropped). Returns 1 if accepted. */
 static int parse_line(const char *p, const char *e, char sep, int num_tables, const uint64_t *keys,
-                      const uint64_t *rows, double *dense, int64_t *ids, float *label)
+                      const uint64_t *rows, double *dense, int64_t *ids, float *label, uint8_t *present)
 {
     const char *field[NUM_FIELDS + 1];
     int n = 0;
@@ -110,6 +113,8 @@ static int parse_line(const char *p, const char *e, char sep, int num_tables, co
             return 0;
         if (s == se) {
             ids[t] = 0;
+            if (!rows)
+                present[t] = 0;
             continue;
         }
         uint64_t h = 0;
@@ -119,7 +124,12 @@ static int parse_line(const char *p, const char *e, char sep, int num_tables, co
                 return 0;
             h = (h << 4) | (uint64_t)(d - 1);
         }
-        ids[t] = (int64_t)(splitmix64(h ^ keys[t]) % rows[t]);
+        if (rows) {
+            ids[t] = (int64_t)(splitmix64(h ^ keys[t]) % rows[t]);
+        } else {
+            ids[t] = (int64_t)h; /* the bits of h; the caller reads them as uint64 */
+            present[t] = 1;
+        }
     }
 #undef FIELD_END
     return 1;
@@ -130,11 +140,12 @@ static PyObject *parse_lines(PyObject *self, PyObject *args)
     Py_buffer buf;
     Py_ssize_t start, count;
     int sep, num_tables;
-    unsigned long long keys_addr, rows_addr, dense_addr, ids_addr, labels_addr;
-    if (!PyArg_ParseTuple(args, "y*nCiKKnKKK", &buf, &start, &sep, &num_tables, &keys_addr, &rows_addr, &count,
-                          &dense_addr, &ids_addr, &labels_addr))
+    unsigned long long keys_addr, rows_addr, dense_addr, ids_addr, labels_addr, present_addr;
+    if (!PyArg_ParseTuple(args, "y*nCiKKnKKKK", &buf, &start, &sep, &num_tables, &keys_addr, &rows_addr, &count,
+                          &dense_addr, &ids_addr, &labels_addr, &present_addr))
         return NULL;
-    if (num_tables < 1 || num_tables > NUM_CATEGORICAL || start < 0 || start > buf.len || count < 0) {
+    if (num_tables < 1 || num_tables > NUM_CATEGORICAL || start < 0 || start > buf.len || count < 0 ||
+        (!rows_addr && !present_addr)) {
         PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_ValueError, "parse_lines: bad arguments");
         return NULL;
@@ -143,6 +154,7 @@ static PyObject *parse_lines(PyObject *self, PyObject *args)
     double *dense = (double *)(uintptr_t)dense_addr;
     int64_t *ids = (int64_t *)(uintptr_t)ids_addr;
     float *labels = (float *)(uintptr_t)labels_addr;
+    uint8_t *present = (uint8_t *)(uintptr_t)present_addr;
     const char *base = (const char *)buf.buf, *end = base + buf.len, *p = base + start;
     Py_ssize_t done = 0;
     int status = 0;
@@ -152,7 +164,7 @@ static PyObject *parse_lines(PyObject *self, PyObject *args)
         const char *le = nl ? nl : end;
         const char *stop = (le > p && le[-1] == '\r') ? le - 1 : le;
         if (!parse_line(p, stop, (char)sep, num_tables, keys, rows, dense + done * NUM_DENSE, ids + done * num_tables,
-                        labels + done)) {
+                        labels + done, present ? present + done * num_tables : NULL)) {
             status = 1;
             break;
         }
@@ -167,7 +179,8 @@ static PyObject *parse_lines(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"parse_lines", parse_lines, METH_VARARGS,
-     "parse_lines(buffer, start, sep, num_tables, keys, rows, count, dense, ids, labels) -> (lines, end, status)"},
+     "parse_lines(buffer, start, sep, num_tables, keys, rows, count, dense, ids, labels, present) -> "
+     "(lines, end, status)"},
     {NULL, NULL, 0, NULL},
 };
 

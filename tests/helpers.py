@@ -168,3 +168,29 @@ def write_criteo(path: Path, lines: int = 200, seed: int = 0, layout: str = "raw
         raise ValueError(f"layout must be 'raw' or 'csv', not {layout!r}")
     path.write_text(text)
     return path
+
+
+def shared_sample_rows() -> list[list[str]]:
+    """The shared sample's 200 real Criteo lines as lists of their 40 fields (CSV; counts as "260.0")."""
+    lines = SHARED_CRITEO_SAMPLE.read_text().splitlines()[1:]
+    return [line.split(",") for line in lines]
+
+
+def write_torchrec_days(folder: Path, rows: list[list[str]], day_lines: list[int]) -> Path:
+    """`rows` (lists of the 40 raw fields) as a folder in TorchRec's preprocessed layout: day_N_dense.npy
+    [n, 13] float32 log(I + 3), day_N_sparse.npy [n, 26] int32 (the hex values' 32 bits), day_N_labels.npy
+    [n, 1] int32, missing values 0 — the files, dtypes and shapes TorchRec's Criteo preprocessing writes.
+    Day N holds the next day_lines[N] rows."""
+    assert sum(day_lines) == len(rows)
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for day, count in enumerate(day_lines):
+        part = rows[start:start + count]
+        start += count
+        counts = np.array([[int(float(v or "0")) for v in r[1:14]] for r in part], dtype=np.int32)
+        sparse = np.array([[int(v or "0", 16) for v in r[14:40]] for r in part], dtype=np.uint32).view(np.int32)
+        labels = np.array([[int(r[0])] for r in part], dtype=np.int32)
+        np.save(folder / f"day_{day}_dense.npy", np.log((counts + 3).astype(np.float32)))
+        np.save(folder / f"day_{day}_sparse.npy", sparse)
+        np.save(folder / f"day_{day}_labels.npy", labels)
+    return folder

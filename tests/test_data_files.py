@@ -2,8 +2,8 @@
 prefetching, epochs. All on generated files (helpers.write_criteo), in this process.
 
 The native parser must give the Python parser's values bit for bit and its one-line errors; a
-gzipped file and a converted folder must give the plain file's batches; every bad input is one
-line naming the file (and line), never a shorter epoch."""
+gzipped file and a converted folder must give the plain file's batches (one conversion at any
+rows and seed); every bad input is one line naming the file (and line), never a shorter epoch."""
 
 from __future__ import annotations
 
@@ -36,23 +36,28 @@ def raw(tmp_path_factory) -> Path:
     return write_criteo(tmp_path_factory.mktemp("files") / "day_0", LINES, seed=5)
 
 
-def parsers(sep: str = "\t", num_tables: int = 26, seed: int = 3) -> tuple[LineParser, LineParser]:
-    return (LineParser("f", sep, num_tables, ROWS[:num_tables], seed, native=True),
-            LineParser("f", sep, num_tables, ROWS[:num_tables], seed, native=False))
+def parsers(sep: str = "\t", num_tables: int = 26, seed: int = 3, hashes: bool = False) -> tuple[LineParser, LineParser]:
+    rows = None if hashes else ROWS[:num_tables]
+    return (LineParser("f", sep, num_tables, rows, seed, native=True),
+            LineParser("f", sep, num_tables, rows, seed, native=False))
 
 
 def assert_same_columns(a, b) -> None:
-    for x, y in ((a.dense, b.dense), (a.ids, b.ids), (a.labels, b.labels)):
+    for x, y in ((a.dense, b.dense), (a.ids, b.ids), (a.labels, b.labels), (a.present, b.present)):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
         assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
 
 
 # -- the native parser ------------------------------------------------------------------------------
 
 @needs_native
-@pytest.mark.parametrize("num_tables", [1, 13, 26])
-def test_native_parser_gives_the_python_parsers_values(raw, num_tables):
+@pytest.mark.parametrize("num_tables,hashes", [(1, False), (13, False), (26, False), (26, True), (5, True)])
+def test_native_parser_gives_the_python_parsers_values(raw, num_tables, hashes):
+    """Row ids, or (rows=None, what `data convert` stores) the hashes and which fields were present."""
     data = raw.read_bytes()
-    native, python = parsers(num_tables=num_tables)
+    native, python = parsers(num_tables=num_tables, hashes=hashes)
     (a, end_a), (b, end_b) = native.parse_bytes(data, 1, LINES), python.parse_bytes(data, 1, LINES)
     assert len(a) == LINES and end_a == end_b == len(data)
     assert_same_columns(a, b)
@@ -70,8 +75,9 @@ def test_forms_only_python_reads_go_to_python_with_the_same_result():
     lines = ["\t".join(r) for r in rows]
     lines[4] += "\r"
     data = ("\n".join(lines) + "\n").encode()
-    native, python = parsers()
-    assert_same_columns(native.parse_bytes(data, 1, 12)[0], python.parse_bytes(data, 1, 12)[0])
+    for hashes in (False, True):
+        native, python = parsers(hashes=hashes)
+        assert_same_columns(native.parse_bytes(data, 1, 12)[0], python.parse_bytes(data, 1, 12)[0])
     rows[5][39] = "é"   # C26: not kept with 25 tables; still checked as UTF-8 by both
     data = ("\n".join("\t".join(r) for r in rows) + "\n").encode()
     native, python = parsers(num_tables=25)
@@ -134,7 +140,7 @@ def test_a_damaged_gzip_file_is_one_line_naming_it(raw, tmp_path, damage, messag
         CriteoFile(gz, batch_size=16, rows=ROWS)
     assert str(gz) in str(caught.value) and "\n" not in str(caught.value)
     with pytest.raises(ConfigError, match=message):
-        conv.convert([gz], tmp_path / "out", rows=ROWS)
+        conv.convert([gz], tmp_path / "out")
     assert not (tmp_path / "out" / conv.MANIFEST).exists()
 
 
@@ -159,29 +165,60 @@ def converted(raw, tmp_path_factory) -> Path:
     gz = out.parent / "day_0.gz"
     gz.write_bytes(gzip.compress(raw.read_bytes()))
     seen = []
-    manifest = conv.convert([gz], out, rows=ROWS, seed=1, progress=seen.append)
+    manifest = conv.convert([gz], out, progress=seen.append)
     assert manifest["lines"] == LINES and sum(seen) == gz.stat().st_size
+    assert manifest["exceptions"] == 0          # 8-hex-digit hashes, none 0: sparse.npy holds them all
     return out
 
 
-def test_a_converted_folder_gives_the_sources_batches(raw, converted):
-    for tables in (26, 4):
-        plain = CriteoFile(raw, batch_size=16, rows=ROWS[:tables], num_tables=tables, seed=1)
-        folder = conv.ConvertedCriteo(converted, batch_size=16, rows=ROWS[:tables], num_tables=tables, seed=1)
-        assert folder.num_batches == plain.num_batches and folder.fingerprint == plain.fingerprint
-        for b in (0, 7, plain.num_batches - 1):
+@pytest.mark.parametrize("rows,tables,seed", [(ROWS, 26, 1), (ROWS[:4], 4, 1), (37, 26, 1), (2**32, 26, 0)])
+def test_one_converted_folder_gives_the_sources_batches_at_any_rows_and_seed(raw, converted, rows, tables, seed):
+    plain = CriteoFile(raw, batch_size=16, rows=rows, num_tables=tables, seed=seed)
+    folder = conv.ConvertedCriteo(converted, batch_size=16, rows=rows, num_tables=tables, seed=seed)
+    assert folder.num_batches == plain.num_batches and folder.fingerprint == plain.fingerprint
+    for b in range(plain.num_batches):
+        assert_same_batch(folder.batch(b), plain.batch(b))
+
+
+def test_the_folder_holds_the_raw_values_as_numpy_reads_them(raw, converted):
+    """sparse.npy is the integers of C1..C26's hex digits (missing 0), TorchRec's form of them."""
+    sparse = np.load(converted / "sparse.npy")
+    fields = [line.split("\t") for line in raw.read_text().splitlines()]
+    assert sparse.dtype == np.uint32 and sparse.shape == (LINES, 26)
+    assert sparse.tolist() == [[int(v or "0", 16) for v in f[14:]] for f in fields]
+
+
+def test_values_sparse_npy_cannot_hold_are_kept_exactly(raw, tmp_path):
+    """A hash of 0 (sparse.npy's 0 means missing) and hashes of more than 32 bits go to the exception
+    files, and the folder still gives the raw file's batches, for tables kept or not."""
+    lines = [line.split("\t") for line in raw.read_text().splitlines()]
+    odd = {(3, 14): "00000000", (3, 15): "0", (40, 16): "ffffffffffffffff", (41, 39): "123456789",
+           (299, 14): "100000000", (120, 30): "0000000000000000"}
+    for (line, field), value in odd.items():
+        lines[line][field] = value
+    edited = tmp_path / "edited"
+    edited.write_text("".join("\t".join(f) + "\n" for f in lines))
+    manifest = conv.convert([edited], tmp_path / "out")
+    assert manifest["exceptions"] == len(odd)
+    cells = np.load(tmp_path / "out" / "exception_cells.npy")
+    assert cells.tolist() == sorted(line * 26 + field - 14 for line, field in odd)
+    for rows, tables in ((ROWS, 26), (ROWS[:3], 3), (5, 26)):
+        plain = CriteoFile(edited, batch_size=20, rows=rows, num_tables=tables, seed=7)
+        folder = conv.ConvertedCriteo(tmp_path / "out", batch_size=20, rows=rows, num_tables=tables, seed=7)
+        for b in range(plain.num_batches):
             assert_same_batch(folder.batch(b), plain.batch(b))
-    assert np.load(converted / "sparse.npy").shape == (LINES, 26)   # plain numpy reads it
 
 
 def test_converting_several_sources_appends_them_in_order(raw, tmp_path):
     csv = write_criteo(tmp_path / "sample.csv", 100, seed=9, layout="csv")
-    conv.convert([raw, csv], tmp_path / "both", rows=ROWS)
+    conv.convert([raw, csv], tmp_path / "both")
     both = conv.ConvertedCriteo(tmp_path / "both", batch_size=50, rows=ROWS)
     assert both.num_lines == LINES + 100 and both.num_batches == (LINES + 100) // 50
     assert_same_batch(both.batch(1), CriteoFile(raw, batch_size=50, rows=ROWS).batch(1))
     tail = CriteoFile(csv, batch_size=50, rows=ROWS).batch(1)
     assert np.array_equal(both.batch(7).labels.numpy(), tail.labels.numpy())
+    for x, y in zip(both.batch(7).values, tail.values):
+        assert np.array_equal(x.numpy(), y.numpy())
 
 
 def test_convert_names_a_malformed_line(raw, tmp_path):
@@ -190,11 +227,11 @@ def test_convert_names_a_malformed_line(raw, tmp_path):
     bad = tmp_path / "day_1"
     bad.write_text("\n".join(lines) + "\n")
     with pytest.raises(ConfigError, match="day_1, line 123: 41 tab-separated fields"):
-        conv.convert([raw, bad], tmp_path / "out", rows=ROWS)
+        conv.convert([raw, bad], tmp_path / "out")
     with pytest.raises(ConfigError, match="manifest.json is missing"):   # never read half-done
         conv.ConvertedCriteo(tmp_path / "out", batch_size=16, rows=ROWS)
     with pytest.raises(ConfigError, match="not empty"):
-        conv.convert([raw], tmp_path / "out", rows=ROWS)
+        conv.convert([raw], tmp_path / "out")
 
 
 def _copy(converted: Path, tmp_path: Path) -> Path:
@@ -203,9 +240,12 @@ def _copy(converted: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("spoil,message", [
     (lambda d: (d / "sparse.npy").unlink(), "sparse.npy: missing from the converted folder"),
-    (lambda d: _edit_manifest(d, version=2), "format version 2, this cxltrain reads version 1"),
+    (lambda d: (d / "exception_cells.npy").unlink(), "exception_cells.npy: missing from the converted folder"),
+    (lambda d: _edit_manifest(d, version=3), "format version 3, this cxltrain reads versions 1 and 2"),
     (lambda d: _edit_manifest(d, format="other"), "format 'other'"),
     (lambda d: _edit_manifest(d, lines=LINES + 1), "dense.npy: holds float32 .300, 13., the manifest says float32 .301, 13."),
+    (lambda d: _edit_manifest(d, exceptions=2), "exception_cells.npy: holds uint64 .0,., the manifest says uint64 .2,."),
+    (lambda d: _edit_manifest(d, exceptions=None), "not a readable manifest"),
     (lambda d: (d / "dense.npy").write_bytes((d / "dense.npy").read_bytes()[:1000]), "dense.npy: not a readable"),
     (lambda d: (d / conv.MANIFEST).write_text("{"), "not a readable manifest"),
 ])
@@ -223,13 +263,33 @@ def _edit_manifest(folder: Path, **changes) -> None:
     (folder / conv.MANIFEST).write_text(json.dumps(manifest))
 
 
-def test_a_run_with_other_options_than_the_conversion_is_refused(converted):
-    with pytest.raises(ConfigError, match="converted with rows 1000,1007,1014 per table, but this run asks for 1000"):
-        conv.ConvertedCriteo(converted, batch_size=16, rows=1000, num_tables=3, seed=1)
-    with pytest.raises(ConfigError, match="converted with seed 1, but this run has seed 0"):
-        conv.ConvertedCriteo(converted, batch_size=16, rows=ROWS, seed=0)
-    assert isinstance(open_criteo(converted, batch_size=16, rows=ROWS, num_tables=26, seed=1),
-                      conv.ConvertedCriteo)
+def _version_1_folder(raw: Path, out: Path, rows: list[int], seed: int) -> Path:
+    """A folder as cxltrain wrote it before version 2: row ids for `rows` and `seed` in sparse.npy."""
+    columns = LineParser(raw, "\t", 26, rows, seed).parse_bytes(raw.read_bytes(), 1, LINES)[0]
+    out.mkdir()
+    np.save(out / "dense.npy", columns.dense)
+    np.save(out / "sparse.npy", columns.ids.astype(np.uint32))
+    np.save(out / "labels.npy", columns.labels)
+    source = CriteoFile(raw, batch_size=16, rows=rows, seed=seed)
+    (out / conv.MANIFEST).write_text(json.dumps({
+        "format": conv.FORMAT, "version": 1, "lines": LINES, "rows": rows, "seed": seed,
+        "sources": [{"name": raw.name, "lines": LINES, "fingerprint": source.fingerprint}],
+        "fingerprint": source.fingerprint}))
+    return out
+
+
+def test_a_version_1_folder_trains_at_its_own_rows_and_says_convert_again_at_others(raw, tmp_path):
+    old = _version_1_folder(raw, tmp_path / "old", ROWS, seed=1)
+    plain = CriteoFile(raw, batch_size=16, rows=ROWS[:3], num_tables=3, seed=1)
+    folder = open_criteo(old, batch_size=16, rows=ROWS[:3], num_tables=3, seed=1)
+    assert isinstance(folder, conv.ConvertedCriteo) and folder.fingerprint == plain.fingerprint
+    for b in (0, 5, plain.num_batches - 1):
+        assert_same_batch(folder.batch(b), plain.batch(b))
+    with pytest.raises(ConfigError, match="row ids fixed for rows 1000,1007,1014 per table, but this run asks for "
+                                          "1000 .convert again: a folder converted now serves any --rows.$"):
+        conv.ConvertedCriteo(old, batch_size=16, rows=1000, num_tables=3, seed=1)
+    with pytest.raises(ConfigError, match="row ids fixed for seed 1, but this run has seed 0 .convert again"):
+        conv.ConvertedCriteo(old, batch_size=16, rows=ROWS, seed=0)
 
 
 # -- prefetching and epochs -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-"""Training on file data: a converted folder trains bit-identical to its source, a run killed on
-converted or gzipped data resumes exactly (and a planted ordering bug makes the same check fail),
-epochs and held-out evaluation, `cxltrain eval` never writes the pool, the options file data
-refuses.
+"""Training on file data: one converted folder trains bit-identical to its source at two --rows, a
+folder in TorchRec's npy layout trains, a run killed on converted, gzipped or TorchRec data resumes
+exactly (and a planted ordering bug makes the same check fail), epochs and held-out evaluation,
+`cxltrain eval` never writes the pool, the options file data refuses.
 
 The killed runs are child processes (`cxltrain train` with CXLTRAIN_CRASH_AT and the emulated
 device's power-loss model); references, resumes and exports run in this process."""
@@ -19,13 +19,13 @@ import pytest
 
 from cxltrain.cli import main
 from cxltrain.data.converted import convert
-from cxltrain.errors import ConfigError, PoolCorruptError
+from cxltrain.errors import ConfigError, PoolCorruptError, RecoveryError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.evaluate import evaluate_pool
 from cxltrain.jobs.train import train
 from cxltrain.runtime.runtime import export_state
-from helpers import assert_same_export, cxltrain, shm_tempdir, write_criteo
+from helpers import assert_same_export, cxltrain, shared_sample_rows, shm_tempdir, write_criteo, write_torchrec_days
 
 ROWS = 500
 STEPS = 10
@@ -35,13 +35,15 @@ CLI = ["--batch-size", "32", "--rows", str(ROWS), "--dim", "8", "--seed", "2", "
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """The same 480 lines (15 batches) as a raw file, a gzipped one and a converted folder."""
+    """The same 480 lines (15 batches) as a raw file, a gzipped one and a converted folder; and the
+    shared sample's 200 real lines three times over (18 batches) in TorchRec's layout, as two days."""
     folder = tmp_path_factory.mktemp("train-files")
     raw = write_criteo(folder / "day_0", 480, seed=11)
     gz = folder / "day_0.gz"
     gz.write_bytes(gzip.compress(raw.read_bytes()))
-    convert([gz], folder / "converted", rows=ROWS, seed=2)
-    return {"raw": raw, "gzip": gz, "converted": folder / "converted"}
+    convert([gz], folder / "converted")
+    torchrec = write_torchrec_days(folder / "torchrec", shared_sample_rows() * 3, [350, 250])
+    return {"raw": raw, "gzip": gz, "converted": folder / "converted", "torchrec": torchrec}
 
 
 def run(config: TrainConfig, pool: Path) -> dict:
@@ -59,6 +61,51 @@ def reference(files) -> dict:
 def test_a_converted_folder_trains_bit_identical_to_its_source(files, reference, shm_dir):
     assert_same_export(run(dataclasses.replace(BASE, data=str(files["converted"]), prefetch=0), shm_dir / "c.pool"),
                        reference)
+
+
+def _logged_run(config: TrainConfig, folder: Path, name: str) -> tuple[list[dict], dict]:
+    """(the metrics file's lines, one per step with its loss and held-out AUC; the export).
+    One held-out batch: evaluating after every step is what writes a line per step."""
+    metrics = folder / f"{name}.jsonl"
+    config = dataclasses.replace(config, eval_every=1, eval_batches=1, metrics=str(metrics))
+    export = run(config, folder / f"{name}.pool")
+    return [json.loads(line) for line in metrics.read_text().splitlines()], export
+
+
+@pytest.mark.parametrize("rows", [{"rows": 300}, {"rows": 125, "table_rows": tuple(100 + t for t in range(26))}])
+def test_one_conversion_trains_at_any_rows_bit_identical_to_the_raw_file(files, shm_dir, rows):
+    """The folder converted once (no rows given) against the raw file at that --rows: the same
+    loss and held-out AUC at every step, and the same export."""
+    config = dataclasses.replace(BASE, **rows)
+    raw_lines, raw_export = _logged_run(dataclasses.replace(config, data=str(files["raw"])), shm_dir, "raw")
+    lines, export = _logged_run(dataclasses.replace(config, data=str(files["converted"])), shm_dir, "converted")
+    assert len(lines) == STEPS
+    assert [(p["loss"], p["eval_auc"]) for p in lines] == [(p["loss"], p["eval_auc"]) for p in raw_lines]
+    assert_same_export(export, raw_export)
+    table = export["model"]["embedding_bag_collection.embedding_bags.t25.weight"]
+    assert table.shape[0] == (rows["table_rows"][25] if "table_rows" in rows else rows["rows"])
+
+
+def test_the_resume_check_is_the_folders_fingerprint_and_the_runs_rows_and_seed(files, shm_dir):
+    """The folder holds no rows or seed, so the pool's settings are what a resume must match; the
+    folder's fingerprint is its source's, so the raw file resumes a run begun on the folder."""
+    pool, config = shm_dir / "p.pool", dataclasses.replace(BASE, data=str(files["converted"]), rows=300, steps=2)
+    train(config, pool_path=str(pool), progress=False)
+    with pytest.raises(RecoveryError, match=r"other settings \(seed 2 vs 3\)"):
+        train(dataclasses.replace(config, steps=4, seed=3), pool_path=str(pool), progress=False)
+    with pytest.raises(RecoveryError, match=r"float32 \[300, 8\], table 't0' expects table_weights float32 \[400, 8\]"):
+        train(dataclasses.replace(config, steps=4, rows=400), pool_path=str(pool), progress=False)
+    resumed = train(dataclasses.replace(config, steps=4, data=str(files["raw"])), pool_path=str(pool), progress=False)
+    assert resumed.to_json()["start_batch"] == 2 and resumed.to_json()["batch"] == 4
+
+
+def test_a_torchrec_folder_trains_and_resumes_exactly(files, shm_dir):
+    """TorchRec's day_N_*.npy read as they are: a run killed part-way resumes to the uninterrupted
+    run's export, and the trained model scores the held-out batches."""
+    config = dataclasses.replace(BASE, data=str(files["torchrec"]))
+    uninterrupted = train(config, pool_path=str(shm_dir / "u.pool"), progress=False).to_json()
+    assert uninterrupted["batch"] == STEPS and 0 < uninterrupted["eval_auc"] < 1
+    assert_same_export(_crash_then_resume(files, "torchrec", shm_dir), export_state(str(shm_dir / "u.pool")))
 
 
 def _crash_then_resume(files, kind: str, shm_dir: Path, fault: str = "") -> dict:
@@ -144,6 +191,14 @@ def test_options_that_mean_nothing_for_file_data_are_refused(files, shm_dir, cap
     assert main(["train", "--pool", str(shm_dir / "x.pool"), "--epochs", "2"]) == 1
     assert "--epochs needs file data" in capsys.readouterr().err
     assert not (shm_dir / "x.pool").exists()
+
+
+@pytest.mark.parametrize("flag", ["--rows", "--seed"])
+def test_data_convert_takes_no_rows_or_seed(files, shm_dir, capsys, flag):
+    assert main(["data", "convert", str(files["raw"]), str(shm_dir / "out"), flag, "7", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"data convert takes no {flag}: the folder keeps the categorical values and serves any {flag}" in err
+    assert len(err.splitlines()) == 1 and not (shm_dir / "out").exists()
 
 
 def test_per_table_rows_reach_the_model_and_the_data(files, shm_dir):

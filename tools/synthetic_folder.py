@@ -1,6 +1,7 @@
 """A converted folder holding exactly the synthetic source's first batches (ids, dense, labels), so
 `cxltrain train --data FOLDER` does the same work as synthetic training (26 tables x 100,000 rows,
-batch 2048, seed 0) and only the data path differs: the side-by-side in docs/criteo.md.
+batch 2048, seed 0) and only the data path differs: the side-by-side in docs/criteo.md. The ids are
+the synthetic rows themselves, so it is a format version 1 folder (ids fixed for those rows).
 
     python tools/synthetic_folder.py OUT BATCHES
 """
@@ -28,7 +29,7 @@ def main() -> None:
         writers["labels"].append(x.labels.numpy())
     for w in writers.values():
         w.close()
-    (out / conv.MANIFEST).write_text(json.dumps({"format": conv.FORMAT, "version": conv.VERSION, "lines": batches * B,
+    (out / conv.MANIFEST).write_text(json.dumps({"format": conv.FORMAT, "version": conv.BAKED_VERSION, "lines": batches * B,
         "rows": [rows] * 26, "seed": 0, "sources": [], "fingerprint": "synthetic seed 0"}))
 
 

@@ -59,30 +59,30 @@ def resolve_train_data(args) -> dict:
 
 
 def add_commands(sub, positive_int, non_negative_int) -> None:
-    _add_data(sub, non_negative_int)
+    _add_data(sub)
     _add_eval(sub, positive_int, non_negative_int)
     _add_plot(sub)
 
 
 # -- data convert ----------------------------------------------------------------------------------
 
-def _add_data(sub, non_negative_int) -> None:
+def _add_data(sub) -> None:
     d = sub.add_parser("data", help="prepare Criteo data for training (convert raw files to columns)",
                        description="Prepare Criteo data: `data convert` parses raw Criteo files once into a "
                                    "folder of numpy columns that `train --data FOLDER` reads by batch with no "
-                                   "parsing.")
+                                   "parsing, at any --rows and --seed.")
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION", parser_class=type(d))
     dsub.required = True
     c = dsub.add_parser("convert", help="raw Criteo files (plain or .gz, e.g. day_0 .. day_23) -> a columnar folder",
                         description="Parse SRC files in order (raw tab-separated or CSV layout, plain or gzipped) "
-                                    "into OUT/: dense.npy, sparse.npy, labels.npy and manifest.json. The "
-                                    "categorical hashes become row ids here, with --rows and --seed, so "
-                                    "training must use the same ones (checked).")
+                                    "into OUT/: dense.npy, sparse.npy, labels.npy, the exception files and "
+                                    "manifest.json. The categorical values are kept as they are and hashed to "
+                                    "rows when training reads them, so one conversion serves every --rows and "
+                                    "--seed.")
     c.add_argument("paths", nargs="+", metavar="PATH", help="source files, then the output folder last")
-    c.add_argument("--rows", type=parse_rows, default=1_000_000,
-                   help="hash buckets per categorical feature: one count, or 26 comma-separated "
-                        "(default 1,000,000)")
-    c.add_argument("--seed", type=non_negative_int, default=0, help="the hash seed (default 0)")
+    # Conversion once took these; a script that still passes them gets a line saying why not.
+    c.add_argument("--rows", default=None, help=argparse.SUPPRESS)
+    c.add_argument("--seed", default=None, help=argparse.SUPPRESS)
     c.add_argument("--json", action="store_true", help="print the manifest as the last line")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(run=_run_convert)
@@ -94,6 +94,10 @@ def _run_convert(args) -> int:
     from ..data.converted import convert
     from ..data.stream import file_size
 
+    for flag in ("rows", "seed"):
+        if getattr(args, flag) is not None:
+            raise ConfigError(f"data convert takes no --{flag}: the folder keeps the categorical values and "
+                              f"serves any --{flag}; give it to `train`")
     if len(args.paths) < 2:
         raise ConfigError("data convert: give one or more source files, then the output folder")
     *sources, out = args.paths
@@ -101,7 +105,7 @@ def _run_convert(args) -> int:
     bar = tqdm(total=total, desc="convert", unit="B", unit_scale=True, disable=None if not args.no_progress else True,
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     try:
-        manifest = convert(sources, out, rows=args.rows, seed=args.seed, progress=bar.update)
+        manifest = convert(sources, out, progress=bar.update)
     finally:
         bar.close()
     print(f"converted {len(sources)} file(s), {manifest['lines']:,} lines, into {out}")
@@ -114,12 +118,13 @@ def _run_convert(args) -> int:
 
 def _add_eval(sub, positive_int, non_negative_int) -> None:
     e = sub.add_parser("eval", help="AUC and log loss of a pool's model on data (read-only: never writes the pool)",
-                       description="Evaluate the model committed in POOL on batches of --data (a raw Criteo file "
-                                   "or a converted folder), read with the settings the pool was trained with. "
+                       description="Evaluate the model committed in POOL on batches of --data (a raw Criteo file, "
+                                   "a converted folder or TorchRec's day_N_*.npy folder), read with the settings the pool was trained with. "
                                    "The pool is opened read-only; a pool with a batch to roll back is refused "
                                    "(run `cxltrain recover` first).")
     e.add_argument("pool", metavar="POOL")
-    e.add_argument("--data", required=True, metavar="PATH", help="raw Criteo file or converted folder")
+    e.add_argument("--data", required=True, metavar="PATH",
+                   help="raw Criteo file, converted folder or folder in TorchRec's npy layout")
     e.add_argument("--batches", type=positive_int, default=None, metavar="N",
                    help="evaluate the last N batches of the data, trained on or not (default: the batches "
                         "the pool's run never trained on)")

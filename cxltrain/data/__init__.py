@@ -1,5 +1,5 @@
 """Data sources: deterministic synthetic Criteo-like batches, raw Criteo readers (plain or gzipped,
-native parser) and converted Criteo folders (docs/criteo.md).
+native parser), converted Criteo folders and folders in TorchRec's npy layout (docs/criteo.md).
 
 Every source can jump to batch b: `source.batch(b)` depends only on the source's configuration
 and b, so a run resumed at batch b sees exactly the batches an uninterrupted run saw. Each has
@@ -13,5 +13,6 @@ from .converted import ConvertedCriteo
 from .criteo import CriteoFile
 from .loader import ResumableSampler
 from .synthetic import SyntheticCriteo
+from .torchrec_npy import TorchRecFolder
 
-__all__ = ["Batch", "ConvertedCriteo", "CriteoFile", "ResumableSampler", "SyntheticCriteo"]
+__all__ = ["Batch", "ConvertedCriteo", "CriteoFile", "ResumableSampler", "SyntheticCriteo", "TorchRecFolder"]

@@ -1,4 +1,5 @@
-"""File data for training: a raw Criteo file or a converted folder, its held-out batches, epochs.
+"""File data for training: a raw Criteo file, a converted folder or a folder in TorchRec's npy
+layout; its held-out batches, epochs.
 
     source = open_criteo(path, batch_size=B, rows=rows, num_tables=T, seed=s)
     train = Epochs(source, batches=range(0, source.num_batches - 4), epochs=3)
@@ -15,12 +16,17 @@ from .batch import Batch, BatchSource
 from .common import batch_indices, check_index, check_int
 from .converted import ConvertedCriteo, is_converted
 from .criteo import CriteoFile
+from .torchrec_npy import TorchRecFolder, is_torchrec_folder
 
 
 def open_criteo(path: str | os.PathLike, *, batch_size: int, rows: int | Sequence[int], num_tables: int,
-                seed: int) -> CriteoFile | ConvertedCriteo:
-    """A converted folder (`cxltrain data convert`) or a raw Criteo file, plain or gzipped."""
-    kind = ConvertedCriteo if is_converted(path) else CriteoFile
+                seed: int) -> CriteoFile | ConvertedCriteo | TorchRecFolder:
+    """A folder TorchRec's preprocessing wrote (day_N_*.npy), a converted folder (`cxltrain data
+    convert`), or a raw Criteo file, plain or gzipped."""
+    if is_torchrec_folder(path):
+        kind = TorchRecFolder
+    else:
+        kind = ConvertedCriteo if is_converted(path) else CriteoFile
     return kind(path, batch_size=batch_size, rows=rows, num_tables=num_tables, seed=seed)
 
 

@@ -2,7 +2,8 @@
 
 Per line: label 0 or 1; dense = log1p(max(I, 0)) with missing = 0, float32 [13]; categorical C_t,
 a hex hash of at most 16 digits, becomes row splitmix64(C_t xor key(seed, t)) mod rows_t of table
-t (missing → row 0); only C1..CT are read (T = num_tables).
+t (missing → row 0); only C1..CT are read (T = num_tables). A parser made with rows=None keeps
+the hashes themselves (missing = 0) and which fields were present: what `data convert` stores.
 
 `parse_bytes` runs the C parser over a block of lines; the first line it does not accept goes to
 the Python parser alone (`parse_text`), which either reads it (forms only Python accepts, such as
@@ -10,8 +11,8 @@ a count written "2.6e2") or raises the one-line ConfigError naming file and line
 same values bit for bit (the C side hands back float64 counts; log1p is numpy's on both paths).
 Without the extension, whole blocks go to the Python parser.
 
-Shapes: n = lines parsed, T = num_tables; Columns = dense [n, 13] float32, ids [n, T] int64,
-labels [n] float32.
+Shapes: n = lines parsed, T = num_tables; Columns = dense [n, 13] float32, ids [n, T] int64 (with
+rows=None: hashes [n, T] uint64 and present [n, T] bool), labels [n] float32.
 """
 
 from __future__ import annotations
@@ -46,21 +47,23 @@ def native_built() -> bool:
 @dataclasses.dataclass(frozen=True)
 class Columns:
     dense: np.ndarray    # [n, 13] float32
-    ids: np.ndarray      # [n, T] int64
+    ids: np.ndarray      # [n, T] int64 row ids; a rows=None parser's: uint64 hashes, missing = 0
     labels: np.ndarray   # [n] float32
+    present: np.ndarray | None = None   # [n, T] bool, a rows=None parser's only: the field had a value
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
 
 class LineParser:
-    """Parses lines of one file's layout. `path` names the file in errors; `sep` is "\\t" or ","."""
+    """Parses lines of one file's layout. `path` names the file in errors; `sep` is "\\t" or ",";
+    `rows` None keeps the categorical hashes rather than row ids (`seed` then plays no part)."""
 
-    def __init__(self, path: str | Path, sep: str, num_tables: int, rows: Sequence[int], seed: int,
+    def __init__(self, path: str | Path, sep: str, num_tables: int, rows: Sequence[int] | None, seed: int,
                  native: bool = True) -> None:
         self.path, self.sep, self.num_tables = path, sep, num_tables
-        self.rows = np.array(rows, dtype=np.uint64)
-        self.keys = np.array([hash_key(seed, t) for t in range(num_tables)], dtype=np.uint64)
+        self.rows = None if rows is None else np.array(rows, dtype=np.uint64)
+        self.keys = table_keys(seed, num_tables)
         self.native = native and _native is not None
 
     def fail(self, line_no: int, what: str) -> ConfigError:
@@ -77,16 +80,19 @@ class LineParser:
         last line read."""
         if not self.native:
             return self._parse_bytes_python(raw, first_line_no, count, start)
-        t = self.num_tables
+        t, hashes = self.num_tables, self.rows is None
         dense = np.empty((count, NUM_DENSE), dtype=np.float64)
-        ids = np.empty((count, t), dtype=np.int64)
+        ids = np.empty((count, t), dtype=np.uint64 if hashes else np.int64)
         labels = np.empty(count, dtype=np.float32)
+        present = np.empty((count, t), dtype=np.bool_) if hashes else None   # C writes bytes 0/1
+        rows_at = 0 if hashes else self.rows.ctypes.data      # 0 tells C to keep the hashes
         done, pos, size = 0, start, len(raw)
         by_python: list[tuple[int, np.ndarray]] = []   # (line, its dense row) read by the Python parser
         while done < count and pos < size:
             n, pos, status = _native.parse_lines(
-                raw, pos, self.sep, t, self.keys.ctypes.data, self.rows.ctypes.data, count - done,
-                dense[done:].ctypes.data, ids[done:].ctypes.data, labels[done:].ctypes.data)
+                raw, pos, self.sep, t, self.keys.ctypes.data, rows_at, count - done,
+                dense[done:].ctypes.data, ids[done:].ctypes.data, labels[done:].ctypes.data,
+                present[done:].ctypes.data if hashes else 0)
             done += n
             if status:  # the C parser does not accept this line: Python reads it or says why not
                 stop = raw.find(b"\n", pos)
@@ -95,12 +101,14 @@ class LineParser:
                 one = self.parse_text([self._strip(self.decode(raw[pos:stop], line_no))], line_no)
                 by_python.append((done, one.dense[0]))
                 ids[done], labels[done] = one.ids[0], one.labels[0]
+                if hashes:
+                    present[done] = one.present[0]
                 done += 1
                 pos = stop + 1
         out = counts_to_dense(dense[:done])
         for i, row in by_python:
             out[i] = row
-        return Columns(out, ids[:done], labels[:done]), min(pos, size)
+        return Columns(out, ids[:done], labels[:done], None if present is None else present[:done]), min(pos, size)
 
     def _parse_bytes_python(self, raw: bytes, first_line_no: int, count: int, start: int) -> tuple[Columns, int]:
         pos, lines = start, []
@@ -132,13 +140,16 @@ class LineParser:
                 kind = "tab" if sep == "\t" else "comma"
                 raise self.fail(first_line_no + i, f"{len(row)} {kind}-separated fields, expected {NUM_FIELDS}")
         if not fields:
-            return Columns(np.empty((0, NUM_DENSE), np.float32), np.empty((0, self.num_tables), np.int64),
-                           np.empty(0, np.float32))
+            empty = np.empty((0, self.num_tables), np.int64 if self.rows is not None else np.uint64)
+            present = None if self.rows is not None else np.empty((0, self.num_tables), np.bool_)
+            return Columns(np.empty((0, NUM_DENSE), np.float32), empty, np.empty(0, np.float32), present)
         columns = list(zip(*fields))           # 40 tuples of n strings
         labels = self._labels(columns[0], first_line_no)
         dense = self._dense(columns[1 : 1 + NUM_DENSE], first_line_no)
-        ids = self._ids(columns[1 + NUM_DENSE : 1 + NUM_DENSE + self.num_tables], first_line_no)
-        return Columns(dense, ids, labels)
+        hashes, present = self._hashes(columns[1 + NUM_DENSE : 1 + NUM_DENSE + self.num_tables], first_line_no)
+        if self.rows is None:
+            return Columns(dense, hashes, labels, present)
+        return Columns(dense, hashed_rows(hashes, present, self.keys, self.rows), labels)
 
     def _labels(self, column: tuple[str, ...], first_line_no: int) -> np.ndarray:
         """[n] label strings → [n] float32 0.0/1.0."""
@@ -162,8 +173,8 @@ class LineParser:
             raise self.fail(first_line_no + i, f"I{j + 1} is {columns[j][i]!r}, not an integer")
         return counts_to_dense(values)
 
-    def _ids(self, columns: list[tuple[str, ...]], first_line_no: int) -> np.ndarray:
-        """T columns of [n] hex strings → [n, T] int64 row ids, missing = 0."""
+    def _hashes(self, columns: list[tuple[str, ...]], first_line_no: int) -> tuple[np.ndarray, np.ndarray]:
+        """T columns of [n] hex strings → hashes [n, T] uint64 (missing = 0), present [n, T] bool."""
         size = len(columns[0])
         flat = [v for column in columns for v in column]   # value k is line k % n of C(k // n + 1)
         lengths = np.fromiter(map(len, flat), dtype=np.int64, count=len(flat))
@@ -173,10 +184,20 @@ class LineParser:
             what = f"C{k // size + 1} is {flat[k]!r}, not a hex hash of at most 16 digits"
             raise self.fail(first_line_no + k % size, what)
         hashes = np.array([int(v, 16) if v else 0 for v in flat], dtype=np.uint64)
-        hashes = hashes.reshape(len(columns), size).T                 # [n, T]
-        ids = (splitmix64(hashes ^ self.keys) % self.rows).astype(np.int64)
-        ids[(lengths == 0).reshape(len(columns), size).T] = 0
-        return ids
+        return hashes.reshape(len(columns), size).T, (lengths > 0).reshape(len(columns), size).T   # [n, T]
+
+
+def table_keys(seed: int, num_tables: int) -> np.ndarray:
+    """key(seed, t) of tables t = 0..T-1, the keys the categorical hash mixes in. → [T] uint64."""
+    return np.array([hash_key(seed, t) for t in range(num_tables)], dtype=np.uint64)
+
+
+def hashed_rows(hashes: np.ndarray, present: np.ndarray, keys: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The hashing rule: hashes [n, T] (uint64) → row ids [n, T] int64,
+    splitmix64(h xor keys[t]) mod rows[t], and row 0 where `present` [n, T] is False."""
+    ids = (splitmix64(hashes ^ keys) % np.asarray(rows, dtype=np.uint64)).astype(np.int64)
+    ids[~present] = 0
+    return ids
 
 
 def line_error(path: str | Path, line_no: int, what: str) -> ConfigError:

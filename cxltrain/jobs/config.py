@@ -45,8 +45,10 @@ class TrainConfig:
                                               "/dev/shm, or the temp folder)", metavar="PATH")
     # raw Criteo file; None = synthetic Criteo-like batches
     data: str | None = option(None, "--data", "raw Criteo file (tab-separated label, I1..I13, C1..C26; "
-                                              "Kaggle train.txt, Terabyte day_N; plain or .gz) or a folder "
-                                              "made by `cxltrain data convert`, instead of synthetic data; "
+                                              "Kaggle train.txt, Terabyte day_N; plain or .gz), a folder "
+                                              "made by `cxltrain data convert`, or one TorchRec's "
+                                              "preprocessing wrote (day_N_dense/sparse/labels.npy), "
+                                              "instead of synthetic data; "
                                               "all 26 tables unless --num-tables; "
                                               "--rows is then the hash buckets per categorical feature",
                               metavar="PATH")
