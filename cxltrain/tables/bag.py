@@ -48,7 +48,7 @@ from ..faults import Planted, PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
-from .cache import HotRowCache, merged
+from .cache import HotRowCache, merged_chunks
 from .device_rows import DeviceRows
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 
@@ -289,23 +289,28 @@ class PersistentEmbeddingBag(nn.Module):
         A table with a hot-row cache gives a copy instead, its cached rows read from the cache
         (their capacity rows are stale): writing into it changes nothing."""
         if self.cache is not None:
-            return self._merged()[0]
+            return self._merged(optimizer_state=False)
         return self._require_storage()[:, : self.embedding_dim]
 
     @property
     def optimizer_state(self) -> torch.Tensor | None:
         """[R, K] view of the optimizer state, or None for SGD (a copy through the cache, as weight)."""
         self._require_storage()
-        if self.cache is not None:
-            return self._merged()[1]
+        if self.cache is not None and self._state is not None:
+            return self._merged(optimizer_state=True)
         return self._state
 
-    def _merged(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copies of the weights [R, D] and state [R, K] with the cached rows taken from the cache."""
-        weights = self._require_storage()[:, : self.embedding_dim].clone()
-        state = None if self._state is None else self._state.clone()
-        merged(self.cache.slots.pool, self.name, weights.numpy(), None if state is None else state.numpy())
-        return weights, state
+    def _merged(self, optimizer_state: bool) -> torch.Tensor:
+        """A copy of the weights [R, D] (or the state [R, K]) with the cached rows taken from the cache,
+        filled a chunk at a time: the copy is all the memory it takes."""
+        columns = self._state.shape[1] if optimizer_state else self.embedding_dim
+        region = self.state_region if optimizer_state else self.weight_region
+        out = torch.empty(self.num_embeddings, columns)
+        at = 0
+        for chunk in merged_chunks(self.cache.slots.pool, self.name, region, optimizer_state):
+            out[at : at + chunk.shape[0]] = torch.from_numpy(chunk)
+            at += chunk.shape[0]
+        return out
 
     @property
     def pending_load(self) -> bool:
