@@ -6,16 +6,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from cxltrain.jobs.config import TrainConfig
-from cxltrain.jobs.train import train
+from cxltrain.jobs.train import build_model, train
+from cxltrain.pool.handle import Pool
 from cxltrain.runtime import streamed_save
 from cxltrain.runtime.runtime import export_state, open_export
 from cxltrain.tables import cache as hot_cache
+from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import cxltrain, tier_folders
 
 
@@ -115,3 +118,34 @@ def test_an_export_holds_a_chunk_of_the_tables_at_a_time(cached_set, tmp_path, m
     with open(tmp_path / "whole.pt", "w+b") as f:
         torch.save(export_state(primary), f)
     assert (tmp_path / "t.pt").read_bytes() == (tmp_path / "whole.pt").read_bytes()
+
+
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+
+
+def test_a_cached_tables_state_dict_is_its_merged_rows_and_costs_a_chunk_of_memory(cached_set, monkeypatch):
+    """A cached table's weight and optimizer state are copies (cached rows from their slots): built a
+    chunk at a time into a mapped file, they add about a chunk to the process's anonymous memory,
+    where copies in memory add the 10 MB of weights."""
+    primary, _ = cached_set
+    monkeypatch.setattr(hot_cache, "CHUNK_BYTES", 256 << 10)
+    expected = export_state(primary)["model"]
+    config = dataclasses.replace(CONFIG, capacity_pool=None)
+    model = build_model(config)
+    with Pool.open(primary, writable=False) as pool, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's word on a read-only mapping: intended
+        for table in model.modules():
+            if isinstance(table, PersistentEmbeddingBag):
+                table.attach(pool)
+                table.cache = hot_cache.HotRowCache(table, pool)
+        before = rss_anon()
+        state = model.state_dict()
+        grown = rss_anon() - before
+        tables = [k for k in state if k.endswith((".weight", ".optimizer_state")) and "embedding_bags" in k]
+        assert len(tables) == 4
+        for key in tables:
+            assert torch.equal(state[key], expected[key]), key
+        del state
+    assert grown < 4 << 20, f"state_dict() took {grown:,} bytes of anonymous memory"

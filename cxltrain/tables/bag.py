@@ -34,10 +34,13 @@ so recovery (the next Runtime, `cxltrain recover`) rolls those rows back to the 
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
 import zlib
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -302,12 +305,17 @@ class PersistentEmbeddingBag(nn.Module):
 
     def _merged(self, optimizer_state: bool) -> torch.Tensor:
         """A copy of the weights [R, D] (or the state [R, K]) with the cached rows taken from the cache,
-        filled a chunk at a time: the copy is all the memory it takes."""
+        filled a chunk at a time into an unlinked file beside the table's capacity pool, mapped: its
+        pages are the disk's to write back and the kernel's to reclaim, so a cached table's copy (a
+        state_dict's) costs no more memory than a view of an uncached one does."""
         columns = self._state.shape[1] if optimizer_state else self.embedding_dim
         region = self.state_region if optimizer_state else self.weight_region
-        out = torch.empty(self.num_embeddings, columns)
+        pool = self.cache.slots.pool
+        home = os.path.dirname(os.path.abspath(pool.device_for(pool.region(region)).path))
+        with tempfile.TemporaryFile(dir=home, prefix=".cxltrain-copy-") as f:
+            out = torch.from_numpy(np.memmap(f, np.float32, "w+", shape=(self.num_embeddings, columns)))
         at = 0
-        for chunk in merged_chunks(self.cache.slots.pool, self.name, region, optimizer_state):
+        for chunk in merged_chunks(pool, self.name, region, optimizer_state):
             out[at : at + chunk.shape[0]] = torch.from_numpy(chunk)
             at += chunk.shape[0]
         return out
