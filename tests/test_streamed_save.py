@@ -17,6 +17,7 @@ from cxltrain.jobs.train import build_model, train
 from cxltrain.pool.handle import Pool
 from cxltrain.runtime import streamed_save
 from cxltrain.runtime.runtime import export_state, open_export
+from cxltrain.tables import bag as bag_module
 from cxltrain.tables import cache as hot_cache
 from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import cxltrain, tier_folders
@@ -149,3 +150,12 @@ def test_a_cached_tables_state_dict_is_its_merged_rows_and_costs_a_chunk_of_memo
             assert torch.equal(state[key], expected[key]), key
         del state
     assert grown < 4 << 20, f"state_dict() took {grown:,} bytes of anonymous memory"
+
+
+def test_a_copy_that_cannot_have_its_file_is_made_in_memory(tmp_path):
+    mapped = bag_module._file_backed(str(tmp_path / "t.cap"), (3, 2))
+    assert not os.listdir(tmp_path)  # unlinked at once: the mapping alone keeps it
+    in_memory = bag_module._file_backed(str(tmp_path / "missing" / "t.cap"), (3, 2))  # no such folder
+    for copy in (mapped, in_memory):
+        copy[:] = 1.0
+        assert copy.shape == (3, 2) and float(copy.sum()) == 6.0

@@ -307,13 +307,12 @@ class PersistentEmbeddingBag(nn.Module):
         """A copy of the weights [R, D] (or the state [R, K]) with the cached rows taken from the cache,
         filled a chunk at a time into an unlinked file beside the table's capacity pool, mapped: its
         pages are the disk's to write back and the kernel's to reclaim, so a cached table's copy (a
-        state_dict's) costs no more memory than a view of an uncached one does."""
+        state_dict's) costs no more memory than a view of an uncached one does. Where no such file
+        can be made (a folder we may not write, a full disk), the copy is in memory."""
         columns = self._state.shape[1] if optimizer_state else self.embedding_dim
         region = self.state_region if optimizer_state else self.weight_region
         pool = self.cache.slots.pool
-        home = os.path.dirname(os.path.abspath(pool.device_for(pool.region(region)).path))
-        with tempfile.TemporaryFile(dir=home, prefix=".cxltrain-copy-") as f:
-            out = torch.from_numpy(np.memmap(f, np.float32, "w+", shape=(self.num_embeddings, columns)))
+        out = _file_backed(pool.device_for(pool.region(region)).path, (self.num_embeddings, columns))
         at = 0
         for chunk in merged_chunks(pool, self.name, region, optimizer_state):
             out[at : at + chunk.shape[0]] = torch.from_numpy(chunk)
@@ -664,6 +663,19 @@ def _refuse_unsupported(where: str, max_norm, device, dtype) -> None:
         raise ConfigError(f"{where}: rows live in a host-memory pool; device must be cpu, got {device}")
     if dtype is not None and dtype != torch.float32:
         raise ConfigError(f"{where}: pool rows are float32; dtype {dtype} is not supported")
+
+
+def _file_backed(beside: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An uninitialised float32 tensor [shape] mapped from an unlinked file in the folder of `beside`,
+    its blocks allocated first (a store into a page the disk has no room for would be SIGBUS);
+    in memory where that fails."""
+    nbytes = shape[0] * shape[1] * 4
+    try:
+        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(beside)), prefix=".cxltrain-copy-") as f:
+            os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
+            return torch.from_numpy(np.memmap(f, np.float32, "r+", shape=shape))  # the mapping keeps the file
+    except OSError:
+        return torch.empty(shape)
 
 
 def _checked_weight(where: str, weight, rows: int, dim: int) -> torch.Tensor:
