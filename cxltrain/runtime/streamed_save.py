@@ -1,6 +1,6 @@
 """torch.save, byte for byte, of a state whose big tensors are written chunk by chunk (docs/tiers.md, memory).
 
-torch.save needs every tensor whole in memory: an export of 500 MB of tables took 1.4 GB. Here a
+torch.save needs every tensor whole in memory, so an export needed its tables in memory. Here a
 table is a `Streamed` value (its shape, dtype and a generator of row chunks) and never exists
 whole: torch's own pickling and writer (torch.serialization._save, PyTorchFileWriter) write
 data.pkl, every header, the padding, the zip64 records and the central directory, and are told to
@@ -54,7 +54,7 @@ class Streamed:
         flat = out.view(-1).numpy().view(np.uint8)
         at = 0
         for chunk in self.chunks():
-            raw = chunk.reshape(-1).view(np.uint8)
+            raw = np.ascontiguousarray(chunk).reshape(-1).view(np.uint8)
             flat[at : at + raw.size] = raw
             at += raw.size
         if at != flat.size:
