@@ -11,6 +11,7 @@ and at the end. The planted bugs of faults.PlantedDist make the same check fail.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -157,6 +158,9 @@ def test_torchrun_restart_after_a_kill_between_commits_is_bit_identical(referenc
     out = shm_dir / "out.pt"
     ok(cxltrain("export", run, out, timeout=CHILD_TIMEOUT))
     assert_same_export(torch.load(out, weights_only=True), references(ranks)["end"])
+    whole = io.BytesIO()
+    torch.save(export_dir(str(run)), whole)
+    assert out.read_bytes() == whole.getvalue()  # streamed a chunk at a time, the file of the whole dict
 
 
 def test_an_error_in_a_rank_ends_the_group_without_a_restart(shm_dir):

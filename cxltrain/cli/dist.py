@@ -135,9 +135,9 @@ def run_recover(path: str, as_json: bool) -> int:
 
 
 def run_export(path: str, out: str, save, as_json: bool) -> int:
-    from ..jobs.reshard import export_dir
+    from ..jobs.reshard import streamed_export_dir
 
-    state = export_dir(path)
+    state = streamed_export_dir(path)
     save(state, out)
     print(f"exported {path} at batch {state['batch']} to {out} ({len(state['model'])} model tensors)")
     if as_json:

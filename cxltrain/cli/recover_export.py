@@ -79,7 +79,7 @@ def _run_recover(args) -> int:
 
 
 def _run_export(args) -> int:
-    from ..runtime.runtime import export_state
+    from ..runtime.runtime import open_export
 
     if os.path.exists(args.out):
         raise CxlTrainError(f"{args.out}: already exists; not overwriting it")
@@ -88,12 +88,12 @@ def _run_export(args) -> int:
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
     if run_dir.is_run_dir(args.path):
         return dist_cli.run_export(args.path, args.out, _save_export, args.json)
-    state = export_state(args.path)
-    if args.format == "torchrec":
-        from ..runtime.interop import to_torchrec
+    with open_export(args.path) as state:  # the tables are read from the pool as they are written
+        if args.format == "torchrec":
+            from ..runtime.interop import to_torchrec
 
-        state = {"batch": state["batch"], "model": to_torchrec(state)}
-    _save_export(state["model"] if args.format == "torchrec" else state, args.out)
+            state = {"batch": state["batch"], "model": to_torchrec(state)}
+        _save_export(state["model"] if args.format == "torchrec" else state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:
@@ -102,11 +102,12 @@ def _run_export(args) -> int:
 
 
 def _save_export(state: dict, out: str) -> None:
-    """torch.save into a file of this run's own beside OUT, linked to OUT once whole: OUT is never
-    half-written, never overwritten, and the temporary file goes on every exit (a full disk, Ctrl-C)."""
+    """torch.save (streamed: tables a chunk at a time) into a file of this run's own beside OUT,
+    linked to OUT once whole: OUT is never half-written, never overwritten, and the temporary file
+    goes on every exit (a full disk, Ctrl-C)."""
     import tempfile
 
-    import torch
+    from ..runtime import streamed_save
 
     folder = os.path.dirname(os.path.abspath(out))
     try:
@@ -114,8 +115,8 @@ def _save_export(state: dict, out: str) -> None:
     except OSError as e:
         raise CxlTrainError(f"{out}: cannot write: {e.strerror}") from None
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+        with os.fdopen(fd, "w+b") as f:
+            streamed_save.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.link(partial, out)  # unlike a rename, never replaces an OUT that appeared meanwhile

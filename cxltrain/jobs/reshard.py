@@ -4,8 +4,9 @@
     import_state("OUT.pt", NEW_DIR, config, world_size=3, sharding="auto")
 
 Export recovers the directory to its agreed batch G first (recovery.recover_dir), then gathers the
-tables one at a time from the pools that hold them (a row-wise table's shards in rank order, a
-data-parallel table from rank 0): beyond the state dict it builds, it holds one table at a time.
+tables from the pools that hold them (a row-wise table's shards in rank order, a data-parallel
+table from rank 0). `cxltrain export` streams them (streamed_export_dir): read a chunk at a time as
+the file is written, never a whole table in memory.
 The dense state and the optimizers' come from rank 0's snapshot (replicated on every rank).
 
 Import re-shards: it plans the tables for the new world size, and writes every rank's pool as a
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import zipfile
 
 import numpy as np
 import torch
@@ -31,7 +33,10 @@ from ..runtime.group_recovery import recover_dir
 from ..runtime.interop import DLRM_COLLECTION
 from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.run_check import refuse_damaged_run_dir
+from ..runtime.runtime import materialized
+from ..runtime.streamed_save import Streamed
 from ..tables.bag import region_names
+from ..tables.cache import merged_chunks
 from .config import TrainConfig
 from .sharded_settings import check_config, plan_for, settings_for
 from .sharded_train import build, seed_everything
@@ -55,7 +60,14 @@ def _is_table_key(key: str) -> bool:
 
 
 def export_dir(directory: str) -> dict:
-    """{"batch", "model", "optimizers", "schedulers"} as a single process exports them."""
+    """{"batch", "model", "optimizers", "schedulers"} as a single process exports them, every table in
+    memory (streamed_export_dir's, read)."""
+    return materialized(streamed_export_dir(directory))
+
+
+def streamed_export_dir(directory: str) -> dict:
+    """export_dir's dict with every table a streamed_save.Streamed: gathered from the pools that hold
+    it a chunk at a time as it is written, so memory holds a chunk, never a table."""
     refuse_damaged_run_dir(directory)  # before recovery writes to any pool
     done = recover_dir(directory)
     m = run_dir.read(directory)
@@ -67,16 +79,33 @@ def export_dir(directory: str) -> dict:
         weight_region, state_region = region_names(table.name)
         ranks = table.ranks[:1] if table.kind == DATA_PARALLEL else table.ranks
         for key, region in ((table_key(t, "weight"), weight_region), (table_key(t, "optimizer_state"), state_region)):
-            parts = []
-            for r in ranks:
-                with Pool.open(run_dir.pool_path(directory, r), writable=False) as pool:
-                    if region in pool.regions:
-                        parts.append(np.array(pool.array(region)))
-            if parts:
-                model[key] = torch.from_numpy(np.concatenate(parts))
+            gathered = _gathered(directory, ranks, table.name, region, region == state_region)
+            if gathered is not None:
+                model[key] = gathered
     tables = {f"{DLRM_COLLECTION}.embedding_bags.t{t}": f"t{t}" for t in range(len(plan.tables))}
     return {"batch": done[0].batch, "model": model, "optimizers": snapshot["optimizers"],
             "schedulers": snapshot["schedulers"], "tables": tables}
+
+
+def _gathered(directory: str, ranks, table: str, region: str, optimizer_state: bool) -> Streamed | None:
+    """Region `region` of the pools of `ranks`, their rows one after the other (row-wise shards in rank
+    order), as a Streamed value; None where no pool holds it."""
+    holders, rows, columns, dtype = [], 0, 0, None
+    for r in ranks:
+        with Pool.open(run_dir.pool_path(directory, r), writable=False) as pool:
+            if region in pool.regions:
+                shape = pool.array(region).shape
+                holders.append(r)
+                rows, columns = rows + shape[0], shape[1]
+                dtype = torch.from_numpy(np.empty(0, pool.region(region).dtype.numpy)).dtype
+    if not holders:
+        return None
+
+    def chunks():
+        for r in holders:
+            with Pool.open(run_dir.pool_path(directory, r), writable=False) as pool:
+                yield from merged_chunks(pool, table, region, optimizer_state)
+    return Streamed((rows, columns), dtype, chunks)
 
 
 def import_state(source: str, directory: str, config: TrainConfig, world_size: int, sharding: str) -> int:
@@ -85,7 +114,8 @@ def import_state(source: str, directory: str, config: TrainConfig, world_size: i
     if os.path.exists(directory):
         raise ConfigError(f"{directory}: already exists; import makes a new run's directory")
     try:
-        state = torch.load(source, weights_only=True)
+        # mapped, not read: each rank's rows are paged in as they are copied into its pool
+        state = torch.load(source, weights_only=True, mmap=zipfile.is_zipfile(source))
     except (OSError, RuntimeError, ValueError) as e:
         raise ConfigError(f"{source}: not a state dict cxltrain can read ({str(e).splitlines()[0][:120]})") from None
     plan = plan_for(config, world_size, sharding)

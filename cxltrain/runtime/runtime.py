@@ -24,6 +24,7 @@ optimizers and LR schedulers for its dense parameters.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable, Iterator, Sequence
@@ -59,6 +60,7 @@ from ..tables import cache as hot_cache
 from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
 from . import tiers as tiering
 from .recovery_point import AgreedMinimum, OwnBatch
+from .streamed_save import Streamed
 
 DEFAULT_UNDO_RING_BYTES = 64 << 20
 MIN_UNDO_RING_BYTES = 8 << 20  # the smallest ring a Runtime sizes itself
@@ -573,20 +575,42 @@ def export_state(path: str) -> dict:
          "optimizers": [optimizer.state_dict(), ...], "schedulers": [...],
          "tables": {table module path: table name}, "metadata": the run's description (Runtime metadata)}
 
+    Every table is copied into memory whole: a file export streams them instead (open_export).
+    """
+    with open_export(path) as state:
+        return materialized(state)
+
+
+@contextlib.contextmanager
+def open_export(path: str) -> Iterator[dict]:
+    """export_state's dict with every table's weights and optimizer state a streamed_save.Streamed:
+    read from the pool chunk by chunk (cached rows from their slots) when written, so memory stays a
+    chunk whatever the tables' size. The pool stays open inside the block.
+
     A pool with nothing to roll back is read, never written (read-only access is enough); one with
     undo records to roll back is recovered in place first, which needs write access.
     """
     with Pool.open(path, writable=False) as pool:
         rollback, snapshot = _records_to_roll_back(pool)
         if not rollback:
-            return _exported(pool, pool.root.batches_done, snapshot)
+            yield _exported(pool, pool.root.batches_done, snapshot)
+            return
     if not os.access(path, os.W_OK):
         raise RecoveryError(f"{path}: {rollback} undo record(s) must be rolled back in place before it can be "
                             "exported, which needs write access to the pool (run `cxltrain recover` on it as "
                             "a user who may write it)")
     with Pool.open(path) as pool:
         report, snapshot = recover(pool)
-        return _exported(pool, report.batch, snapshot)
+        yield _exported(pool, report.batch, snapshot)
+
+
+def materialized(state):
+    """`state` with every Streamed value read into a tensor of its own."""
+    if isinstance(state, Streamed):
+        return state.materialize()
+    if type(state) is dict:
+        return {k: materialized(v) for k, v in state.items()}
+    return state
 
 
 def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
@@ -594,15 +618,15 @@ def _exported(pool: Pool, batch: int, snapshot: dict) -> dict:
     for module_path, name in snapshot["tables"].items():
         prefix = f"{module_path}." if module_path else ""
         weight_region, state_region = region_names(name)
-        weights = pool.array(weight_region)
-        state = np.array(pool.array(state_region)) if state_region in pool.regions else None
-        if hot_cache.cached_slots(pool, name):  # the cached rows' capacity copies are stale: read the cache
-            weights = np.array(weights)
-            hot_cache.merged(pool, name, weights, state)
-        # a read-only mapping must not reach the caller as a tensor it may write: copied
-        model[f"{prefix}weight"] = torch.from_numpy(np.ascontiguousarray(weights) if pool.device.writable
-                                                    else np.array(weights))
-        if state is not None:
-            model[f"{prefix}optimizer_state"] = torch.from_numpy(state)
+        model[f"{prefix}weight"] = _streamed(pool, name, weight_region, False)
+        if state_region in pool.regions:
+            model[f"{prefix}optimizer_state"] = _streamed(pool, name, state_region, True)
     return {"batch": batch, "model": model, "optimizers": snapshot["optimizers"], "schedulers": snapshot["schedulers"],
             "tables": dict(snapshot["tables"]), "metadata": snapshot["metadata"]}
+
+
+def _streamed(pool: Pool, table: str, region: str, optimizer_state: bool) -> Streamed:
+    """A table region as training sees it (cached rows from their slots), read when written."""
+    shape = pool.array(region).shape
+    dtype = torch.from_numpy(np.empty(0, pool.region(region).dtype.numpy)).dtype
+    return Streamed(shape, dtype, lambda: hot_cache.merged_chunks(pool, table, region, optimizer_state))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zipfile
 
 import torch
 
@@ -26,6 +27,7 @@ from ..errors import ConfigError, CxlTrainError, PoolError
 from ..knobs import KNOBS
 from ..pool.format import RegionKind, pool_size_for
 from ..pool.handle import Pool, RegionSpec, publish, remove_stale
+from ..tables import cache as hot_cache
 from ..tables.bag import region_names
 from .interop import TORCHREC_PREFIX, from_torchrec
 from .runtime import DEFAULT_UNDO_RING_BYTES
@@ -45,7 +47,8 @@ def import_file(source: str, path: str, *, state_columns: int = 1,
     state_columns: optimizer-state columns of tables whose export holds none (TorchRec's: 1 for
     row-wise Adagrad, our DLRM's default; 0 for SGD)."""
     try:
-        state = torch.load(source, weights_only=True, map_location="cpu")
+        # mapped, not read: a table's bytes are paged in as _fill copies it, a chunk at a time
+        state = torch.load(source, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(source))
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file") from None
     except Exception as e:  # a torn or foreign file: one line, never a traceback
@@ -105,7 +108,7 @@ def _snapshot_and_tables(state, source: str, absent_state_columns: int):
             raise ConfigError(f"{source}: table {name!r}: optimizer state {list(optim.shape)} does not fit "
                               f"weights {list(weight.shape)}")
         columns = optim.shape[1] if optim is not None else absent_state_columns
-        tables[name] = (weight.to(torch.float32), None if optim is None else optim.to(torch.float32), columns)
+        tables[name] = (weight, optim, columns)  # converted to float32 as they are copied (_fill)
     batch = state.get("batch", 0)
     if not isinstance(batch, int) or batch < 0:
         raise ConfigError(f"{source}: batch must be a non-negative int, got {batch!r}")
@@ -130,10 +133,20 @@ def _fill(pool: Pool, specs: list[RegionSpec], tables: dict, tree: dict) -> None
     pool.add_regions(specs)
     for name, (weight, optim, columns) in tables.items():
         weight_region, state_region = region_names(name)
-        pool.array(weight_region)[:] = weight.numpy()
-        pool.persist_region(weight_region)
+        _copy_rows(pool, weight_region, weight)
         if columns:
             # absent: the initial accumulator of row-wise Adagrad (0), as a new table starts
-            pool.array(state_region)[:] = 0.0 if optim is None else optim.numpy()
-            pool.persist_region(state_region)
+            _copy_rows(pool, state_region, optim)
     first_commit(pool, tree["batch"], tree)
+
+
+def _copy_rows(pool: Pool, region: str, rows: torch.Tensor | None) -> None:
+    """Region `region` [R, C] := rows [R, C] as float32 (None: zeros), a chunk of rows at a time, each
+    persisted: memory holds a chunk, whatever the table's size (the export is mapped, not read)."""
+    target = pool.array(region)
+    step = max(1, hot_cache.CHUNK_BYTES // (target.shape[1] * target.itemsize))
+    r = pool.region(region)
+    for first in range(0, target.shape[0], step):
+        last = min(target.shape[0], first + step)
+        target[first:last] = 0.0 if rows is None else rows[first:last].to(torch.float32).numpy()
+        pool.device.persist(r.offset + first * r.row_stride, (last - first) * r.row_stride)

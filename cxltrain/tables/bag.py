@@ -34,10 +34,13 @@ so recovery (the next Runtime, `cxltrain recover`) rolls those rows back to the 
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 import time
 import zlib
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,7 +51,7 @@ from ..faults import Planted, PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
-from .cache import HotRowCache, merged
+from .cache import HotRowCache, merged_chunks
 from .device_rows import DeviceRows
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
 
@@ -289,23 +292,32 @@ class PersistentEmbeddingBag(nn.Module):
         A table with a hot-row cache gives a copy instead, its cached rows read from the cache
         (their capacity rows are stale): writing into it changes nothing."""
         if self.cache is not None:
-            return self._merged()[0]
+            return self._merged(optimizer_state=False)
         return self._require_storage()[:, : self.embedding_dim]
 
     @property
     def optimizer_state(self) -> torch.Tensor | None:
         """[R, K] view of the optimizer state, or None for SGD (a copy through the cache, as weight)."""
         self._require_storage()
-        if self.cache is not None:
-            return self._merged()[1]
+        if self.cache is not None and self._state is not None:
+            return self._merged(optimizer_state=True)
         return self._state
 
-    def _merged(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copies of the weights [R, D] and state [R, K] with the cached rows taken from the cache."""
-        weights = self._require_storage()[:, : self.embedding_dim].clone()
-        state = None if self._state is None else self._state.clone()
-        merged(self.cache.slots.pool, self.name, weights.numpy(), None if state is None else state.numpy())
-        return weights, state
+    def _merged(self, optimizer_state: bool) -> torch.Tensor:
+        """A copy of the weights [R, D] (or the state [R, K]) with the cached rows taken from the cache,
+        filled a chunk at a time into an unlinked file beside the table's capacity pool, mapped: its
+        pages are the disk's to write back and the kernel's to reclaim, so a cached table's copy (a
+        state_dict's) costs no more memory than a view of an uncached one does. Where no such file
+        can be made (a folder we may not write, a full disk), the copy is in memory."""
+        columns = self._state.shape[1] if optimizer_state else self.embedding_dim
+        region = self.state_region if optimizer_state else self.weight_region
+        pool = self.cache.slots.pool
+        out = _file_backed(pool.device_for(pool.region(region)).path, (self.num_embeddings, columns))
+        at = 0
+        for chunk in merged_chunks(pool, self.name, region, optimizer_state):
+            out[at : at + chunk.shape[0]] = torch.from_numpy(chunk)
+            at += chunk.shape[0]
+        return out
 
     @property
     def pending_load(self) -> bool:
@@ -654,6 +666,19 @@ def _refuse_unsupported(where: str, max_norm, device, dtype) -> None:
         raise ConfigError(f"{where}: rows live in a host-memory pool; device must be cpu, got {device}")
     if dtype is not None and dtype != torch.float32:
         raise ConfigError(f"{where}: pool rows are float32; dtype {dtype} is not supported")
+
+
+def _file_backed(beside: str, shape: tuple[int, int]) -> torch.Tensor:
+    """An uninitialised float32 tensor [shape] mapped from an unlinked file in the folder of `beside`,
+    its blocks allocated first (a store into a page the disk has no room for would be SIGBUS);
+    in memory where that fails."""
+    nbytes = shape[0] * shape[1] * 4
+    try:
+        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(beside)), prefix=".cxltrain-copy-") as f:
+            os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
+            return torch.from_numpy(np.memmap(f, np.float32, "r+", shape=shape))  # the mapping keeps the file
+    except OSError:
+        return torch.empty(shape)
 
 
 def _checked_weight(where: str, weight, rows: int, dim: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ checkpointer fuses the capture (U1h), as for an uncached table.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
 
 MAX_ROWS = (1 << 31) - 1
+CHUNK_BYTES = 16 << 20   # what reading a whole table holds at once (merged_chunks)
 
 
 def region_specs(table, slots: int) -> list[RegionSpec]:
@@ -316,17 +318,34 @@ class HotRowCache:
         return torch.sort(slots[hit]).values, rows[~hit]
 
 
-def merged(pool: Pool, table_name: str, weights: np.ndarray, state: np.ndarray | None) -> None:
-    """Write the cached rows of `table_name` (its slots' weights and state) over `weights` [R, D] and
-    `state` [R, K], copies of its capacity rows: the table as training sees it."""
-    weight_region, state_region, _ = region_names(table_name)
-    if weight_region not in pool.regions:
-        return
-    slots = pool.array(state_region)
-    k = slots.shape[1] - MAP_COLUMNS
-    rows = np.ascontiguousarray(slots[:, k:]).view(np.int32)[:, 0]
-    held = np.nonzero(rows >= 0)[0]
-    weights[rows[held]] = pool.array(weight_region)[held, : weights.shape[1]]
-    if state is not None and k:
-        state[rows[held]] = slots[held, :k]
+def merged_chunks(pool: Pool, table_name: str, region: str, optimizer_state: bool) -> Iterator[np.ndarray]:
+    """The table `table_name` as training sees it, chunk by chunk: its region `region` (weights
+    [R, D], or with optimizer_state its state [R, K]) in copies of at most CHUNK_BYTES (one row at
+    least), rows in order, each chunk's cached rows taken from their slots (their capacity rows are
+    stale). Memory stays a chunk whatever the table's size."""
+    table = pool.array(region)
+    row_bytes = max(1, table.shape[1] * table.itemsize)
+    step = max(1, CHUNK_BYTES // row_bytes)
+    rows, slots = _held(pool, table_name)
+    slot_region = region_names(table_name)[1 if optimizer_state else 0]
+    cached = pool.array(slot_region) if rows.size else None
+    for first in range(0, table.shape[0], step):
+        last = min(table.shape[0], first + step)
+        chunk = np.array(table[first:last])  # a copy: never the mapping itself
+        lo, hi = np.searchsorted(rows, (first, last))
+        if hi > lo:
+            chunk[rows[lo:hi] - first] = cached[slots[lo:hi], : chunk.shape[1]]
+        yield chunk
 
+
+def _held(pool: Pool, table_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(the rows the table's cache holds [H], sorted; the slot of each [H]); empty without a cache."""
+    state_region = region_names(table_name)[1]
+    if state_region not in pool.regions:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    state = pool.array(state_region)
+    k = state.shape[1] - MAP_COLUMNS
+    rows = np.ascontiguousarray(state[:, k:]).view(np.int32)[:, 0].astype(np.int64)
+    slots = np.nonzero(rows >= 0)[0]
+    order = np.argsort(rows[slots], kind="stable")
+    return rows[slots][order], slots[order]
