@@ -294,7 +294,8 @@ class Runtime:
 
     def ring_bytes(self) -> int:
         """The undo ring a new pool gets: room for the records of the largest batch this Runtime's
-        tables can make (each table: at most rows_per_batch rows, at most the table; a cached
+        tables can make (each table: at most rows_per_batch rows, at most the table, twice for a
+        max_norm table: its renorm's record in forward, its update's in backward; a cached
         table's slots twice more, for the admission's record and the hits' in the first batch, and
         its evicted rows once more when it re-places), times the batches a commit keeps: up to
         dense_every (at most 4) and the one in flight, and in a group those G trails by. The
@@ -307,8 +308,9 @@ class Runtime:
         for table in self.tables.values():
             columns = table.optimizer.state_columns
             spec = table.region_specs()[0]
-            largest += record_bytes(min(table.num_embeddings, self._rows_per_batch), spec.row_stride(KNOBS.row_align),
-                                    columns * 4)
+            records = 1 if table.max_norm is None else 2
+            largest += records * record_bytes(min(table.num_embeddings, self._rows_per_batch),
+                                              spec.row_stride(KNOBS.row_align), columns * 4)
             if table.name in self._hot:
                 slots = self._hot[table.name].size
                 stride = hot_cache.region_specs(table, slots)[0].row_stride(KNOBS.row_align)

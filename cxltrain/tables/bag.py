@@ -19,11 +19,16 @@ Example (B = 2, D = 4):
 Inputs and constructor arguments follow nn.EmbeddingBag: (input [N], offsets [B], or [B + 1] with
 include_last_offset) or input [B, L] with offsets=None; mode "sum", "mean" or "max"; padding_idx;
 scale_grad_by_freq; per_sample_weights [N] with mode "sum" (treated as constants: no gradient flows
-to them); `from_pretrained`. The default mode is "sum" (nn.EmbeddingBag's is "mean"). `max_norm` is
-refused: it renormalises rows during forward, a store outside the backward update the undo log
-captures. Indices that are out of range, negative, or not int32/int64 raise before anything is
-written. Plain sum/mean bags take the fused kernel; the other modes compute the unique rows'
-gradient with autograd on a copy of just those rows, then apply the same fused rule per row.
+to them); max_norm/norm_type; `from_pretrained`. The default mode is "sum" (nn.EmbeddingBag's is
+"mean"). Indices that are out of range, negative, or not int32/int64 raise before anything is
+written. Plain sum/mean bags take the fused kernel; the other modes (and max_norm) compute the
+unique rows' gradient with autograd on a copy of just those rows, then apply the same fused rule per row.
+
+max_norm: forward renormalises the looked-up rows whose norm exceeds it, in place, as torch does
+(renorm.py). That is a store outside the backward update: under a Runtime the renormalised rows get
+their undo record first, like an update's (U1), so recovery undoes the renorm with the batch. A
+lookup outside a batch (evaluation between batches) uses the renormalised rows but leaves them as
+they are: no batch could undo the store; the next training lookup stores them.
 
 Non-finite gradients stop the run: backward raises NonFiniteError, naming the table and the batch,
 before the table stores anything (one isfinite check of the [U, D] gradient per table per batch).
@@ -34,6 +39,7 @@ so recovery (the next Runtime, `cxltrain recover`) rolls those rows back to the 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 import zlib
 from typing import TYPE_CHECKING
@@ -48,6 +54,7 @@ from ..faults import Planted, PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
+from . import renorm
 from .cache import HotRowCache, merged
 from .device_rows import DeviceRows
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
@@ -75,6 +82,8 @@ class PersistentEmbeddingBag(nn.Module):
         num_embeddings: R, rows in the table.
         embedding_dim: D, floats per row.
         name: the table's name; its pool regions are `<name>.weight` and `<name>.optim`.
+        max_norm, norm_type: renormalise each looked-up row whose norm_type-norm exceeds max_norm, in
+            forward, in place (as nn.EmbeddingBag; undo-logged: renorm.py).
         mode: "sum" or "mean" pooling of each bag.
         optimizer: the fused sparse optimizer applied in backward (default RowWiseAdagrad(0.01)).
         seed: initial weights are uniform(-1/sqrt(R), 1/sqrt(R)) drawn from this seed alone.
@@ -97,7 +106,7 @@ class PersistentEmbeddingBag(nn.Module):
             raise ConfigError(f"{where}: mode must be one of {MODES}, got {mode!r}")
         if name is not None and (not name or "." in name):
             raise ConfigError(f"table name {name!r} must be non-empty and contain no '.'")
-        _refuse_unsupported(where, max_norm, device, dtype)
+        _refuse_unsupported(where, max_norm, norm_type, device, dtype)
         if padding_idx is not None:
             if not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
                 raise ConfigError(f"{where}: padding_idx must be an int in [-{num_embeddings}, {num_embeddings}), "
@@ -107,12 +116,14 @@ class PersistentEmbeddingBag(nn.Module):
         self.embedding_dim = embedding_dim
         self.name = name
         self.mode = mode
-        self.max_norm, self.norm_type, self.sparse = max_norm, norm_type, bool(sparse)
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type, self.sparse = float(norm_type), bool(sparse)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
         self.include_last_offset = bool(include_last_offset)
         self.padding_idx = padding_idx
         # sum/mean bags with none of the extras take the fused kernel straight from the lookups
-        self._fused = mode != "max" and padding_idx is None and not self.scale_grad_by_freq
+        # (max_norm's do not: so neither a hot-row cache nor a device placement takes them)
+        self._fused = mode != "max" and padding_idx is None and not self.scale_grad_by_freq and max_norm is None
         self.frozen = False  # from_pretrained(freeze=True): looked up, never updated
         self._initial = None if _weight is None else _checked_weight(where, _weight, num_embeddings, embedding_dim)
         self._initial_state: torch.Tensor | None = None  # from load_state_dict, with _initial
@@ -251,7 +262,7 @@ class PersistentEmbeddingBag(nn.Module):
                               "train on the CPU or without --capacity-pool")
         if not self._fused or self.include_last_offset:
             raise ConfigError(f"{where}: the device path takes sum and mean bags without padding_idx, "
-                              "scale_grad_by_freq or include_last_offset")
+                              "scale_grad_by_freq, include_last_offset or max_norm")
         self.device_rows = DeviceRows(self, torch.device(device), cached_ids)
         return self.device_rows
 
@@ -379,6 +390,12 @@ class PersistentEmbeddingBag(nn.Module):
             anchor = torch.empty(0, requires_grad=learns)
             return _DeviceBagLookup.apply(anchor, self, indices, offsets, per_sample_weights, batch)
         source, positions, batch = rows, indices, None
+        if self.max_norm is not None and indices.numel():
+            # before the lookups are noted: the renorm's own undo record comes first (renorm.py);
+            # never with a cache or a device placement (not _fused: cache.check_table, place)
+            unstored = renorm.renormalise(self, indices)
+            if unstored is not None and guard is None:  # evaluation between batches: rows left as they are
+                return renorm.pooled(self, *unstored, indices, offsets, per_sample_weights, last_offset)
         if self.cache is not None:  # never with include_last_offset (cache.check_table)
             source, positions, batch = self.cache.lookups(guard, self, indices)
         elif guard is not None:
@@ -642,11 +659,13 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
     stats.update_seconds += time.perf_counter() - started
 
 
-def _refuse_unsupported(where: str, max_norm, device, dtype) -> None:
-    """nn.EmbeddingBag arguments a pool table cannot honour: one line each, never ignored."""
-    if max_norm is not None:
-        raise ConfigError(f"{where}: max_norm is not supported: it renormalises rows during forward, a store "
-                          "outside the backward update that the undo log captures")
+def _refuse_unsupported(where: str, max_norm, norm_type, device, dtype) -> None:
+    """nn.EmbeddingBag arguments a pool table cannot honour (or that make no sense): one line each."""
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real)
+                                 or not 0 < max_norm < float("inf")):
+        raise ConfigError(f"{where}: max_norm must be a positive number, got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or norm_type != norm_type:
+        raise ConfigError(f"{where}: norm_type must be a number, got {norm_type!r}")
     if device is not None and torch.device(device).type != "cpu":
         raise ConfigError(f"{where}: rows live in a host-memory pool; device must be cpu, got {device}")
     if dtype is not None and dtype != torch.float32:
