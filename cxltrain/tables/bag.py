@@ -11,18 +11,18 @@ R = num_embeddings, U unique rows of a batch.
 Example (B = 2, D = 4):
 
     pool = Pool.create("/dev/shm/example.pool", size=16 << 20)
-    bag = PersistentEmbeddingBag(1000, 4, name="t0", optimizer=SGD(lr=0.1))
+    bag = PersistentEmbeddingBag(1000, 4, name="t0", mode="sum", optimizer=SGD(lr=0.1))
     bag.attach(pool)                        # creates and initialises t0.weight [1000, 4]
     out = bag(torch.tensor([3, 7, 7]), torch.tensor([0, 2]))   # bags [3, 7] and [7] → [2, 4]
     out.sum().backward()                    # rows 3 and 7 updated in the pool (7 once, grad 2x)
 
 Inputs and constructor arguments follow nn.EmbeddingBag: (input [N], offsets [B], or [B + 1] with
-include_last_offset) or input [B, L] with offsets=None; mode "sum", "mean" or "max"; padding_idx;
-scale_grad_by_freq; per_sample_weights [N] with mode "sum" (treated as constants: no gradient flows
-to them); max_norm/norm_type; `from_pretrained`. The default mode is "sum" (nn.EmbeddingBag's is
-"mean"). Indices that are out of range, negative, or not int32/int64 raise before anything is
-written. Plain sum/mean bags take the fused kernel; the other modes (and max_norm) compute the
-unique rows' gradient with autograd on a copy of just those rows, then apply the same fused rule per row.
+include_last_offset) or input [B, L] with offsets=None; mode "sum", "mean" (the default, as
+nn.EmbeddingBag's) or "max"; padding_idx; scale_grad_by_freq; per_sample_weights [N] with mode "sum"
+(treated as constants: no gradient flows to them); max_norm/norm_type; `from_pretrained`. Indices
+that are out of range, negative, or not int32/int64 raise before anything is written. Plain sum/mean
+bags take the fused kernel; the other modes (and max_norm) compute the unique rows' gradient with
+autograd on a copy of just those rows, then apply the same fused rule per row.
 
 max_norm: forward renormalises the looked-up rows whose norm exceeds it, in place, as torch does
 (renorm.py). That is a store outside the backward update: under a Runtime the renormalised rows get
@@ -84,14 +84,14 @@ class PersistentEmbeddingBag(nn.Module):
         name: the table's name; its pool regions are `<name>.weight` and `<name>.optim`.
         max_norm, norm_type: renormalise each looked-up row whose norm_type-norm exceeds max_norm, in
             forward, in place (as nn.EmbeddingBag; undo-logged: renorm.py).
-        mode: "sum" or "mean" pooling of each bag.
+        mode: "mean" (the default, as nn.EmbeddingBag's), "sum" or "max" pooling of each bag.
         optimizer: the fused sparse optimizer applied in backward (default RowWiseAdagrad(0.01)).
         seed: initial weights are uniform(-1/sqrt(R), 1/sqrt(R)) drawn from this seed alone.
         feature_names: the sparse features that look up this table (torchrec's vocabulary).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "sum", sparse: bool = False,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
                  _weight: torch.Tensor | None = None, include_last_offset: bool = False,
                  padding_idx: int | None = None, device=None, dtype=None, *, name: str | None = None,
                  optimizer: SparseOptimizer | None = None, seed: int = 0,
