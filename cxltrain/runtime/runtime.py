@@ -56,7 +56,7 @@ from ..placement import planner
 from ..pool.format import RegionKind, pool_size_for
 from ..pool.handle import Pool, RegionSpec, publish, remove_stale
 from ..tables import cache as hot_cache
-from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
+from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, refuse_optimized_tables, region_names
 from . import tiers as tiering
 from .recovery_point import AgreedMinimum, OwnBatch
 
@@ -216,6 +216,7 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         if self.pool is not None:
             raise RuntimeError("this Runtime is already open")
+        refuse_optimized_tables(self.tables.values(), self.optimizers)  # before anything is written
         self._reset()
         self.recovery_point.before_open()
         created = not os.path.exists(self.path)
@@ -354,7 +355,8 @@ class Runtime:
         if present and has_checkpoint(pool):
             if any(t.pending_load for t in tables):
                 raise ConfigError(f"{pool.path}: already holds a checkpoint of these tables, which would replace the "
-                                  "values load_state_dict gave them; use a new pool to start from the loaded state")
+                                  "values load_state_dict (or training before the Runtime) gave them; use a new pool "
+                                  "to start from them")
             self._refuse_to_risk_committed_batches(pool)
             self._resume(pool)
         else:

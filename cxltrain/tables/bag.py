@@ -30,6 +30,13 @@ their undo record first, like an update's (U1), so recovery undoes the renorm wi
 lookup outside a batch (evaluation between batches) uses the renormalised rows but leaves them as
 they are: no batch could undo the store; the next training lookup stores them.
 
+Before it is attached to a pool (or after materialize()) a table is an ordinary in-memory table, as
+nn.EmbeddingBag is: forward, backward (its own fused optimizer) and state_dict() work on DRAM rows,
+drawn from `seed` on first use. A pool created for it starts from those rows; a pool that already
+holds a checkpoint is refused if they were trained (runtime.py, as for load_state_dict). Its rows are
+never nn.Parameters (a dense [R, D] gradient would be allocated), so `model.parameters()` leaves
+them out; a torch optimizer handed them is refused by the Runtime (refuse_optimized_tables).
+
 Non-finite gradients stop the run: backward raises NonFiniteError, naming the table and the batch,
 before the table stores anything (one isfinite check of the [U, D] gradient per table per batch).
 A table whose backward ran earlier in the same batch has stored; the batch is never committed,
@@ -134,6 +141,8 @@ class PersistentEmbeddingBag(nn.Module):
         self.seed = seed
         self.feature_names = tuple(feature_names) if feature_names else (name,) if name else ()
         self.pool: Pool | None = None
+        self._released = False  # its pool closed: the rows are there, never silently redrawn in DRAM
+        self._changed_in_memory = False  # DRAM rows trained or renormalised since they were drawn
         # [R, P] contiguous row storage (P >= D: row padding included), and [R, K] optimizer state.
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
@@ -196,11 +205,17 @@ class PersistentEmbeddingBag(nn.Module):
             pool.add_regions(self.region_specs())
         else:
             self.check_regions(pool)
+        in_memory = self.pool is None and self._rows is not None
+        given = self._initial, self._initial_state
+        if in_memory:
+            # rows used before attaching (or materialize()): a new pool starts from them
+            self._initial, self._initial_state = self._rows[:, : self.embedding_dim], self._state
         rows = torch.from_numpy(pool.array(self.weight_region, padded=True))
         state = (torch.from_numpy(pool.array(self.state_region))
                  if self.optimizer.state_columns else None)
         self._set_storage(rows, state)
         self.pool = pool
+        self._released = self._changed_in_memory = False
         pool.on_close(self.release_storage)
         if created if initialize is None else initialize:
             self.reset_parameters()
@@ -208,6 +223,8 @@ class PersistentEmbeddingBag(nn.Module):
             # the given or loaded values are in the pool now: drop the copy (from_pretrained's too)
             self._initial = self._initial_state = None
             self._loaded = False
+        elif in_memory:
+            self._initial, self._initial_state = given  # an existing pool's rows win
         return created
 
     def check_regions(self, pool: Pool) -> None:
@@ -246,6 +263,7 @@ class PersistentEmbeddingBag(nn.Module):
         """Let go of the pool's memory (called when the pool closes); the table is unusable after."""
         self._rows = self._state = None
         self.pool = None
+        self._released = True
         self.cache = None
         self.device_rows = None
 
@@ -269,7 +287,8 @@ class PersistentEmbeddingBag(nn.Module):
     def reset_parameters(self) -> None:
         """Deterministic initial values: weights uniform(±1/sqrt(R)) from `seed`, state as the optimizer says."""
         rows = self._require_storage()
-        generator = torch.Generator().manual_seed(_table_seed(self.seed, self.name))
+        # an unnamed table drawn in memory before a Runtime names it: a pool created for it copies these
+        generator = torch.Generator().manual_seed(_table_seed(self.seed, self.name or ""))
         bound = self.num_embeddings ** -0.5
         with torch.no_grad():
             rows.zero_()  # padding columns too: they are part of every row flush
@@ -285,10 +304,18 @@ class PersistentEmbeddingBag(nn.Module):
                 self._state.fill_(self.optimizer.initial_state())
 
     def _require_storage(self) -> torch.Tensor:
+        if self._rows is None and not self._released:
+            self.materialize()  # not attached yet: an ordinary in-memory table, as nn.EmbeddingBag
         if self._rows is None:
-            raise RuntimeError(f"table {self.name!r} has no storage: attach(pool) or materialize() it first "
-                               "(or its pool was closed)")
+            raise RuntimeError(f"table {self.name!r} has no storage: its pool was closed (the rows are there; "
+                               "open it again with a Runtime, or `cxltrain export` it)")
         return self._rows
+
+    def note_changed_in_memory(self) -> None:
+        """In-memory rows were stored into (trained or renormalised): a pool that already holds a
+        checkpoint of this table would silently replace them, so a Runtime refuses it (pending_load)."""
+        if self.pool is None:
+            self._changed_in_memory = True
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows [R, P] contiguous, padding included; optimizer state [R, K] or None)."""
@@ -320,15 +347,17 @@ class PersistentEmbeddingBag(nn.Module):
 
     @property
     def pending_load(self) -> bool:
-        """Whether load_state_dict gave values that no pool holds yet."""
-        return self._loaded
+        """Whether load_state_dict, or training in memory before attaching, gave values that no pool
+        holds yet."""
+        return self._loaded or self._changed_in_memory
 
     # -- state dict ---------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        """`weight` [R, D] and `optimizer_state` [R, K]: views of the pool (no copy until saved);
-        nothing for a table without storage, or inside a dense snapshot (seam.dense_only)."""
+        """`weight` [R, D] and `optimizer_state` [R, K]: views of the pool (no copy until saved), or
+        of the in-memory rows before attaching; nothing once its pool is closed, or inside a dense
+        snapshot (seam.dense_only)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._rows is None or in_dense_only():
+        if self._released or in_dense_only():
             return
         destination[prefix + "weight"] = self.weight.detach()
         if self._state is not None:
@@ -384,6 +413,8 @@ class PersistentEmbeddingBag(nn.Module):
             raise ValueError(f"table {self.name!r}: include_last_offset needs at least one offset")
         learns = torch.is_grad_enabled() and not self.frozen
         guard = self.checkpointer if learns and indices.numel() else None
+        if learns and self.pool is None:
+            self.note_changed_in_memory()  # its backward updates the in-memory rows
         if self.device_rows is not None:
             # the host notes the lookups; their undo record is taken from the pool before the update
             batch = guard.capture(self, indices) if guard is not None else None
@@ -512,6 +543,26 @@ def name_unnamed(tables: dict[str, PersistentEmbeddingBag]) -> None:
         if table.name is None:
             table.name = path.replace(".", "_") or "table"
             table.feature_names = table.feature_names or (table.name,)
+
+
+def refuse_optimized_tables(tables, optimizers) -> None:
+    """ConfigError when a torch optimizer holds a tensor that shares storage with a table's rows or
+    optimizer state (given `bag.weight`, say): it would never step them (they get no .grad), while
+    the user believes it trains them. A table trains in backward with its own fused optimizer."""
+    held = {}
+    for table in tables:
+        for what, tensor in (("weight", table._rows), ("optimizer_state", table._state)):
+            if tensor is not None:
+                held[tensor.untyped_storage().data_ptr()] = table.name, what
+    for i, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if (hit := held.get(param.untyped_storage().data_ptr())) is not None:
+                    raise ConfigError(f"optimizer {i} ({type(optimizer).__name__}) holds table {hit[0]!r}'s {hit[1]}, "
+                                      "which it would never train: a table trains in backward with its own fused "
+                                      "optimizer (PersistentEmbeddingBag(optimizer=SGD(lr) or RowWiseAdagrad(lr))); "
+                                      "give torch optimizers the dense parameters only (model.parameters() holds no "
+                                      "table rows)")
 
 
 def region_names(table_name: str) -> tuple[str, str]:

@@ -75,6 +75,7 @@ def _store(table, storage: torch.Tensor, rows: torch.Tensor, values: torch.Tenso
     with torch.no_grad():
         storage[rows, : table.embedding_dim] = values
     if guard is None:
+        table.note_changed_in_memory()
         return
     if unlogged:  # the planted bug: the record taken after the stores, holding the new values
         batch = guard.log_before_write(table, rows)
