@@ -10,9 +10,11 @@ resumed run happen in this process, on fresh pools.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,8 +33,8 @@ TABLES = 2
 # update:mid is reached once per table per batch: this kills batch 3 with its first table half-updated,
 # after both tables' renorms stored; pipelined, batch 2's commit may still be in flight (2 or 3 recovered)
 KILL_AT = f"{CrashPoint.UPDATE_MID}:{3 * TABLES + 1}"
-CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(2); "
-         "import test_max_norm; test_max_norm.train(sys.argv[2], int(sys.argv[3]))")
+CHILD = ("import json, sys; sys.path.insert(0, sys.argv[1]); import torch; torch.set_num_threads(2); "
+         "import test_max_norm; test_max_norm.train(sys.argv[2], int(sys.argv[3]), **json.loads(sys.argv[4]))")
 
 
 def model() -> nn.ModuleDict:
@@ -67,12 +69,12 @@ def state(m: nn.ModuleDict) -> dict[str, torch.Tensor]:
     return {key: value.clone() for key, value in m.state_dict().items()}
 
 
-def train(pool: str, steps: int) -> tuple[int, dict, dict]:
-    """Train on `pool` (resuming what it holds) up to `steps` batches: (the batch it started at,
-    the model's state then, the model's state at the end)."""
+def train(pool: str, steps: int, **options) -> tuple[int, dict, dict]:
+    """Train on `pool` (resuming what it holds) up to `steps` batches, the Runtime given `options`:
+    (the batch it started at, the model's state then, the model's state at the end)."""
     torch.manual_seed(0)
     m = model()
-    with cxltrain.Runtime(pool, m, [], undo_ring_bytes=RING) as rt:
+    with cxltrain.Runtime(pool, m, [], undo_ring_bytes=RING, **options) as rt:
         start, at_start = rt.start_batch, state(m)
         for b in rt.batches(lambda b: b, stop=steps):
             step(m, b)
@@ -84,22 +86,26 @@ def differing(a: dict, b: dict) -> list[str]:
     return [key for key in a if not torch.equal(a[key], b[key])]
 
 
-def killed_then_resumed(shm_dir, fault: str = "") -> tuple[int, list[str], list[str]]:
-    """A child trains and is SIGKILLed at KILL_AT (with `fault` planted); this process resumes the
-    pool. Returns (recovered batch, keys differing from an uninterrupted run of as many batches,
-    keys differing at the end from an uninterrupted run of STEPS)."""
+def killed_then_resumed(shm_dir, fault: str = "", **options) -> tuple[int, list[str], list[str]]:
+    """A child trains (Runtime `options`) and is SIGKILLed at KILL_AT (with `fault` planted); this
+    process resumes the pool. Returns (recovered batch, keys differing from an uninterrupted run of
+    as many batches, keys differing at the end from an uninterrupted run of STEPS)."""
     pool = str(shm_dir / "killed.pool")
-    child = run_python(CHILD, os.path.dirname(__file__), pool, STEPS, env={CRASH_ENV: KILL_AT, FAULT_ENV: fault})
+    child = run_python(CHILD, os.path.dirname(__file__), pool, STEPS, json.dumps(options),
+                       env={CRASH_ENV: KILL_AT, FAULT_ENV: fault})
     assert child.returncode == -signal.SIGKILL, child.stderr
-    start, recovered, resumed = train(pool, STEPS)
+    start, recovered, resumed = train(pool, STEPS, **options)
     _, _, reference_start = train(str(shm_dir / f"ref{start}.pool"), start)
     _, _, reference_end = train(str(shm_dir / "ref.pool"), STEPS)
     return start, differing(recovered, reference_start), differing(resumed, reference_end)
 
 
-def test_killed_run_with_max_norm_recovers_and_resumes_bit_exactly(shm_dir):
-    start, at_recovery, at_end = killed_then_resumed(shm_dir)
-    assert start in (2, 3)
+@pytest.mark.parametrize("options", [{}, pytest.param({"background_capture": True, "dense_every": 2},
+                                                      marks=pytest.mark.slow)],
+                         ids=["default", "background-capture-dense-every-2"])
+def test_killed_run_with_max_norm_recovers_and_resumes_bit_exactly(shm_dir, options):
+    start, at_recovery, at_end = killed_then_resumed(shm_dir, **options)
+    assert start in ((2, 3) if not options else (2,))  # dense_every 2: back to the snapshot of batch 2
     assert at_recovery == [] and at_end == []
 
 
@@ -109,6 +115,17 @@ def test_the_crash_test_catches_a_renorm_stored_before_its_record(shm_dir):
     start, at_recovery, _ = killed_then_resumed(shm_dir, Planted.RENORM_UNLOGGED)
     assert start in (2, 3)
     assert {"user.weight", "item.weight"} & set(at_recovery), at_recovery
+
+
+@pytest.mark.parametrize("options", [{"background_capture": True}, {"dense_every": 3}, {"pipeline": False},
+                                     {"mode": "relaxed"}, {"checkpoint": "off"}, {"fused_capture": False}],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_every_checkpoint_setting_logs_the_renorm_and_ends_alike(shm_dir, options):
+    """Where the capture runs, the commit window, the pipeline, the mode: the renorm's record goes
+    through each, and the run ends where the default one does."""
+    _, _, default = train(str(shm_dir / "default.pool"), STEPS)
+    _, _, other = train(str(shm_dir / "other.pool"), STEPS, **options)
+    assert differing(other, default) == []
 
 
 def test_the_renorm_is_torch_s_and_evaluation_between_batches_stores_nothing(shm_dir):
