@@ -77,6 +77,8 @@ def test_a_table_whose_pool_closed_is_never_redrawn_in_memory(shm_dir):
     with pytest.raises(RuntimeError, match="its pool was closed"):
         table(IDS, OFFSETS)
     assert table.state_dict() == {}
+    table.materialize()  # asked for: fresh rows in memory
+    assert table.state_dict()["weight"].shape == (ROWS, DIM)
 
 
 @pytest.mark.parametrize("handed", ["weight", "parameter", "optimizer_state"])

@@ -215,7 +215,7 @@ class PersistentEmbeddingBag(nn.Module):
                  if self.optimizer.state_columns else None)
         self._set_storage(rows, state)
         self.pool = pool
-        self._released = self._changed_in_memory = False
+        self._changed_in_memory = False
         pool.on_close(self.release_storage)
         if created if initialize is None else initialize:
             self.reset_parameters()
@@ -258,6 +258,7 @@ class PersistentEmbeddingBag(nn.Module):
 
     def _set_storage(self, rows: torch.Tensor, state: torch.Tensor | None) -> None:
         self._rows, self._state = rows, state
+        self._released = False
 
     def release_storage(self) -> None:
         """Let go of the pool's memory (called when the pool closes); the table is unusable after."""
