@@ -87,6 +87,7 @@ class Planted:
     KERNEL_SKIPS_ROW_FLUSH = "kernel-skips-row-flush"  # U2 (fused update): its rows' flush counted, never done
     UNLOGGED_ADMISSION = "unlogged-admission"        # U1: cache slots filled with no undo record of them first
     CACHED_UPDATE_UNLOGGED = "cached-update-unlogged"  # U1: cached rows updated before their slots' record is taken
+    RENORM_UNLOGGED = "renorm-unlogged"              # U1: max_norm's renorm stores rows before their record is taken
     # U2 across pools, in recovery: its root retires the records before the cold rows they restored are synced
     RECOVERY_ROOT_BEFORE_CAPACITY_SYNC = "recovery-root-before-capacity-sync"
 

@@ -52,7 +52,8 @@ def test_a_trial_replays_with_the_same_plan():
 # window's, window-never-cleared, needs dense_every > 1, which a quarter of the trials have: it is
 # test_checkpoint_crash's, killed where it bites; the pool set's, skip-capacity-sync, test_pool_set's:
 # crashtest builds no sets; the hot-row cache's, unlogged-admission and cached-update-unlogged,
-# and the set's recovery's, recovery-root-before-capacity-sync, test_cache's). The fused
+# test_cache's; max_norm's renorm-unlogged, test_max_norm's: crashtest's DLRM has no max_norm; and the
+# set's recovery's, recovery-root-before-capacity-sync, test_cache's). The fused
 # update's three are test_checkpoint_crash's too, killed inside the kernel with small chunks or
 # after the root; the torture catches them as well (within 50 trials each: this test), behind -m slow.
 FUSED_PLANTED = (Planted.HEADER_BEFORE_PAYLOAD, Planted.UPDATE_BEFORE_HEADER, Planted.KERNEL_SKIPS_ROW_FLUSH)
@@ -64,6 +65,7 @@ FUSED_PLANTED = (Planted.HEADER_BEFORE_PAYLOAD, Planted.UPDATE_BEFORE_HEADER, Pl
                                                                  Planted.SKIP_CAPACITY_SYNC,
                                                                  Planted.UNLOGGED_ADMISSION,
                                                                  Planted.CACHED_UPDATE_UNLOGGED,
+                                                                 Planted.RENORM_UNLOGGED,
                                                                  Planted.RECOVERY_ROOT_BEFORE_CAPACITY_SYNC)])
 def test_planted_bug_is_caught_within_50_trials(fault, tmp_path):
     done, report = crashtest("--trials", "50", "--seed", str(SEED), "--power-loss", "--plant", fault,

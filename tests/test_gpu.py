@@ -110,7 +110,7 @@ def test_update_is_bit_identical_to_the_reference(rule, mode, weighted):
 # -- the pool as CUDA sees it --------------------------------------------------------------------
 def test_a_shm_pool_is_registered_and_written_through(shm_dir):
     pool = Pool.create(str(shm_dir / "p.pool"), 8 << 20)
-    table = PersistentEmbeddingBag(ROWS, DIM, name="t", optimizer=SGD(lr=0.1))
+    table = PersistentEmbeddingBag(ROWS, DIM, name="t", mode="sum", optimizer=SGD(lr=0.1))
     table.attach(pool)
     host = table.storage()[0]
     view = mapped_view(pool, table.weight_region, host, CUDA)
@@ -132,7 +132,7 @@ def test_placed_table_updates_the_pool_as_the_host_path_does(where, optimizer):
         tables = []
         for name in ("host", "placed"):
             pool = Pool.create(os.path.join(folder, f"{name}.pool"), 8 << 20)
-            table = PersistentEmbeddingBag(ROWS, DIM, name="t", optimizer=optimizer, seed=4)
+            table = PersistentEmbeddingBag(ROWS, DIM, name="t", mode="sum", optimizer=optimizer, seed=4)
             table.attach(pool)
             tables.append(table)
         host, placed = tables

@@ -26,6 +26,7 @@ WHERE = {
     "U1g": "cxltrain/tables/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
     "U1h": "kernels/rows.c",                       # fused capture: each chunk's record durable before its rows' update
     "U1i": "cxltrain/checkpoint/ordering.py",      # fused capture: payload, then header, then tail mark, then rows
+    "U1j": "cxltrain/tables/renorm.py",            # max_norm: the renormalised rows' record durable before forward stores them
     "U2a": "cxltrain/checkpoint/checkpointer.py",  # rows flushed at their update drained before hand-over
     "U2b": "cxltrain/checkpoint/ordering.py",      # rows persisted before the root
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
@@ -46,6 +47,7 @@ ENFORCED_BY = {
     "U1g": "guard.log_before_write(",
     "U1h": "undo_next_chunk(",               # the chunk's record, before the loop's first store into it
     "U1i": "fused_steps = (PERSIST_PAYLOAD, PAYLOAD_STOP, PERSIST_HEADER, PERSIST_TAIL, HEADER_STOP, UPDATE)",
+    "U1j": "guard.log_before_write(",
     "U2a": ".drain()",
     "U2b": "pipeline.seal_and_write_root(",  # after persist_rows (above the tag)
     "U2c": "self.pool.commit(",

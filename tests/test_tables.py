@@ -219,7 +219,7 @@ def test_bad_input_raises_before_any_write(shm_dir, label, make, error):
     pool.close()
     digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
     pool = Pool.open(path)
-    table = PersistentEmbeddingBag(ROWS, DIM, name="t0", optimizer=RowWiseAdagrad())
+    table = PersistentEmbeddingBag(ROWS, DIM, name="t0", mode="sum", optimizer=RowWiseAdagrad())
     table.attach(pool)
     indices, offsets = make()
     with pytest.raises(error, match="table 't0'"):
@@ -267,7 +267,7 @@ def test_rowwise_adagrad_with_one_column_matches_torch_adagrad(pool_path):
     may differ by 1 ulp: its sqrtf is correctly rounded, torch's CPU sqrt (MKL vector math in this
     build) is not, about 1 result in 5 being 1 ulp off."""
     pool = Pool.create(pool_path, 8 << 20)
-    table = PersistentEmbeddingBag(ROWS, 1, name="t0", optimizer=RowWiseAdagrad(lr=0.2, eps=1e-10,
+    table = PersistentEmbeddingBag(ROWS, 1, name="t0", mode="sum", optimizer=RowWiseAdagrad(lr=0.2, eps=1e-10,
                                                                                  initial_accumulator_value=0.1))
     table.attach(pool)
     reference = nn.EmbeddingBag(ROWS, 1, mode="sum", sparse=True)

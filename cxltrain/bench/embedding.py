@@ -67,7 +67,8 @@ def measure(contender: str, optimizer: str, config: TrainConfig, *, pool_path: s
 
 def _ours(config: TrainConfig, optimizer: str, pool_path: str):
     sparse = SGD(config.sparse_lr) if optimizer == "sgd" else RowWiseAdagrad(config.sparse_lr)
-    tables = [PersistentEmbeddingBag(config.rows, config.dim, name=f"t{i}", optimizer=sparse, seed=config.seed + i)
+    tables = [PersistentEmbeddingBag(config.rows, config.dim, name=f"t{i}", mode="sum", optimizer=sparse,
+                                     seed=config.seed + i)
               for i in range(config.num_tables)]
     specs = [spec for t in tables for spec in t.region_specs()]
     size = pool_size_for([s.nbytes(KNOBS.row_align) for s in specs], KNOBS.dir_capacity, KNOBS.region_align)

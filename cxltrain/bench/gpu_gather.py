@@ -98,7 +98,7 @@ def gather_bandwidth(*, rows: int, dim: int, count: int, repeats: int, folder: s
     """{"sorted_gb_s", "batch_order_gb_s", "pinned_copy_gb_s", "rows", "folder", "row_bytes", "bytes",
     "repeats", "kernel"}, or {"skipped": why} where CUDA refuses the pool's mapping. On CUDA (with
     CuPy) the figures mean something; on the CPU the same code runs with torch's kernels, for tests."""
-    table = PersistentEmbeddingBag(rows, dim, name="gather", optimizer=SGD(), seed=0)  # SGD: no state region
+    table = PersistentEmbeddingBag(rows, dim, name="gather", mode="sum", optimizer=SGD(), seed=0)  # SGD: no state region
     path = os.path.join(folder, "gather.pool")
     log(f"gather bandwidth: a pool of {rows:,} rows x dim {dim}")
     with Pool.create(path, sum(spec.nbytes(KNOBS.row_align) for spec in table.region_specs()) + POOL_SLACK) as pool:

@@ -64,7 +64,8 @@ another Ordering, never a flag tested here). Each protocol rule is enforced at o
 tables.py (before_update before the in-place update), U1e, U1f and U1g in cache.py (the hot-row
 cache: records before admission fills the slots, before the hits' update, and before re-placement's
 write-back and refill), U1h in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused
-capture: each chunk's record durable, payload first, before its rows are stored), U2a in
+capture: each chunk's record durable, payload first, before its rows are stored), U1j in
+tables/renorm.py (max_norm's renorm in forward: the rows' record before its stores), U2a in
 Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
 (distributed runs) in ordering.Ordering.keep_from, U4 in Checkpointer._capture.
 """

@@ -10,6 +10,8 @@ What a table tells its guard (TableGuard), per lookup with gradients — shapes:
     <the table's fused update, in place>      stores into its unique rows [U]
     guard.after_update(table, batch, rows)    backward, right after: rows [U] int64, sorted
     guard.fail_batch(table)                   instead, when the update raised: nothing commits after
+    guard.log_before_write(table, rows)       before a store outside the update (cache admission,
+                                              max_norm's renorm in forward); then after_update
 
 What the checkpointer needs of a table (LoggedTable): its name, the pool regions of its weights
 and optimizer state, how many state columns its optimizer keeps, and its storage to gather from.
@@ -74,6 +76,16 @@ class TableGuard(Protocol):
 
     def fail_batch(self, table: LoggedTable) -> None:
         """The table's update raised after before_update: the batch must never commit."""
+        ...
+
+    def log_before_write(self, table: LoggedTable, rows: torch.Tensor) -> int:
+        """Rows [U] are about to be stored into outside the table's update (a cache admission, a
+        max_norm renorm): returns the batch once they may be (U1); report the stores with after_update."""
+        ...
+
+    @property
+    def in_flight(self) -> int | None:
+        """The batch begun and not yet ended, if any: outside one, nothing may store into the rows."""
         ...
 
 

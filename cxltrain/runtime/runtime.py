@@ -57,7 +57,7 @@ from ..placement import planner
 from ..pool.format import RegionKind, pool_size_for
 from ..pool.handle import Pool, RegionSpec, publish, remove_stale
 from ..tables import cache as hot_cache
-from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, region_names
+from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, refuse_optimized_tables, region_names
 from . import tiers as tiering
 from .recovery_point import AgreedMinimum, OwnBatch
 from .streamed_save import Streamed
@@ -218,6 +218,7 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         if self.pool is not None:
             raise RuntimeError("this Runtime is already open")
+        refuse_optimized_tables(self.tables.values(), self.optimizers)  # before anything is written
         self._reset()
         self.recovery_point.before_open()
         created = not os.path.exists(self.path)
@@ -296,7 +297,8 @@ class Runtime:
 
     def ring_bytes(self) -> int:
         """The undo ring a new pool gets: room for the records of the largest batch this Runtime's
-        tables can make (each table: at most rows_per_batch rows, at most the table; a cached
+        tables can make (each table: at most rows_per_batch rows, at most the table, twice for a
+        max_norm table: its renorm's record in forward, its update's in backward; a cached
         table's slots twice more, for the admission's record and the hits' in the first batch, and
         its evicted rows once more when it re-places), times the batches a commit keeps: up to
         dense_every (at most 4) and the one in flight, and in a group those G trails by. The
@@ -309,8 +311,9 @@ class Runtime:
         for table in self.tables.values():
             columns = table.optimizer.state_columns
             spec = table.region_specs()[0]
-            largest += record_bytes(min(table.num_embeddings, self._rows_per_batch), spec.row_stride(KNOBS.row_align),
-                                    columns * 4)
+            records = 1 if table.max_norm is None else 2
+            largest += records * record_bytes(min(table.num_embeddings, self._rows_per_batch),
+                                              spec.row_stride(KNOBS.row_align), columns * 4)
             if table.name in self._hot:
                 slots = self._hot[table.name].size
                 stride = hot_cache.region_specs(table, slots)[0].row_stride(KNOBS.row_align)
@@ -354,7 +357,8 @@ class Runtime:
         if present and has_checkpoint(pool):
             if any(t.pending_load for t in tables):
                 raise ConfigError(f"{pool.path}: already holds a checkpoint of these tables, which would replace the "
-                                  "values load_state_dict gave them; use a new pool to start from the loaded state")
+                                  "values load_state_dict (or training before the Runtime) gave them; use a new pool "
+                                  "to start from them")
             self._refuse_to_risk_committed_batches(pool)
             self._resume(pool)
         else:

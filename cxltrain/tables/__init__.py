@@ -4,6 +4,7 @@ fused sparse optimizers.
     bag.py         `PersistentEmbeddingBag`: a table whose rows live in a pool
     collection.py  `PersistentEmbeddingBagCollection`, TorchRec's EmbeddingBagCollection shape
     cache.py       the persistent hot-row cache (docs/tiers.md)
+    renorm.py      max_norm: forward's in-place renorm of the looked-up rows, undo-logged
     optim.py       the fused sparse optimizers (SGD, row-wise Adagrad) and per-table learning rates
 """
 

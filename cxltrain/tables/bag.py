@@ -11,19 +11,31 @@ R = num_embeddings, U unique rows of a batch.
 Example (B = 2, D = 4):
 
     pool = Pool.create("/dev/shm/example.pool", size=16 << 20)
-    bag = PersistentEmbeddingBag(1000, 4, name="t0", optimizer=SGD(lr=0.1))
+    bag = PersistentEmbeddingBag(1000, 4, name="t0", mode="sum", optimizer=SGD(lr=0.1))
     bag.attach(pool)                        # creates and initialises t0.weight [1000, 4]
     out = bag(torch.tensor([3, 7, 7]), torch.tensor([0, 2]))   # bags [3, 7] and [7] → [2, 4]
     out.sum().backward()                    # rows 3 and 7 updated in the pool (7 once, grad 2x)
 
 Inputs and constructor arguments follow nn.EmbeddingBag: (input [N], offsets [B], or [B + 1] with
-include_last_offset) or input [B, L] with offsets=None; mode "sum", "mean" or "max"; padding_idx;
-scale_grad_by_freq; per_sample_weights [N] with mode "sum" (treated as constants: no gradient flows
-to them); `from_pretrained`. The default mode is "sum" (nn.EmbeddingBag's is "mean"). `max_norm` is
-refused: it renormalises rows during forward, a store outside the backward update the undo log
-captures. Indices that are out of range, negative, or not int32/int64 raise before anything is
-written. Plain sum/mean bags take the fused kernel; the other modes compute the unique rows'
-gradient with autograd on a copy of just those rows, then apply the same fused rule per row.
+include_last_offset) or input [B, L] with offsets=None; mode "sum", "mean" (the default, as
+nn.EmbeddingBag's) or "max"; padding_idx; scale_grad_by_freq; per_sample_weights [N] with mode "sum"
+(treated as constants: no gradient flows to them); max_norm/norm_type; `from_pretrained`. Indices
+that are out of range, negative, or not int32/int64 raise before anything is written. Plain sum/mean
+bags take the fused kernel; the other modes (and max_norm) compute the unique rows' gradient with
+autograd on a copy of just those rows, then apply the same fused rule per row.
+
+max_norm: forward renormalises the looked-up rows whose norm exceeds it, in place, as torch does
+(renorm.py). That is a store outside the backward update: under a Runtime the renormalised rows get
+their undo record first, like an update's (U1), so recovery undoes the renorm with the batch. A
+lookup outside a batch (evaluation between batches) uses the renormalised rows but leaves them as
+they are: no batch could undo the store; the next training lookup stores them.
+
+Before it is attached to a pool (or after materialize()) a table is an ordinary in-memory table, as
+nn.EmbeddingBag is: forward, backward (its own fused optimizer) and state_dict() work on DRAM rows,
+drawn from `seed` on first use. A pool created for it starts from those rows; a pool that already
+holds a checkpoint is refused if they were trained (runtime.py, as for load_state_dict). Its rows are
+never nn.Parameters (a dense [R, D] gradient would be allocated), so `model.parameters()` leaves
+them out; a torch optimizer handed them is refused by the Runtime (refuse_optimized_tables).
 
 Non-finite gradients stop the run: backward raises NonFiniteError, naming the table and the batch,
 before the table stores anything (one isfinite check of the [U, D] gradient per table per batch).
@@ -34,6 +46,7 @@ so recovery (the next Runtime, `cxltrain recover`) rolls those rows back to the 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import tempfile
 import time
@@ -51,6 +64,7 @@ from ..faults import Planted, PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
+from . import renorm
 from .cache import HotRowCache, merged_chunks
 from .device_rows import DeviceRows
 from .optim import SGD, RowWiseAdagrad, SparseOptimizer
@@ -78,14 +92,16 @@ class PersistentEmbeddingBag(nn.Module):
         num_embeddings: R, rows in the table.
         embedding_dim: D, floats per row.
         name: the table's name; its pool regions are `<name>.weight` and `<name>.optim`.
-        mode: "sum" or "mean" pooling of each bag.
+        max_norm, norm_type: renormalise each looked-up row whose norm_type-norm exceeds max_norm, in
+            forward, in place (as nn.EmbeddingBag; undo-logged: renorm.py).
+        mode: "mean" (the default, as nn.EmbeddingBag's), "sum" or "max" pooling of each bag.
         optimizer: the fused sparse optimizer applied in backward (default RowWiseAdagrad(0.01)).
         seed: initial weights are uniform(-1/sqrt(R), 1/sqrt(R)) drawn from this seed alone.
         feature_names: the sparse features that look up this table (torchrec's vocabulary).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, max_norm: float | None = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "sum", sparse: bool = False,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean", sparse: bool = False,
                  _weight: torch.Tensor | None = None, include_last_offset: bool = False,
                  padding_idx: int | None = None, device=None, dtype=None, *, name: str | None = None,
                  optimizer: SparseOptimizer | None = None, seed: int = 0,
@@ -100,7 +116,7 @@ class PersistentEmbeddingBag(nn.Module):
             raise ConfigError(f"{where}: mode must be one of {MODES}, got {mode!r}")
         if name is not None and (not name or "." in name):
             raise ConfigError(f"table name {name!r} must be non-empty and contain no '.'")
-        _refuse_unsupported(where, max_norm, device, dtype)
+        _refuse_unsupported(where, max_norm, norm_type, device, dtype)
         if padding_idx is not None:
             if not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
                 raise ConfigError(f"{where}: padding_idx must be an int in [-{num_embeddings}, {num_embeddings}), "
@@ -110,12 +126,14 @@ class PersistentEmbeddingBag(nn.Module):
         self.embedding_dim = embedding_dim
         self.name = name
         self.mode = mode
-        self.max_norm, self.norm_type, self.sparse = max_norm, norm_type, bool(sparse)
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type, self.sparse = float(norm_type), bool(sparse)
         self.scale_grad_by_freq = bool(scale_grad_by_freq)
         self.include_last_offset = bool(include_last_offset)
         self.padding_idx = padding_idx
         # sum/mean bags with none of the extras take the fused kernel straight from the lookups
-        self._fused = mode != "max" and padding_idx is None and not self.scale_grad_by_freq
+        # (max_norm's do not: so neither a hot-row cache nor a device placement takes them)
+        self._fused = mode != "max" and padding_idx is None and not self.scale_grad_by_freq and max_norm is None
         self.frozen = False  # from_pretrained(freeze=True): looked up, never updated
         self._initial = None if _weight is None else _checked_weight(where, _weight, num_embeddings, embedding_dim)
         self._initial_state: torch.Tensor | None = None  # from load_state_dict, with _initial
@@ -126,6 +144,8 @@ class PersistentEmbeddingBag(nn.Module):
         self.seed = seed
         self.feature_names = tuple(feature_names) if feature_names else (name,) if name else ()
         self.pool: Pool | None = None
+        self._released = False  # its pool closed: the rows are there, never silently redrawn in DRAM
+        self._changed_in_memory = False  # DRAM rows trained or renormalised since they were drawn
         # [R, P] contiguous row storage (P >= D: row padding included), and [R, K] optimizer state.
         self._rows: torch.Tensor | None = None
         self._state: torch.Tensor | None = None
@@ -188,11 +208,17 @@ class PersistentEmbeddingBag(nn.Module):
             pool.add_regions(self.region_specs())
         else:
             self.check_regions(pool)
+        in_memory = self.pool is None and self._rows is not None
+        given = self._initial, self._initial_state
+        if in_memory:
+            # rows used before attaching (or materialize()): a new pool starts from them
+            self._initial, self._initial_state = self._rows[:, : self.embedding_dim], self._state
         rows = torch.from_numpy(pool.array(self.weight_region, padded=True))
         state = (torch.from_numpy(pool.array(self.state_region))
                  if self.optimizer.state_columns else None)
         self._set_storage(rows, state)
         self.pool = pool
+        self._changed_in_memory = False
         pool.on_close(self.release_storage)
         if created if initialize is None else initialize:
             self.reset_parameters()
@@ -200,6 +226,8 @@ class PersistentEmbeddingBag(nn.Module):
             # the given or loaded values are in the pool now: drop the copy (from_pretrained's too)
             self._initial = self._initial_state = None
             self._loaded = False
+        elif in_memory:
+            self._initial, self._initial_state = given  # an existing pool's rows win
         return created
 
     def check_regions(self, pool: Pool) -> None:
@@ -233,11 +261,13 @@ class PersistentEmbeddingBag(nn.Module):
 
     def _set_storage(self, rows: torch.Tensor, state: torch.Tensor | None) -> None:
         self._rows, self._state = rows, state
+        self._released = False
 
     def release_storage(self) -> None:
         """Let go of the pool's memory (called when the pool closes); the table is unusable after."""
         self._rows = self._state = None
         self.pool = None
+        self._released = True
         self.cache = None
         self.device_rows = None
 
@@ -254,14 +284,15 @@ class PersistentEmbeddingBag(nn.Module):
                               "train on the CPU or without --capacity-pool")
         if not self._fused or self.include_last_offset:
             raise ConfigError(f"{where}: the device path takes sum and mean bags without padding_idx, "
-                              "scale_grad_by_freq or include_last_offset")
+                              "scale_grad_by_freq, include_last_offset or max_norm")
         self.device_rows = DeviceRows(self, torch.device(device), cached_ids)
         return self.device_rows
 
     def reset_parameters(self) -> None:
         """Deterministic initial values: weights uniform(±1/sqrt(R)) from `seed`, state as the optimizer says."""
         rows = self._require_storage()
-        generator = torch.Generator().manual_seed(_table_seed(self.seed, self.name))
+        # an unnamed table drawn in memory before a Runtime names it: a pool created for it copies these
+        generator = torch.Generator().manual_seed(_table_seed(self.seed, self.name or ""))
         bound = self.num_embeddings ** -0.5
         with torch.no_grad():
             rows.zero_()  # padding columns too: they are part of every row flush
@@ -277,10 +308,18 @@ class PersistentEmbeddingBag(nn.Module):
                 self._state.fill_(self.optimizer.initial_state())
 
     def _require_storage(self) -> torch.Tensor:
+        if self._rows is None and not self._released:
+            self.materialize()  # not attached yet: an ordinary in-memory table, as nn.EmbeddingBag
         if self._rows is None:
-            raise RuntimeError(f"table {self.name!r} has no storage: attach(pool) or materialize() it first "
-                               "(or its pool was closed)")
+            raise RuntimeError(f"table {self.name!r} has no storage: its pool was closed (the rows are there; "
+                               "open it again with a Runtime, or `cxltrain export` it)")
         return self._rows
+
+    def note_changed_in_memory(self) -> None:
+        """In-memory rows were stored into (trained or renormalised): a pool that already holds a
+        checkpoint of this table would silently replace them, so a Runtime refuses it (pending_load)."""
+        if self.pool is None:
+            self._changed_in_memory = True
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows [R, P] contiguous, padding included; optimizer state [R, K] or None)."""
@@ -321,15 +360,17 @@ class PersistentEmbeddingBag(nn.Module):
 
     @property
     def pending_load(self) -> bool:
-        """Whether load_state_dict gave values that no pool holds yet."""
-        return self._loaded
+        """Whether load_state_dict, or training in memory before attaching, gave values that no pool
+        holds yet."""
+        return self._loaded or self._changed_in_memory
 
     # -- state dict ---------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        """`weight` [R, D] and `optimizer_state` [R, K]: views of the pool (no copy until saved);
-        nothing for a table without storage, or inside a dense snapshot (seam.dense_only)."""
+        """`weight` [R, D] and `optimizer_state` [R, K]: views of the pool (no copy until saved), or
+        of the in-memory rows before attaching; nothing once its pool is closed, or inside a dense
+        snapshot (seam.dense_only)."""
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._rows is None or in_dense_only():
+        if self._released or in_dense_only():
             return
         destination[prefix + "weight"] = self.weight.detach()
         if self._state is not None:
@@ -385,12 +426,20 @@ class PersistentEmbeddingBag(nn.Module):
             raise ValueError(f"table {self.name!r}: include_last_offset needs at least one offset")
         learns = torch.is_grad_enabled() and not self.frozen
         guard = self.checkpointer if learns and indices.numel() else None
+        if learns and self.pool is None:
+            self.note_changed_in_memory()  # its backward updates the in-memory rows
         if self.device_rows is not None:
             # the host notes the lookups; their undo record is taken from the pool before the update
             batch = guard.capture(self, indices) if guard is not None else None
             anchor = torch.empty(0, requires_grad=learns)
             return _DeviceBagLookup.apply(anchor, self, indices, offsets, per_sample_weights, batch)
         source, positions, batch = rows, indices, None
+        if self.max_norm is not None and indices.numel():
+            # before the lookups are noted: the renorm's own undo record comes first (renorm.py);
+            # never with a cache or a device placement (not _fused: cache.check_table, place)
+            unstored = renorm.renormalise(self, indices)
+            if unstored is not None and guard is None:  # evaluation between batches: rows left as they are
+                return renorm.pooled(self, *unstored, indices, offsets, per_sample_weights, last_offset)
         if self.cache is not None:  # never with include_last_offset (cache.check_table)
             source, positions, batch = self.cache.lookups(guard, self, indices)
         elif guard is not None:
@@ -507,6 +556,26 @@ def name_unnamed(tables: dict[str, PersistentEmbeddingBag]) -> None:
         if table.name is None:
             table.name = path.replace(".", "_") or "table"
             table.feature_names = table.feature_names or (table.name,)
+
+
+def refuse_optimized_tables(tables, optimizers) -> None:
+    """ConfigError when a torch optimizer holds a tensor that shares storage with a table's rows or
+    optimizer state (given `bag.weight`, say): it would never step them (they get no .grad), while
+    the user believes it trains them. A table trains in backward with its own fused optimizer."""
+    held = {}
+    for table in tables:
+        for what, tensor in (("weight", table._rows), ("optimizer_state", table._state)):
+            if tensor is not None:
+                held[tensor.untyped_storage().data_ptr()] = table.name, what
+    for i, optimizer in enumerate(optimizers):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if (hit := held.get(param.untyped_storage().data_ptr())) is not None:
+                    raise ConfigError(f"optimizer {i} ({type(optimizer).__name__}) holds table {hit[0]!r}'s {hit[1]}, "
+                                      "which it would never train: a table trains in backward with its own fused "
+                                      "optimizer (PersistentEmbeddingBag(optimizer=SGD(lr) or RowWiseAdagrad(lr))); "
+                                      "give torch optimizers the dense parameters only (model.parameters() holds no "
+                                      "table rows)")
 
 
 def region_names(table_name: str) -> tuple[str, str]:
@@ -657,11 +726,13 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
     stats.update_seconds += time.perf_counter() - started
 
 
-def _refuse_unsupported(where: str, max_norm, device, dtype) -> None:
-    """nn.EmbeddingBag arguments a pool table cannot honour: one line each, never ignored."""
-    if max_norm is not None:
-        raise ConfigError(f"{where}: max_norm is not supported: it renormalises rows during forward, a store "
-                          "outside the backward update that the undo log captures")
+def _refuse_unsupported(where: str, max_norm, norm_type, device, dtype) -> None:
+    """nn.EmbeddingBag arguments a pool table cannot honour (or that make no sense): one line each."""
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real)
+                                 or not 0 < max_norm < float("inf")):
+        raise ConfigError(f"{where}: max_norm must be a positive number, got {max_norm!r}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or norm_type != norm_type:
+        raise ConfigError(f"{where}: norm_type must be a number, got {norm_type!r}")
     if device is not None and torch.device(device).type != "cpu":
         raise ConfigError(f"{where}: rows live in a host-memory pool; device must be cpu, got {device}")
     if dtype is not None and dtype != torch.float32:
