@@ -7,11 +7,14 @@ refused by validation before any real work starts.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from cxltrain.cli import main
+from helpers import write_criteo
 
 SMALL = ["--steps", "3", "--rows", "500", "--num-tables", "2", "--dim", "8", "--batch-size", "32", "--no-progress"]
 HUGE = str(10**30)
@@ -94,20 +97,36 @@ def test_a_bad_invocation_is_one_line_and_changes_nothing(trained, capsys, args,
     assert pool.read_bytes() == before
 
 
+@contextlib.contextmanager
+def small_file_system(folder: Path, options: str):
+    """A tmpfs of its own mounted on `folder` (root only: the test skips elsewhere), unmounted after."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
 def test_a_read_only_folder_is_not_called_full(tmp_path, capsys):
     """A pool in a folder on a read-only file system is refused for that, not as "not enough
-    space" (which a small read-only mount also is). The test mounts a read-only tmpfs of its own."""
-    import subprocess
-
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
+    space" (which a small read-only mount also is)."""
+    with small_file_system(tmp_path / "ro", "ro,size=1m") as folder:
         assert main(["train", "--pool", str(folder / "x.pool"), *SMALL]) == 1
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "is not writable (a read-only file system" in err, err
         assert "not enough space" not in err and not (folder / "x.pool").exists()
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_data_convert_onto_a_full_disk_is_one_line_and_leaves_no_files(tmp_path, capsys):
+    """Before: a traceback (`OSError: [Errno 28] No space left on device`) and half-written columns."""
+    with small_file_system(tmp_path / "full", "size=64k") as folder:
+        (folder / "fill").write_bytes(bytes(60_000))
+        out = folder / "converted"
+        source = write_criteo(tmp_path / "day_0", 480, seed=11)
+        assert main(["data", "convert", str(source), str(out), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and "cannot write the converted data: No space left on device" in err, err
+        assert not any(out.iterdir())

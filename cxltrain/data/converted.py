@@ -25,6 +25,7 @@ The manifest is written last: a folder whose conversion did not finish has none 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -103,16 +104,28 @@ def convert(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *,
         stream.file_size(path)
     out = Path(out)
     _make_empty_folder(out)
-    writers = {name: _ColumnWriter(out / file, dtype, shape)
-               for name, (file, dtype, shape) in {**FILES, **EXCEPTIONS}.items()}
+    try:
+        return _write_folder(paths, out, progress)
+    except OSError as e:  # a full disk, say: what was written is of no use, and no traceback
+        for written in out.iterdir():
+            with contextlib.suppress(OSError):
+                written.unlink()
+        raise ConfigError(f"{out}: cannot write the converted data: {e.strerror or e}; the files written so far "
+                          "are removed") from None
+
+
+def _write_folder(paths: list[Path], out: Path, progress) -> dict:
+    """convert's writing, into the empty folder `out`; returns the manifest, written last."""
+    writers = {}
     done = []
     try:
+        for name, (file, dtype, shape) in {**FILES, **EXCEPTIONS}.items():
+            writers[name] = _ColumnWriter(out / file, dtype, shape)
         for path in paths:
             lines, fingerprint = _convert_one(path, writers, progress)
             done.append({"name": path.name, "lines": lines, "fingerprint": fingerprint})
     finally:
-        for writer in writers.values():
-            writer.close()
+        _close_all(writers.values())
     fingerprint = done[0]["fingerprint"] if len(done) == 1 else \
         "converted " + hashlib.blake2b("\n".join(d["fingerprint"] for d in done).encode(), digest_size=16).hexdigest()
     manifest = {"format": FORMAT, "version": VERSION, "lines": writers["labels"].rows,
@@ -121,6 +134,20 @@ def convert(sources: Sequence[str | os.PathLike], out: str | os.PathLike, *,
     temporary.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(temporary, out / MANIFEST)
     return manifest
+
+
+def _close_all(writers) -> None:
+    """Close every writer, each even when another's close failed; then raise the first failure."""
+    failed = None
+    for writer in writers:
+        try:
+            writer.close()
+        except OSError as e:
+            failed = failed or e
+            with contextlib.suppress(OSError):
+                writer.file.close()
+    if failed is not None:
+        raise failed
 
 
 def _make_empty_folder(out: Path) -> None:
