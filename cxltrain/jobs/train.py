@@ -37,7 +37,7 @@ from ..runtime.runtime import Runtime
 from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
-from .metrics_log import MetricsLog
+from .metrics_log import STATE_KEY, MetricsLog, check_new_run
 from .planning import device_cache_ids, plan_and_hot_rows
 from .resume import record_lr_changes
 
@@ -210,6 +210,8 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     device = compute_device(config.device)
     model = build_model(config).to(device)  # the MLPs (before their optimizer, and before a restore fills them)
     dense_opt = dense_optimizer(config, model.dense_parameters())
+    if not os.path.exists(pool_path):  # a new pool's run starts a new metrics file: said before it is made
+        check_new_run(config.metrics)
     with make_runtime(config, model, dense_opt, pool_path, source) as rt:
         record_lr_changes(rt, config)
         if device.type != "cpu":  # after recovery: a device cache is filled from the recovered pool
@@ -299,7 +301,9 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
     clock = _StepClock(step, rt)
 
     prefetcher = Prefetcher(source, first, config.steps, config.prefetch) if config.prefetch else None
-    metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data)
+    resumed = rt.resumed_metadata or {}
+    metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data, run=rt.pool.superblock.uuid.hex(),
+                         start_batch=first, resumed=resumed.get(STATE_KEY))
 
     def fetch(b: int):
         started = time.perf_counter()
@@ -376,6 +380,7 @@ def _step(config: TrainConfig, step, data: TrainingData, rt: Runtime, batch, clo
     if config.eval_every and (b + 1) % config.eval_every == 0:
         evaluated = step.evaluate(data.evaluation, data.heldout)   # reads the tables, writes nothing
     metrics.step(b, losses[-1], evaluated)
+    rt.update_metadata(**{STATE_KEY: metrics.state(b + 1)})  # committed with batch b: a resume goes on from it
 
 
 class _StepClock:
