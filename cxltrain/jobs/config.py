@@ -124,8 +124,10 @@ class TrainConfig:
     eval_batches: int = option(4, "--eval-batches", "held-out batches evaluated (default {default})",
                                kind="positive", metavar="K", group=FILE_DATA)
     # JSONL file: a line of metrics every eval_every (else 10) steps
-    metrics: str | None = option(None, "--metrics", "append a JSON line of metrics every --eval-every (else 10) "
-                                                    "steps; `cxltrain plot FILE`", metavar="FILE", group=FILE_DATA)
+    metrics: str | None = option(None, "--metrics", "write a JSON line of metrics every --eval-every (else 10) "
+                                                    "steps; a file holds one run (a resume goes on with it, another "
+                                                    "run's file is refused); `cxltrain plot FILE`", metavar="FILE",
+                                 group=FILE_DATA)
     prefetch: int = option(2, "--prefetch", "batches made ahead on a background thread (default {default}; 0: on the "
                                             "training thread)", kind="non_negative", metavar="N", group=FILE_DATA)
     # a pool set (docs/tiers.md)
