@@ -108,9 +108,10 @@ def test_a_metrics_file_of_another_run_is_refused(shm_dir, capsys):
     assert code == 1 and "m.jsonl: holds the metrics of another run (this run starts a new pool)" in one_line_error(err)
     assert not (shm_dir / "b.pool").exists()
     assert train(capsys, shm_dir / "c.pool", *FIRST)[0] == 0
+    pool_before = (shm_dir / "c.pool").read_bytes()
     code, _, err = train(capsys, shm_dir / "c.pool", "--steps", "12", "--metrics", metrics)
     assert code == 1 and "m.jsonl: holds the metrics of another run (line 1 is of run " in one_line_error(err)
-    assert metrics.read_text() == before
+    assert metrics.read_text() == before and (shm_dir / "c.pool").read_bytes() == pool_before
 
 
 def test_plot_draws_one_line_per_run(shm_dir, capsys):

@@ -21,6 +21,7 @@ import os
 import time
 
 from ..errors import ConfigError
+from ..pool.handle import Pool
 
 STATE_KEY = "metrics"  # the Runtime metadata key of the running state (TrainConfig.MUTABLE_METADATA)
 
@@ -96,31 +97,52 @@ def split_runs(lines: list[dict]) -> list[list[dict]]:
     return runs
 
 
+def check_own_run(path: str | None, pool_path: str) -> None:
+    """Before an existing pool is opened (and recovery writes it): a metrics file that holds another
+    run's lines is refused."""
+    if path is None or not os.path.isfile(path):
+        return
+    with Pool.open(pool_path, writable=False) as pool:
+        run = pool.superblock.uuid.hex()
+    try:
+        with open(path, "rb") as f:
+            _kept_bytes(f, path, run, None)
+    except OSError:
+        return  # unreadable: opening it to write says so
+
+
 def _open_at(path: str, run: str, start_batch: int):
     """`path` opened for appending after its last line of step <= start_batch, the lines after it
     (and a torn last line) cut off; lines of another run refused."""
     f = open(path, "a+b")
     try:
-        f.seek(0)
-        keep = 0
-        for n, raw in enumerate(f, 1):
-            if not raw.endswith(b"\n"):
-                break  # a line torn by a crash
-            try:
-                line = json.loads(raw)
-                step = int(line["step"])
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"{path}, line {n}: not a metrics line of `train --metrics`; give another "
-                                  "--metrics file") from None
-            if line.get("run") != run:
-                named = f"is of run {line['run']}" if line.get("run") else "names no run"
-                raise refuse_another_run(path, f"line {n} {named}, this pool's is {run}")
-            if step > start_batch:
-                break  # written before a batch that never committed: the resumed run writes it again
-            keep += len(raw)
+        keep = _kept_bytes(f, path, run, start_batch)
         if keep < f.seek(0, os.SEEK_END):
             f.truncate(keep)
             os.fsync(f.fileno())
         return open(path, "a", encoding="utf-8")
     finally:
         f.close()
+
+
+def _kept_bytes(f, path: str, run: str, start_batch: int | None) -> int:
+    """Bytes of the lines of `f` a run resumed at `start_batch` keeps (None: every whole line);
+    ConfigError for a line of another run, or not a metrics line."""
+    f.seek(0)
+    keep = 0
+    for n, raw in enumerate(f, 1):
+        if not raw.endswith(b"\n"):
+            break  # a line torn by a crash
+        try:
+            line = json.loads(raw)
+            step = int(line["step"])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{path}, line {n}: not a metrics line of `train --metrics`; give another "
+                              "--metrics file") from None
+        if line.get("run") != run:
+            named = f"is of run {line['run']}" if line.get("run") else "names no run"
+            raise refuse_another_run(path, f"line {n} {named}, this pool's is {run}")
+        if start_batch is not None and step > start_batch:
+            break  # written before a batch that never committed: the resumed run writes it again
+        keep += len(raw)
+    return keep

@@ -37,7 +37,7 @@ from ..runtime.runtime import Runtime
 from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
-from .metrics_log import STATE_KEY, MetricsLog, check_new_run
+from .metrics_log import STATE_KEY, MetricsLog, check_new_run, check_own_run
 from .planning import device_cache_ids, plan_and_hot_rows
 from .resume import record_lr_changes
 
@@ -210,8 +210,11 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     device = compute_device(config.device)
     model = build_model(config).to(device)  # the MLPs (before their optimizer, and before a restore fills them)
     dense_opt = dense_optimizer(config, model.dense_parameters())
-    if not os.path.exists(pool_path):  # a new pool's run starts a new metrics file: said before it is made
+    # a metrics file of another run is refused before a new pool is made, or an old one recovered
+    if not os.path.exists(pool_path):
         check_new_run(config.metrics)
+    else:
+        check_own_run(config.metrics, pool_path)
     with make_runtime(config, model, dense_opt, pool_path, source) as rt:
         record_lr_changes(rt, config)
         if device.type != "cpu":  # after recovery: a device cache is filled from the recovered pool
