@@ -37,7 +37,8 @@ def remembered(stored: dict) -> dict:
     if "table_rows" in stored:
         values["rows"] = tuple(stored["table_rows"])
     for name in ("bottom_mlp", "top_mlp"):
-        values[name] = tuple(values[name])
+        if name in values:
+            values[name] = tuple(values[name])
     values["optimizer"] = stored.get("optimizer", "adam")
     if "eval_batches" in stored:
         values["eval_batches"] = stored["eval_batches"]
@@ -60,8 +61,9 @@ def shown(value) -> str:
 
 def take_stored(args: argparse.Namespace, given: set[str], stored: dict, path: str) -> list[str]:
     """Fill `args` with the pool's settings where `given` leaves them out; returns those that are
-    not their option's default as options ("--rows 2000", in option order). Refuses, in one line naming every one, the options given
-    that differ from the pool's where a resumed run cannot change them."""
+    not their option's default as options ("--rows 2000", in option order). Refuses, in one line
+    naming every one, the options given that differ from the pool's where a resumed run cannot
+    change them."""
     values = remembered(stored)
     if stored.get("data") is not None and "data" not in values and "data" not in given:
         raise ConfigError(f"{path}: was trained on a data file whose path it does not store (written by an older "
