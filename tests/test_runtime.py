@@ -347,6 +347,9 @@ def test_a_learning_rate_the_snapshot_replaces_is_reported(shm_dir, recwarn):
     recwarn.clear()
     _, kept = _two_batches(path, 0.3, keep_given_lr=True)   # a run that changes its learning rate
     assert kept.param_groups[0]["lr"] == 0.3 and not [w for w in recwarn if "learning rate" in str(w.message)]
+    train_steps(shm_dir / "scheduled.pool", 4)
+    train_steps(shm_dir / "scheduled.pool", 8)   # StepLR moved the rate, its base stayed: nothing to report
+    assert not [w for w in recwarn if "learning rate" in str(w.message)]
 
 
 def test_mutable_metadata_may_change_on_resume_and_every_other_difference_is_named(shm_dir):

@@ -98,7 +98,9 @@ class Runtime:
             `rt.resumed_metadata` is the snapshot's metadata as it was (None on a fresh pool).
         keep_given_lr: on resume, the learning rates the optimizers were built with win over the
             snapshot's (put back after the restore: a run that changes its learning rate). False:
-            the snapshot's win, and a warning names each that differed from the built one.
+            the snapshot's win, and a warning names each that differed from the built one. A group
+            an LR scheduler drives is compared by its base rate (initial_lr) and keeps the
+            snapshot's: its restored scheduler decides the rate.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
             from the model; a 64 MiB undo ring; 4x the dense state + 1 MiB per snapshot slot).
         backend: device backend (see cxltrain.devices); default the `device` knob.
@@ -411,7 +413,9 @@ class Runtime:
         for table in self.tables.values():
             table.attach(pool, initialize=False)
         report, _ = recover(pool, snapshot)
-        built_lrs = [[group["lr"] for group in optimizer.param_groups] for optimizer in self.optimizers]
+        # the rate a group was built with: an LR scheduler keeps it as initial_lr and moves lr itself
+        built_lrs = [[group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+                     for optimizer in self.optimizers]
         self._state.restore(snapshot, pool.path)
         self._settle_lrs(built_lrs, pool.path)
         self.resumed_metadata = dict(stored)
@@ -427,14 +431,17 @@ class Runtime:
         replaced named in a warning, never silently."""
         for optimizer, lrs in zip(self.optimizers, built):
             for i, (group, lr) in enumerate(zip(optimizer.param_groups, lrs)):
-                if group["lr"] == lr:
+                key = "initial_lr" if "initial_lr" in group else "lr"  # a scheduled group: its base rate
+                if group[key] == lr:
                     continue
-                if self.keep_given_lr:
+                if self.keep_given_lr and key == "lr":
                     group["lr"] = lr
                 else:
-                    warnings.warn(f"{where}: the snapshot's learning rate {group['lr']:g} replaces the {lr:g} "
-                                  f"{type(optimizer).__name__} was built with (param group {i}); pass "
-                                  "keep_given_lr=True to keep yours", stacklevel=6)
+                    hint = ("its LR scheduler's restored state decides its rate" if key != "lr"
+                            else "pass keep_given_lr=True to keep yours")
+                    warnings.warn(f"{where}: the snapshot's learning rate {group[key]:g} replaces the {lr:g} "
+                                  f"{type(optimizer).__name__} was built with (param group {i}); {hint}",
+                                  stacklevel=6)
 
     def update_metadata(self, **items) -> None:
         """Adds JSON-like items to the run's metadata: stored with every snapshot from the next commit
