@@ -34,7 +34,7 @@ CASES += [
     pytest.param(["train", "--pool", "{pool}", *SMALL, "--persist-bandwidth", "-1G"], "persist-bandwidth", id="-1G"),
     pytest.param(["train", "--pool", "{pool}", *SMALL, "--checkpoint", "off"], "--discard-checkpoint", id="off"),
     pytest.param(["train", "--pool", "{pool}", *SMALL, "--seed", "9"], "other settings", id="other seed"),
-    pytest.param(["train", "--pool", "{pool}", *SMALL, "--dim", "16"], "expects table_weights", id="other model"),
+    pytest.param(["train", "--pool", "{pool}", *SMALL, "--dim", "16"], "--dim 16 (the pool's: ", id="other model"),
     pytest.param(["train", "--pool", "{folder}/new.pool", "--batch-size", "100000000", "--no-progress"], "memory",
                  id="huge batch"),
     pytest.param(["train", "--pool", "{folder}/new.pool", "--num-tables", "100000", "--no-progress"], "memory",

@@ -324,3 +324,39 @@ def test_wait_durable_returns_once_the_commit_handed_over_is_durable(shm_dir):
             optimizer.zero_grad()
         # batch 1 is in flight; batch 0's commit was handed to the worker when the loop asked for batch 1
         assert rt.wait_durable() >= 0 and rt.pool.root.batches_done == 1 and rt.stats.commits == 1
+
+
+def _two_batches(path, lr: float, stop: int = 2, **kwargs) -> tuple[cxltrain.Runtime, torch.optim.Optimizer]:
+    """Batches up to `stop` on `path` with the head's SGD built at `lr`; (the Runtime, the SGD)."""
+    model = TwoTower()
+    optimizer = torch.optim.SGD(model.head.parameters(), lr=lr)
+    with cxltrain.Runtime(path, model, optimizer, **kwargs) as rt:
+        for batch in rt.batches(make_batch, stop=stop):
+            model.loss(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return rt, optimizer
+
+
+def test_a_learning_rate_the_snapshot_replaces_is_reported(shm_dir, recwarn):
+    path = shm_dir / "lr.pool"
+    _two_batches(path, 0.1)
+    with pytest.warns(UserWarning, match=r"the snapshot's learning rate 0.1 replaces the 0.3 SGD was built with"):
+        _, optimizer = _two_batches(path, 0.3)
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    recwarn.clear()
+    _, kept = _two_batches(path, 0.3, keep_given_lr=True)   # a run that changes its learning rate
+    assert kept.param_groups[0]["lr"] == 0.3 and not [w for w in recwarn if "learning rate" in str(w.message)]
+    train_steps(shm_dir / "scheduled.pool", 4)
+    train_steps(shm_dir / "scheduled.pool", 8)   # StepLR moved the rate, its base stayed: nothing to report
+    assert not [w for w in recwarn if "learning rate" in str(w.message)]
+
+
+def test_mutable_metadata_may_change_on_resume_and_every_other_difference_is_named(shm_dir):
+    path = shm_dir / "meta.pool"
+    _two_batches(path, 0.1, metadata={"seed": 1, "rows": 5, "lr": 0.1})
+    rt, _ = _two_batches(path, 0.1, 3, metadata={"seed": 1, "rows": 5, "lr": 0.2}, mutable_metadata=("lr",))
+    assert rt.resumed_metadata == {"seed": 1, "rows": 5, "lr": 0.1}
+    assert export_state(str(path))["metadata"] == {"seed": 1, "rows": 5, "lr": 0.2}   # batch 3's snapshot
+    with pytest.raises(RecoveryError, match=r"other settings \(rows 5 vs 6, seed 1 vs 2\)"):
+        _two_batches(path, 0.1, metadata={"seed": 2, "rows": 6, "lr": 0.2})

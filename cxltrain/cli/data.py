@@ -146,9 +146,10 @@ def _run_eval(args) -> int:
 # -- plot ------------------------------------------------------------------------------------------
 
 def _add_plot(sub) -> None:
-    p = sub.add_parser("plot", help="draw the loss and AUC curves of a --metrics file (needs matplotlib)",
-                       description="Draw training loss and held-out AUC against steps from a `train --metrics` "
-                                   "JSONL file into a PNG (matplotlib: `pip install cxltrain[bench]`).")
+    p = sub.add_parser("plot", help="draw the loss and evaluation curves of a --metrics file (needs matplotlib)",
+                       description="Draw the training loss, the held-out log loss and the held-out AUC against "
+                                   "steps from a `train --metrics` JSONL file into a PNG, one line per run "
+                                   "(matplotlib: `pip install cxltrain[bench]`).")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--out", metavar="PNG", help="where the picture goes (default FILE with .png)")
     p.set_defaults(run=_run_plot)
@@ -159,24 +160,41 @@ def _run_plot(args) -> int:
         import matplotlib
     except ImportError:
         raise ConfigError("plot needs matplotlib, which is not installed (pip install 'cxltrain[bench]')") from None
+    from ..jobs.metrics_log import split_runs
+
     points = _read_metrics(args.file)
+    runs = split_runs(points)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = args.out or os.path.splitext(args.file)[0] + ".png"
-    figure, (loss_axes, auc_axes) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    loss_axes.plot([p["step"] for p in points], [p["loss"] for p in points])
-    loss_axes.set_ylabel("training loss")
-    evaluated = [p for p in points if p.get("eval_auc") is not None]
-    auc_axes.plot([p["step"] for p in evaluated], [p["eval_auc"] for p in evaluated], marker="o")
-    auc_axes.set_ylabel("held-out AUC")
-    auc_axes.set_xlabel("step")
+    figure, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    panels = (("loss", "training loss", None), ("eval_logloss", "held-out log loss", "o"),
+              ("eval_auc", "held-out AUC", "o"))
+    for n, run in enumerate(runs, 1):
+        label = f"run {n}" + (f" (pool {run[0]['run'][:8]})" if run[0].get("run") else "")
+        for ax, (key, _, marker) in zip(axes, panels):
+            drawn = [p for p in run if p.get(key) is not None]
+            ax.plot([p["step"] for p in drawn], [p[key] for p in drawn], marker=marker, label=label)
+    for ax, (_, ylabel, _) in zip(axes, panels):
+        ax.set_ylabel(ylabel)
+    evaluated = sum(p.get("eval_auc") is not None for p in points)
+    if not evaluated:
+        axes[1].text(0.5, 0.5, "no evaluations (train --eval-every N)", ha="center", transform=axes[1].transAxes)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole batches
+    if len(runs) > 1:
+        axes[0].legend(fontsize=8)
+    figure.suptitle(f"{os.path.basename(args.file)}: {len(runs)} run(s), {len(points)} lines")
     figure.tight_layout()
     try:
         figure.savefig(out)
     except OSError as e:
         raise ConfigError(f"{out}: cannot write: {e.strerror}") from None
-    print(f"plot: {out} ({len(points)} points, {len(evaluated)} evaluations)")
+    finally:
+        plt.close(figure)
+    print(f"plot: {out} ({len(runs)} run(s), {len(points)} points, {evaluated} evaluations)")
     return 0
 
 

@@ -43,7 +43,9 @@ def config_of(args):
             raise ConfigError(f"{flag} is not supported by distributed runs (docs/distributed.md)")
     return TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
                        checkpoint=args.checkpoint, dense_every=args.dense_every, mode=args.mode,
-                       pipeline=args.pipeline, background_capture=args.background_capture, **fields)
+                       pipeline=args.pipeline, background_capture=args.background_capture,
+                       sparse_lr=args.sparse_lr, dense_lr=args.dense_lr, optimizer=args.optimizer,
+                       bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, **fields)
 
 
 def run_train(args, argv: list[str]) -> int:
@@ -216,7 +218,8 @@ def add_import_options(i) -> None:
     i.add_argument("--sharding", default="auto", help="with --nproc-per-node: as for train (default auto)")
     i.set_defaults(data=None, checkpoint=d.checkpoint, mode=d.mode, pipeline=d.pipeline,
                    background_capture=False, epochs=None, eval_every=d.eval_every, eval_batches=d.eval_batches,
-                   metrics=None, prefetch=d.prefetch, default_num_tables=d.num_tables)
+                   metrics=None, prefetch=d.prefetch, default_num_tables=d.num_tables, sparse_lr=d.sparse_lr,
+                   dense_lr=d.dense_lr, optimizer=d.optimizer, bottom_mlp=d.bottom_mlp, top_mlp=d.top_mlp)
 
 
 def run_import(args) -> int:

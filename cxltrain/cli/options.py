@@ -9,8 +9,20 @@ import dataclasses
 from .common import non_negative_int, parse_size, positive_float, positive_int
 from .data import parse_rows, resolve_train_data
 
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    """--bottom-mlp, --top-mlp: hidden layer widths, "512,256"."""
+    try:
+        widths = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of widths") from None
+    if any(w < 1 for w in widths):
+        raise argparse.ArgumentTypeError(f"{text}: every width must be at least 1")
+    return widths
+
+
 _READERS = {"positive": positive_int, "non_negative": non_negative_int, "positive_float": positive_float,
-            "size": parse_size, "rows": parse_rows}
+            "size": parse_size, "rows": parse_rows, "widths": parse_widths}
 
 
 def config_options() -> list[tuple[dataclasses.Field, object]]:

@@ -14,6 +14,7 @@ from . import stop
 from .common import check_memory
 from .emulation import add_emulation_options, check_emulated, emulation_knobs
 from .options import add_config_options, config_fields
+from .resume import given_options, take_stored
 
 
 def add_train(sub) -> None:
@@ -29,7 +30,7 @@ def add_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--profile", action="store_true", help="after the run, where a batch's time went, per phase, "
                                                           "from the step split and the checkpoint's counters")
-    p.set_defaults(run=_run_train, default_num_tables=d.num_tables)
+    p.set_defaults(run=_run_train, default_num_tables=d.num_tables, train_parser=p)
     dist_cli.add_train_options(p)  # --nproc-per-node, --sharding, ...: docs/distributed.md
     return p
 
@@ -71,9 +72,14 @@ def _run_train(args) -> int:
     from ..emulation import default_pool_path
     from ..emulation.cxl import SHM, memory_dir
     from ..jobs.profile import profile_text
+    from ..jobs.resume import lr_change, stored_metadata
     from ..jobs.train import pool_bytes, train
     from ..jobs.train_text import result_lines
 
+    stored = stored_metadata(args.pool) if args.pool is not None else None
+    # a pool that holds a run resumes it: the options left out are its own (cli/resume.py)
+    taken = [] if stored is None else take_stored(args, given_options(args.train_parser, args.argv[1:]), stored,
+                                                   args.pool)
     config = train_config(args)
     config.validate()
     check_memory(config)  # first: a model too big for memory must not even be built
@@ -94,6 +100,9 @@ def _run_train(args) -> int:
     length = f"{config.epochs} epoch(s)" if config.epochs is not None else f"{config.steps} steps"
     banner = [f"pool {path}: {config.num_tables} tables x {shown} rows x {args.dim} dims "
               f"({table_gb:.2f} GB), batch {args.batch_size}, {length}"]
+    if taken:
+        banner.append(f"resuming with the pool's settings: {' '.join(taken)}")
+    change = lr_change(stored, config) if stored is not None else None
 
     def on_ready(rt) -> None:
         for note in notes:
@@ -103,6 +112,9 @@ def _run_train(args) -> int:
 
             banner.append(f"emulated device models {describe_model()}")
         print("\n".join(banner), flush=True)
+        if change is not None and rt.resumed_metadata is not None:
+            print(f"learning rate changed on resume: {_lr_text(*change)}, from batch {rt.start_batch} "
+                  "(recorded in the pool with its next commit: a later resume keeps it)", flush=True)
         _say_where_training_starts(rt)
 
     with knobs.override(**emulation):
@@ -115,6 +127,13 @@ def _run_train(args) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
     return 0
+
+
+def _lr_text(before: dict, after: dict) -> str:
+    """"--lr 0.001 -> 0.01" for each learning rate that changed."""
+    flags = {"dense_lr": "--lr", "sparse_lr": "--sparse-lr"}
+    return ", ".join(f"{flags[name]} {before[name]:g} -> {after[name]:g}" for name in before
+                     if before[name] != after[name])
 
 
 def _say_where_training_starts(rt) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ..errors import ConfigError
 from ..modes import CHECKPOINTS, MODES, STRICT, UNDO
+
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 
 # Held-out evaluation batches are drawn from batch 2**40 on (training_data.EVAL_FIRST_BATCH): training stays below.
 MAX_STEPS = (1 << 40) - 1
@@ -18,7 +21,7 @@ class Option:
     """How a TrainConfig field is given on the command line (`train`, `plan`; cli/options.py builds
     the parser from these). help may name the field's {default}. kind: how the value is read —
     text, positive, non_negative, positive_float, size (64M, 2G), rows (one count or one per
-    table), choice (one of `choices`), switch (a flag that sets True), no_switch (one that sets False).
+    table), widths (comma-separated positive integers), choice (one of `choices`), switch (a flag that sets True), no_switch (one that sets False).
     unset: the option's own default is None, the value then decided from others (cli/data.py)."""
 
     flag: str
@@ -64,10 +67,19 @@ class TrainConfig:
                           kind="positive", unset=True)
     zipf_exponent: float = option(1.05, "--zipf", "synthetic data: Zipf exponent of the id distribution "
                                                   "(default {default})", kind="positive_float", unset=True)
-    sparse_lr: float = 0.05            # row-wise Adagrad on the tables
-    dense_lr: float = 1e-3             # Adam on the MLPs
-    bottom_mlp: tuple[int, ...] = (512, 256)
-    top_mlp: tuple[int, ...] = (512, 256)
+    # the learning rates may change when a pool is resumed (recorded in its snapshots: lr_changes)
+    sparse_lr: float = option(0.05, "--sparse-lr", "learning rate of the tables' row-wise Adagrad (default {default})",
+                              kind="positive_float", metavar="LR")
+    dense_lr: float = option(1e-3, "--lr", "learning rate of the MLPs' optimizer (default {default})",
+                             kind="positive_float", metavar="LR")
+    optimizer: str = option("adam", "--optimizer", "the MLPs' optimizer: adam (default), adagrad or sgd (the tables "
+                                                   "always use row-wise Adagrad)", kind="choice",
+                            choices=DENSE_OPTIMIZERS)
+    bottom_mlp: tuple[int, ...] = option((512, 256), "--bottom-mlp", "hidden widths of the bottom MLP, comma-separated "
+                                                                     "(default 512,256)", kind="widths",
+                                         metavar="W,W")
+    top_mlp: tuple[int, ...] = option((512, 256), "--top-mlp", "hidden widths of the top MLP, comma-separated "
+                                                               "(default 512,256)", kind="widths", metavar="W,W")
     checkpoint: str = option(UNDO, "--checkpoint",
                              "undo: every batch durable, a crash costs at most the batch in flight (default); "
                              "off: the pool is consistent only when the run ends", kind="choice", choices=CHECKPOINTS)
@@ -114,8 +126,10 @@ class TrainConfig:
     eval_batches: int = option(4, "--eval-batches", "held-out batches evaluated (default {default})",
                                kind="positive", metavar="K", group=FILE_DATA)
     # JSONL file: a line of metrics every eval_every (else 10) steps
-    metrics: str | None = option(None, "--metrics", "append a JSON line of metrics every --eval-every (else 10) "
-                                                    "steps; `cxltrain plot FILE`", metavar="FILE", group=FILE_DATA)
+    metrics: str | None = option(None, "--metrics", "write a JSON line of metrics every --eval-every (else 10) "
+                                                    "steps; a file holds one run (a resume goes on with it, another "
+                                                    "run's file is refused); `cxltrain plot FILE`", metavar="FILE",
+                                 group=FILE_DATA)
     prefetch: int = option(2, "--prefetch", "batches made ahead on a background thread (default {default}; 0: on the "
                                             "training thread)", kind="non_negative", metavar="N", group=FILE_DATA)
     # a pool set (docs/tiers.md)
@@ -141,9 +155,18 @@ class TrainConfig:
                                       "re-place the hot-row caches every N batches from the lookups counted since "
                                       "(evicted rows written back; default: never)", kind="non_negative", metavar="N")
 
-    # what a resumed run must share with the run that wrote the pool
+    # what a resumed run must share with the run that wrote the pool (the learning rates excepted:
+    # LR_SETTINGS may change on resume)
     TRAJECTORY = ("data", "batch_size", "num_tables", "rows", "dim", "seed", "pooling", "zipf_exponent",
                   "sparse_lr", "dense_lr", "bottom_mlp", "top_mlp")
+    LR_SETTINGS = ("sparse_lr", "dense_lr")
+    # options each invocation decides for itself: how fast, where, and a one-time consent; every
+    # other option is remembered by the pool (run_settings) and taken from it on resume when left out
+    PER_INVOCATION = ("pool", "discard_checkpoint", "pipeline", "background_capture", "device",
+                      "device_cache_rows", "prefetch", "fast_bytes", "profile_batches", "cache_rows")
+    # metadata keys a resumed run may change (Runtime mutable_metadata): its learning rates and their
+    # history, the remembered settings, the metrics' running averages (metrics_log.py)
+    MUTABLE_METADATA = (*LR_SETTINGS, "lr_changes", "settings", "metrics")
 
     def run_metadata(self, data_fingerprint: str | None = None) -> dict:
         """The settings that decide the training trajectory, stored with every dense snapshot. The
@@ -156,7 +179,20 @@ class TrainConfig:
             metadata["table_rows"] = list(self.table_rows)
         if self.data is not None and (self.epochs is not None or self.eval_every):
             metadata["eval_batches"] = self.eval_batches   # which file batches training reads
+        if self.optimizer != "adam":
+            metadata["optimizer"] = self.optimizer
         return metadata
+
+    def run_settings(self) -> dict:
+        """The remembered options outside the trajectory ({field: value}; "data" is the file's
+        path here): what `train --pool P` alone resumes with (cli/resume.py)."""
+        trajectory = set(self.TRAJECTORY) - {"data"}
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if "option" in f.metadata and f.name not in self.PER_INVOCATION and f.name not in trajectory}
+        for name in ("data", "metrics", "capacity_pool"):  # a resume from another folder finds them
+            if settings[name] is not None:
+                settings[name] = os.path.abspath(settings[name])
+        return settings
 
     def memory_bytes(self) -> int:
         """A generous estimate of the memory a step takes outside the pool: the dense parameters with
@@ -203,6 +239,12 @@ class TrainConfig:
         for name in ("sparse_lr", "dense_lr"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.optimizer not in DENSE_OPTIMIZERS:
+            raise ConfigError(f"optimizer must be one of {', '.join(DENSE_OPTIMIZERS)}, got {self.optimizer!r}")
+        for name in ("bottom_mlp", "top_mlp"):
+            widths = getattr(self, name)
+            if not widths or not all(isinstance(w, int) and w >= 1 for w in widths):
+                raise ConfigError(f"{name} must be one or more positive widths, got {widths!r}")
 
     def _validate_file_data(self) -> None:
         if self.table_rows is not None:

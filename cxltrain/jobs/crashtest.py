@@ -133,12 +133,16 @@ def _leaves(tree, prefix=""):
         yield prefix, tree
 
 
+INVOCATION = "/metadata/settings/"  # export paths that record how a run was invoked (TrainConfig.run_settings)
+
+
 def differences(got: dict, want: dict) -> list[str]:
     """Paths where two exports (runtime.export_state) differ: torch.equal and dtype for tensors, ==
-    for everything else. Empty when they are the same, bit for bit."""
+    for everything else. Empty when they are the same, bit for bit. The options a run was started
+    with (metadata "settings": its --steps, say) say how it was asked for, not what it computed."""
     import torch
 
-    a, b = dict(_leaves(got)), dict(_leaves(want))
+    a, b = ({k: v for k, v in _leaves(tree) if not k.startswith(INVOCATION)} for tree in (got, want))
     if a.keys() != b.keys():
         return [f"keys differ: {sorted(set(a) ^ set(b))[:4]}"]
     out = []

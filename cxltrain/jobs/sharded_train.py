@@ -34,14 +34,14 @@ from .config import TrainConfig
 from .data_source import training_data
 from .lifeline import RANK_ERROR_ENV, end_with_launcher, mark_launcher
 from .sharded_settings import check_config, plan_for, settings_for
-from .train import GroupFacts, TrainResult, run_steps
+from .train import GroupFacts, TrainResult, dense_optimizer, run_steps
 
 
 def build(config: TrainConfig, plan: ShardingPlan, point: AgreedMinimum):
     """This rank's model, dense optimizer and Runtime (its recovery point: the group's G)."""
     model = RankModel(plan, point.rank, dim=config.dim, bottom_mlp=config.bottom_mlp, top_mlp=config.top_mlp,
                       sparse_lr=config.sparse_lr, seed=config.seed)
-    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
+    dense_opt = dense_optimizer(config, model.dense_parameters())
     rt = Runtime(point.pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                  pipeline=config.pipeline, background_capture=config.background_capture,
                  rows_per_batch=config.batch_size * config.pooling, recovery_point=point)

@@ -37,8 +37,9 @@ from ..runtime.runtime import Runtime
 from ..tables.optim import RowWiseAdagrad
 from .config import TrainConfig
 from .data_source import TrainingData, training_data
-from .metrics_log import MetricsLog, check_metrics_path
+from .metrics_log import STATE_KEY, MetricsLog, check_metrics_path, check_new_run, check_own_run
 from .planning import device_cache_ids, plan_and_hot_rows
+from .resume import record_lr_changes
 
 # Batches at the start left out of the per-step time breakdown (first-touch page faults, warm-up,
 # DDP's bucket rebuild).
@@ -176,9 +177,17 @@ def build_source(config: TrainConfig) -> BatchSource:
     return training_data(config).train
 
 
+def dense_optimizer(config: TrainConfig, parameters) -> torch.optim.Optimizer:
+    """The MLPs' optimizer `config.optimizer` names, at config.dense_lr."""
+    kind = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[config.optimizer]
+    return kind(parameters, lr=config.dense_lr)
+
+
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                  source: BatchSource | None = None) -> Runtime:
-    metadata = config.run_metadata(getattr(source, "fingerprint", None))
+    """The Runtime of a `train` run: its metadata the trajectory settings (checked on resume) and the
+    remembered ones (`settings`, which a resume may change, as it may the learning rates)."""
+    metadata = {**config.run_metadata(getattr(source, "fingerprint", None)), "settings": config.run_settings()}
     if source is None and config.capacity_pool is not None:
         source = build_source(config)  # profiled to plan a new pool set
     plan, hot_rows = plan_and_hot_rows(config, model, source, pool_path)
@@ -189,7 +198,8 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                    rows_per_batch=config.batch_size * config.pooling, discard_checkpoint=config.discard_checkpoint,
                    capacity_pool=config.capacity_pool,
                    prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
-                   hot_rows=hot_rows, cache_replace_every=config.cache_replace_every)
+                   hot_rows=hot_rows, cache_replace_every=config.cache_replace_every,
+                   mutable_metadata=TrainConfig.MUTABLE_METADATA, keep_given_lr=True)
 
 
 def pool_bytes(config: TrainConfig) -> int:
@@ -214,8 +224,14 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     source = data.train
     device = compute_device(config.device)
     model = build_model(config).to(device)  # the MLPs (before their optimizer, and before a restore fills them)
-    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
+    dense_opt = dense_optimizer(config, model.dense_parameters())
+    # a metrics file of another run is refused before a new pool is made, or an old one recovered
+    if not os.path.exists(pool_path):
+        check_new_run(config.metrics)
+    else:
+        check_own_run(config.metrics, pool_path)
     with make_runtime(config, model, dense_opt, pool_path, source) as rt:
+        record_lr_changes(rt, config)
         if device.type != "cpu":  # after recovery: a device cache is filled from the recovered pool
             model.place_tables(device, device_cache_ids(config, model, source, device))
         if on_ready is not None:
@@ -305,7 +321,9 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
     clock = _StepClock(step, rt)
 
     prefetcher = Prefetcher(source, first, config.steps, config.prefetch) if config.prefetch else None
-    metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data)
+    resumed = rt.resumed_metadata or {}
+    metrics = MetricsLog(config.metrics, every=config.eval_every or 10, data=data, run=rt.pool.superblock.uuid.hex(),
+                         start_batch=first, resumed=resumed.get(STATE_KEY))
 
     def fetch(b: int):
         started = time.perf_counter()
@@ -408,6 +426,7 @@ def _step(config: TrainConfig, step, data: TrainingData, rt: Runtime, batch, clo
     if config.eval_every and (b + 1) % config.eval_every == 0:
         evaluated = step.evaluate(data.evaluation, data.heldout)   # reads the tables, writes nothing
     metrics.step(b, losses[-1], evaluated)
+    rt.update_metadata(**{STATE_KEY: metrics.state(b + 1)})  # committed with batch b: a resume goes on from it
 
 
 class _StepClock:

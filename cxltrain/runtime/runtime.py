@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import warnings
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -92,7 +93,16 @@ class Runtime:
         fused_capture: capture each table's undo record inside its update where the kernels and the
             device allow it (True), or as a pass of its own before the update (False: the comparison).
         metadata: a JSON-like dict describing the run (e.g. its configuration), stored in every
-            snapshot; resuming a pool whose metadata differs is refused.
+            snapshot; resuming a pool whose metadata differs is refused (every differing key named),
+            except in the keys of mutable_metadata. `update_metadata` adds to it as the run goes.
+        mutable_metadata: metadata keys a resumed run may change (e.g. a learning rate): given
+            ones replace the stored ones from the next commit on, missing ones keep the stored value.
+            `rt.resumed_metadata` is the snapshot's metadata as it was (None on a fresh pool).
+        keep_given_lr: on resume, the learning rates the optimizers were built with win over the
+            snapshot's (put back after the restore: a run that changes its learning rate). False:
+            the snapshot's win, and a warning names each that differed from the built one. A group
+            an LR scheduler drives is compared by its base rate (initial_lr) and keeps the
+            snapshot's: its restored scheduler decides the rate.
         pool_size, undo_ring_bytes, dense_slot_bytes: sizes for a new pool (defaults: computed
             from the model; a 64 MiB undo ring; 4x the dense state + 1 MiB per snapshot slot).
         backend: device backend (see cxltrain.devices); default the `device` knob.
@@ -136,7 +146,8 @@ class Runtime:
                  capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
                  plan: planner.Plan | None = None, hot_rows: dict | None = None,
                  cache_replace_every: int = 0, rows_per_batch: int | None = None,
-                 recovery_point: OwnBatch | AgreedMinimum | None = None) -> None:
+                 recovery_point: OwnBatch | AgreedMinimum | None = None, mutable_metadata: Sequence[str] = (),
+                 keep_given_lr: bool = False) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ConfigError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
         if mode not in MODES:
@@ -161,6 +172,7 @@ class Runtime:
             raise ConfigError("optimizers must be torch.optim.Optimizer instances")
         self.schedulers = list(schedulers)
         self.checkpoint, self.dense_every, self.metadata = checkpoint, dense_every, metadata
+        self.mutable_metadata, self.keep_given_lr = tuple(mutable_metadata), bool(keep_given_lr)
         self.mode, self.pipeline, self.background_capture = mode, bool(pipeline), bool(background_capture)
         self.checkpoint_options = CheckpointOptions(dense_every=dense_every, mode=mode, pipeline=self.pipeline,
                                                     background_capture=self.background_capture,
@@ -212,6 +224,7 @@ class Runtime:
         self.recovery = None                # the RecoveryReport, when the pool was recovered
         self.recovery_seconds = 0.0
         self.restarted = False
+        self.resumed_metadata: dict | None = None  # the snapshot's metadata, when the pool was resumed
         self._caches: dict[str, hot_cache.HotRowCache] = {}
 
     # -- entering ---------------------------------------------------------------------------
@@ -400,19 +413,51 @@ class Runtime:
         started = time.perf_counter()
         snapshot = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)
         stored = snapshot["metadata"]
-        if self.metadata is not None and stored != self.metadata:
-            differ = sorted(k for k in set(stored) | set(self.metadata) if stored.get(k) != self.metadata.get(k))
-            shown = ", ".join(f"{k} {stored.get(k)!r} vs {self.metadata.get(k)!r}" for k in differ[:3])
-            raise RecoveryError(f"{pool.path}: was written by a run with other settings ({shown}); "
-                                "resume with the same settings, or use another pool")
+        if self.metadata is not None:
+            differ = sorted(k for k in set(stored) | set(self.metadata)
+                            if stored.get(k) != self.metadata.get(k) and k not in self.mutable_metadata)
+            if differ:  # all of them at once: one refusal, one retry
+                shown = ", ".join(f"{k} {stored.get(k)!r} vs {self.metadata.get(k)!r}" for k in differ)
+                raise RecoveryError(f"{pool.path}: was written by a run with other settings ({shown}); "
+                                    "resume with the same settings, or use another pool")
         self._state.check(snapshot, pool.path)  # a snapshot of another model is refused before recovery writes
         for table in self.tables.values():
             table.attach(pool, initialize=False)
         report, _ = recover(pool, snapshot)
+        # the rate a group was built with: an LR scheduler keeps it as initial_lr and moves lr itself
+        built_lrs = [[group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
+                     for optimizer in self.optimizers]
         self._state.restore(snapshot, pool.path)
+        self._settle_lrs(built_lrs, pool.path)
+        self.resumed_metadata = dict(stored)
+        if self.metadata is not None and self.mutable_metadata:  # the changed keys go into the next snapshots
+            self._state.metadata = {**stored, **{k: self.metadata[k] for k in self.mutable_metadata
+                                                 if k in self.metadata}}
         self.recovered_batch = self.start_batch = report.batch
         self.recovery_seconds = time.perf_counter() - started  # reading and checking included, as for `recover`
         self.recovery = report
+
+    def _settle_lrs(self, built: list[list[float]], where: str) -> None:
+        """After a restore: the built learning rates put back (keep_given_lr), or each the snapshot
+        replaced named in a warning, never silently."""
+        for optimizer, lrs in zip(self.optimizers, built):
+            for i, (group, lr) in enumerate(zip(optimizer.param_groups, lrs)):
+                key = "initial_lr" if "initial_lr" in group else "lr"  # a scheduled group: its base rate
+                if group[key] == lr:
+                    continue
+                if self.keep_given_lr and key == "lr":
+                    group["lr"] = lr
+                else:
+                    hint = ("its LR scheduler's restored state decides its rate" if key != "lr"
+                            else "pass keep_given_lr=True to keep yours")
+                    warnings.warn(f"{where}: the snapshot's learning rate {group[key]:g} replaces the {lr:g} "
+                                  f"{type(optimizer).__name__} was built with (param group {i}); {hint}",
+                                  stacklevel=6)
+
+    def update_metadata(self, **items) -> None:
+        """Adds JSON-like items to the run's metadata: stored with every snapshot from the next commit
+        on (a crash before it loses them, with the batches after the last commit)."""
+        self._state.metadata = {**self._state.metadata, **items}
 
     def _start_fresh(self, pool: Pool, tables_present: bool) -> None:
         missing = [s for s in ([] if tables_present else self._table_specs(fast=True)) + self._specs()
