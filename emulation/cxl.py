@@ -227,6 +227,7 @@ class PowerLossCXLDevice(_EmulatedDevice):
     """
 
     power_loss = True
+    crash_atom_bytes = 8   # a crash keeps or loses each aligned 8-byte word whole (x86's atomic store)
 
     def __init__(self, path: str, fd: int, size: int, *, evict_rate: int = 0, evict_seed: int = 0) -> None:
         super().__init__(path, size, CachedFile(fd, size), is_pmem=True)
@@ -262,9 +263,19 @@ class PowerLossCXLDevice(_EmulatedDevice):
         self._account(rows.size * stride)
         return self._file.copy_rows(offset, stride, rows)
 
+    def durable(self) -> np.ndarray:
+        """What a power loss now would leave of the pool, with no early write-back: the media, as a
+        copy [size] uint8."""
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        with self.media_lock:
+            return self._media.copy()
+
     def native_persistence(self) -> native.NativePersistence | None:
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
+        if self.observer is not None:
+            return None  # a kernel's own fences are invisible to the observer: every persist comes here
         # native code copies whole lines to the media as copy_rows does, holding the media lock
         return native.NativePersistence(native.NativePersistence.MEDIA,
                                         media_offset=self._media.ctypes.data - self.address,
