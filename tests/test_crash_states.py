@@ -17,6 +17,7 @@ import pytest
 from cxltrain.emulation.cxl import PowerLossCXLDevice
 from cxltrain.faults import Planted
 from cxltrain.jobs.crash_states import Recorder, adjacent_runs, choose_states, enumerate_commit
+from cxltrain.kernels import native
 from helpers import cxltrain
 
 SMALL = dict(samples=3, exhaustive_atoms=2, seed=5)
@@ -59,6 +60,33 @@ def test_the_recorder_sees_stores_as_dirty_until_a_fence_makes_them_durable(shm_
     assert closed.what.startswith("close") and closed.dirty[0].atoms.tolist() == [100]
 
 
+@pytest.mark.skipif(not native.built(), reason="the native kernels are not built")
+def test_the_recorder_sees_a_native_kernels_own_persists(shm_dir):
+    """A kernel that persists by itself (here the dense payload's stream_pieces, one fence) calls the
+    observer through the domain's on_fence, holding the media lock, and the fence is recorded."""
+    path = os.path.join(shm_dir, "native.bin")
+    with open(path, "wb") as f:
+        f.write(bytes(4096))
+    fd = os.open(path, os.O_RDWR)
+    device = PowerLossCXLDevice(path, fd, 4096)
+    try:
+        recorder = Recorder([device])
+        persistence = device.native_persistence()
+        assert persistence.on_fence != 0
+        lib = native.lib()
+        piece = np.arange(64, dtype=np.uint8)
+        sources = np.array(lib.addresses(piece), dtype=np.int64)
+        lengths = np.array([64], dtype=np.int64)
+        with persistence.lock:
+            lib.stream_pieces(native.address(device.array) + 128, 4096 - 128, persistence,
+                              *lib.addresses(sources, lengths), 1, 0)
+    finally:
+        device.close()
+        os.close(fd)
+    assert recorder.errors == [] and recorder.intervals[0].what.startswith("fence")
+    assert recorder.intervals[0].advanced[0].atoms.tolist() == list(range(16, 24))  # the 64 bytes at 128
+
+
 @pytest.mark.parametrize("pool_set", [False, True], ids=["one pool", "pool set"])
 def test_every_chosen_state_recovers_exactly(shm_dir, pool_set):
     outcome = enumerate_commit(pool_set=pool_set, folder=shm_dir, **SMALL)
@@ -83,7 +111,8 @@ def test_enumerate_refuses_the_trials_options_in_one_line():
 @pytest.mark.slow
 @pytest.mark.parametrize("pool_set, plant", [
     (False, Planted.SKIP_UNDO_PERSIST), (False, Planted.CAPTURE_BEFORE_UPDATE), (True, Planted.COMMIT_BEFORE_ROWS),
-    (True, Planted.SKIP_CAPACITY_SYNC)])
+    (True, Planted.SKIP_CAPACITY_SYNC), (False, Planted.HEADER_BEFORE_PAYLOAD), (False, Planted.UPDATE_BEFORE_HEADER),
+    (False, Planted.KERNEL_SKIPS_ROW_FLUSH)])
 def test_each_planted_bug_a_commit_shows_fails_it(shm_dir, pool_set, plant):
     assert enumerate_commit(pool_set=pool_set, plant=plant, folder=shm_dir, **SMALL).inexact
 

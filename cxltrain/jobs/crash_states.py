@@ -17,11 +17,10 @@ alone and all but it, then random subsets of random density), written to the poo
 and exported, and compared bit for bit with an uninterrupted run: of the batches committed before,
 or of those after where the state holds the primary pool's new root whole (the commit point).
 
-Seen at the granularity the devices observe: a native kernel's own fences are invisible to Python,
-so the recorded run uses the two-pass capture (fused_capture off) and the devices hand no native
-code a way to persist by itself while observed; two values stored to one word between fences are
-seen as the last one alone. The commit runs on the training thread (no pipeline), so the
-observations are in program order.
+A native kernel's own persists (the fused capture's, the dense payload's) are observations too:
+the power-loss device hands it a domain whose on_fence calls the observer (kernels/persist.h). The
+commit runs on the training thread (no pipeline), so the observations are in program order. Two
+values stored to one word between fences are seen as the last one alone.
 """
 
 from __future__ import annotations
@@ -82,6 +81,7 @@ class Recorder:
         self._old_root = None if after_root is None else self._root_bytes()
         self.start: list[np.ndarray] = []   # durable when the recording began
         self.intervals: list[Interval] = []
+        self.errors: list[str] = []
         if after_root is None:
             self._begin()
         for device in devices:
@@ -100,6 +100,12 @@ class Recorder:
         return bool(self.start)
 
     def __call__(self, device, fence: bool) -> None:
+        try:
+            self._observe(device, fence)
+        except Exception as e:  # a native kernel's callback cannot raise: kept, and raised after the run
+            self.errors.append(f"{type(e).__name__}: {e}")
+
+    def _observe(self, device, fence: bool) -> None:
         if not self.started:
             if device is self.devices[0] and fence and not np.array_equal(self._root_bytes(), self._old_root):
                 self._begin()
@@ -192,7 +198,7 @@ class Outcome:
 
 
 # What the recorded run (and only it) is: every fence in program order, every persist through a device.
-RECORDED = dict(pipeline=False, fused_capture=False)
+RECORDED = dict(pipeline=False)
 # The devices' crash models, no early write-back (the enumeration chooses what reached the media).
 MODELS = dict(power_loss=1, domain="adr", evict_rate=0, capacity_crash=1, threads=1)
 PLAIN = dict(power_loss=0, capacity_crash=0, threads=1)
@@ -240,6 +246,8 @@ def _enumerate(work: str, pool_set: bool, before: int, plant: str, seed: int, ex
         finally:
             faults.arm(None, "")
     recorder: Recorder = seen["recorder"]
+    if recorder.errors:
+        raise CxlTrainError(f"enumeration: the recorder failed: {recorder.errors[0]}")
     if seen["pool"].root.seq != seen["root_seq"] + 2 or not recorder.started:
         raise CxlTrainError(f"enumeration: the recorded run wrote {seen['pool'].root.seq - seen['root_seq']} "
                             "roots, not the two commits it is meant to hold")
