@@ -119,6 +119,8 @@ def _run_enumeration(args) -> int:
     exhaustive = EXHAUSTIVE_ATOMS if args.exhaustive_atoms is None else args.exhaustive_atoms
     if exhaustive > 16:
         raise ConfigError(f"--exhaustive-atoms {exhaustive}: at most 16 (2^16 states an interval)")
+    if samples < 2:
+        raise ConfigError(f"--samples {samples}: at least 2 (a crash keeping nothing, and one keeping everything)")
     print(f"crashtest --enumerate: seed {seed}, every subset of up to {exhaustive} dirty atoms, else at most "
           f"{samples} states per fence interval" + (f", planted bug {args.plant}" if args.plant else ""), flush=True)
     outcomes = []

@@ -73,8 +73,9 @@ class Recorder:
 
     def __init__(self, devices: list, after_root: int | None = None) -> None:
         for device in devices:
-            if not hasattr(device, "durable"):
-                raise ConfigError(f"{device.path}: {type(device).__name__} has no crash model to enumerate")
+            if not hasattr(device, "durable") or device.size % device.crash_atom_bytes:
+                raise ConfigError(f"{device.path}: {type(device).__name__} has no crash model to enumerate "
+                                  "(or its size is no whole number of atoms)")
         self.devices = devices
         self.atoms = [d.crash_atom_bytes for d in devices]
         self._slot = after_root
@@ -212,8 +213,9 @@ def enumerate_commit(*, pool_set: bool, before: int = 2, plant: str = "", seed: 
     uninterrupted run. Returns what it found; the pools live in a folder of their own, removed after."""
     if plant and plant not in faults.PLANTED:
         raise ConfigError(f"unknown planted fault {plant!r}; choose one of {', '.join(faults.PLANTED)}")
-    if before < 2 or samples < 2 or exhaustive_atoms < 0 or exhaustive_atoms > 16:
-        raise ConfigError("enumeration: at least 2 batches before, 2 samples, and 0-16 atoms tried exhaustively")
+    if before < 2 or samples < 2 or not 0 <= exhaustive_atoms <= 16:
+        raise ConfigError(f"enumeration: needs 2 or more batches before (got {before}), 2 or more samples (got "
+                          f"{samples}), and 0-16 atoms tried exhaustively (got {exhaustive_atoms})")
     work = tempfile.mkdtemp(prefix="cxltrain-enumerate-", dir=folder or memory_dir())
     try:
         return _enumerate(work, pool_set, before, plant, seed, exhaustive_atoms, samples,
@@ -312,4 +314,4 @@ def _recover_and_compare(paths: list[str], state: list[np.ndarray], want: dict) 
     except CxlTrainError as e:
         return f"recovery refused: {e}"
     found = differences(got, want)
-    return f"batch {got['batch']}, differs at {', '.join(found[:3])}" if found else None
+    return f"batch {got['batch']}, {len(found)} differ: {', '.join(found[:3])}" if found else None
