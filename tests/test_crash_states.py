@@ -97,7 +97,7 @@ def test_every_chosen_state_recovers_exactly(shm_dir, pool_set):
 def test_a_root_written_before_the_rows_fails_it(shm_dir):
     # the root of batch 2 (where the recording starts) came before its rows too: states of either batch
     outcome = enumerate_commit(pool_set=False, plant=Planted.COMMIT_BEFORE_ROWS, folder=shm_dir, **SMALL)
-    assert outcome.inexact and all("differs at /model/embedding_bag" in p for p in outcome.inexact), \
+    assert outcome.inexact and all("differ: /model/embedding_bag" in p for p in outcome.inexact), \
         outcome.inexact[:3]
 
 
