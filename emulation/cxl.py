@@ -30,6 +30,7 @@ speed), and a remote NUMA node is not real CXL either.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import tempfile
@@ -49,6 +50,9 @@ from .mappings import CachedFile, SharedFile
 # Crash tests can die at the n-th flush of an emulated device: a random moment of the persistence traffic.
 FLUSH_POINT = "device:flush"
 
+
+# What a native kernel calls after each of its persists while an observer listens (kernels/persist.h on_fence).
+_FENCE_CALLBACK = ctypes.CFUNCTYPE(None)
 
 # The memory-backed file system an emulated pool lives on where the machine has one.
 SHM = "/dev/shm"
@@ -227,9 +231,11 @@ class PowerLossCXLDevice(_EmulatedDevice):
     """
 
     power_loss = True
+    crash_atom_bytes = 8   # a crash keeps or loses each aligned 8-byte word whole (x86's atomic store)
 
     def __init__(self, path: str, fd: int, size: int, *, evict_rate: int = 0, evict_seed: int = 0) -> None:
         super().__init__(path, size, CachedFile(fd, size), is_pmem=True)
+        self._on_fence = None
         self.media_lock = self._file.lock
         self.evictor = (Evictor(self._array, self._file.media, self.media_lock, rate=evict_rate, seed=evict_seed)
                         if evict_rate else None)
@@ -262,14 +268,33 @@ class PowerLossCXLDevice(_EmulatedDevice):
         self._account(rows.size * stride)
         return self._file.copy_rows(offset, stride, rows)
 
+    def durable(self) -> np.ndarray:
+        """What a power loss now would leave of the pool: the media, as a copy [size] uint8. Only
+        with no early write-back: then this thread is the media's only writer, and the copy needs
+        no lock (an observer calls it from inside native persists, which hold the media lock)."""
+        if self._media is None:
+            raise ValueError(f"{self.path}: device is closed")
+        if self.evictor is not None:
+            raise ValueError(f"{self.path}: what is durable is not fixed while lines are written back early")
+        return self._media.copy()
+
     def native_persistence(self) -> native.NativePersistence | None:
         if self._media is None:
             raise ValueError(f"{self.path}: device is closed")
-        # native code copies whole lines to the media as copy_rows does, holding the media lock
+        # native code copies whole lines to the media as copy_rows does, holding the media lock;
+        # an observer hears of each of its persists as of the device's own
         return native.NativePersistence(native.NativePersistence.MEDIA,
                                         media_offset=self._media.ctypes.data - self.address,
                                         map_start=self.address, map_end=self.address + self.size,
-                                        lock=self.media_lock)
+                                        on_fence=self._fence_callback(), lock=self.media_lock)
+
+    def _fence_callback(self) -> int:
+        """The address of a C function void(void) that tells the observer of a fence; 0 without one."""
+        if self.observer is None:
+            return 0
+        if self._on_fence is None:  # kept with the device: native code may call it while the device lives
+            self._on_fence = _FENCE_CALLBACK(self._observe)
+        return ctypes.cast(self._on_fence, ctypes.c_void_p).value
 
     # persist = write-back + fence, and copy_persist = store into the private view + persist, are the
     # base class's: the media gets the bytes by the same line copy as any persisted store.

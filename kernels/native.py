@@ -50,6 +50,8 @@ class NativePersistence:
                     streamed stores are fenced, then copied the same way
         kind NONE   nothing to write back (the stores need none); a fence orders them
 
+    on_fence: 0, or the address of a C function void(void) called after each of native code's
+    persists (fence done, lines copied): how a crash-state recorder sees them (jobs/crash_states.py).
     lock: held while native code persists on this device (the emulator's media lock)."""
 
     LINES, MEDIA, NONE = 1, 2, 3  # kernels/persist.h enum pm_kind
@@ -58,6 +60,7 @@ class NativePersistence:
     media_offset: int = 0
     map_start: int = 0
     map_end: int = 0
+    on_fence: int = 0
     lock: contextlib.AbstractContextManager = dataclasses.field(default_factory=contextlib.nullcontext,
                                                                  compare=False, repr=False)
 

@@ -81,10 +81,12 @@ void pm_persist(const struct pm_domain *d, const char *at, size_t n, unsigned fl
         pm_fence(); /* the non-temporal stores are complete; on the emulator they are then copied */
         if (d->kind == PM_MEDIA)
             pm_write_back(d, at, n);
-        return;
+    } else {
+        pm_write_back(d, at, n);
+        pm_fence();
     }
-    pm_write_back(d, at, n);
-    pm_fence();
+    if (d->on_fence)
+        d->on_fence();
 }
 
 void pm_copy(const struct pm_domain *d, char *dst, const char *src, size_t n, unsigned flags)
@@ -109,12 +111,13 @@ static int read_field(PyObject *from, const char *name, long long *out)
 
 int pm_domain_from(PyObject *persistence, struct pm_domain *d, const char *who)
 {
-    long long kind, flush, media_offset, map_start, map_end;
+    long long kind, flush, media_offset, map_start, map_end, on_fence;
     if (read_field(persistence, "kind", &kind) < 0 || read_field(persistence, "flush", &flush) < 0
         || read_field(persistence, "media_offset", &media_offset) < 0
-        || read_field(persistence, "map_start", &map_start) < 0 || read_field(persistence, "map_end", &map_end) < 0)
+        || read_field(persistence, "map_start", &map_start) < 0 || read_field(persistence, "map_end", &map_end) < 0
+        || read_field(persistence, "on_fence", &on_fence) < 0)
         return -1;
-    *d = (struct pm_domain){.kind = (int)kind};
+    *d = (struct pm_domain){.kind = (int)kind, .on_fence = (void (*)(void))(uintptr_t)on_fence};
     if (kind == PM_LINES) {
         d->flush = pm_flush_or_cpu((pm_flush_fn)(uintptr_t)flush);
         if (!d->flush) {

@@ -14,7 +14,8 @@
  *
  * pm_fence is SFENCE on x86-64: it orders non-temporal stores and CLWB/CLFLUSHOPT before whatever
  * follows (pmem_drain). pm_persist without PM_STREAMED is write back, then fence (pmem_persist).
- * On the emulator the caller holds the media lock while these copy lines.
+ * On the emulator the caller holds the media lock while these copy lines. A domain's on_fence, when
+ * set, is called after every pm_persist (its fence done and, on the emulator, its lines copied).
  */
 #ifndef CXLTRAIN_PERSIST_H
 #define CXLTRAIN_PERSIST_H
@@ -40,6 +41,8 @@ struct pm_domain {
     const char *view;   /* PM_MEDIA: whole lines copied from the mapping at view ... */
     char *media;        /* ... to its media mapping, ... */
     size_t map_size;    /* ... never past this size */
+    void (*on_fence)(void); /* NULL, or called after each pm_persist: a crash-state recorder's view of
+                             * the fences (jobs/crash_states.py); it takes the GIL itself */
 };
 
 /* pm_copy and pm_persist flags */

@@ -186,12 +186,14 @@ class UndoRing:
         and tail mark templates, which the kernel only reads), worked out once per mapping."""
         device = self._record_device
         ring = native.address(device.array) + self.region.offset  # raises once the device is closed
-        if self._streaming_fields is None or self._streaming_fields["ring"] != ring:
+        persistence = device.native_persistence()  # an observer set since changes it (on_fence)
+        if (self._streaming_fields is None or self._streaming_fields["ring"] != ring
+                or self._streaming_fields["persistence"] != persistence):
             uuid = self.pool.superblock.uuid
             tails = np.frombuffer(layout.tail_mark_template(self.generation) * layout.TAIL_COPIES,
                                   dtype=np.uint8).reshape(layout.TAIL_COPIES, -1).copy()
             self._streaming_fields = dict(
-                ring=ring, persistence=device.native_persistence(), payload_seed=layout.payload_checksum_base(uuid, self.generation),
+                ring=ring, persistence=persistence, payload_seed=layout.payload_checksum_base(uuid, self.generation),
                 header_seed=layout.header_checksum_seed(uuid, self.generation), tails=tails,
                 tail_seeds=np.array([checksum_seed(uuid, copy) for copy in range(layout.TAIL_COPIES)],
                                     dtype=np.uint32),

@@ -6,6 +6,7 @@ import json
 import sys
 
 from .. import knobs
+from ..errors import ConfigError
 from ..knobs import KNOBS
 from .common import EXIT_ERROR, non_negative_int, positive_int
 from .emulation import add_emulation_options, emulation_knobs
@@ -20,7 +21,7 @@ def add_crashtest(sub) -> None:
                                    "compare the export with an uninterrupted run bit for bit, resume and compare "
                                    "again. Exits non-zero on any mismatch, keeping the pool and printing the "
                                    "commands that replay it.")
-    c.add_argument("--trials", type=positive_int, default=50, help="trials to run (default 50)")
+    c.add_argument("--trials", type=positive_int, default=None, help="trials to run (default 50)")
     c.add_argument("--seed", type=non_negative_int, default=None, help="plan of the trials (default: random, printed)")
     c.add_argument("--trial", type=non_negative_int, default=None, metavar="K",
                    help="run only trial K of the seed's plan (to replay one)")
@@ -29,6 +30,16 @@ def add_crashtest(sub) -> None:
     c.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch")
     c.add_argument("--keep", metavar="DIR", help="where failing pools and logs are kept (default: a folder in "
                                                  "the temp dir named after the seed)")
+    e = c.add_argument_group("every crash state of one commit (instead of trials; docs/testing.md)")
+    e.add_argument("--enumerate", action="store_true",
+                   help="record one batch's update and commit on the crash-model devices, for one pool and for "
+                        "a pool set, and recover every state a power loss may leave (sampled where too many)")
+    e.add_argument("--samples", type=positive_int, default=None, metavar="S",
+                   help="with --enumerate: at most S states per fence interval that has too many to try all "
+                        "(default 24)")
+    e.add_argument("--exhaustive-atoms", type=non_negative_int, default=None, metavar="W",
+                   help="with --enumerate: try every subset of an interval's dirty words/pages when it has at "
+                        "most W of them (default 8, at most 16)")
     add_emulation_options(c)
     c.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -36,6 +47,11 @@ def add_crashtest(sub) -> None:
 
 
 def _run_crashtest(args) -> int:
+    if args.enumerate:
+        return _run_enumeration(args)
+    if args.samples is not None or args.exhaustive_atoms is not None:
+        raise ConfigError("--samples and --exhaustive-atoms need --enumerate")
+    args.trials = 50 if args.trials is None else args.trials
     import random
     import time
 
@@ -85,3 +101,37 @@ def _run_crashtest(args) -> int:
     if args.json:
         print(json.dumps({"seed": seed, "device_model": model, "plant": args.plant or None, **report}))
     return 0 if report["exact"] == report["trials"] else EXIT_ERROR
+
+
+def _run_enumeration(args) -> int:
+    import random
+
+    from ..jobs.crash_states import EXHAUSTIVE_ATOMS, SAMPLES, enumerate_commit
+
+    given = [flag for flag, value in (("--trials", args.trials), ("--trial", args.trial), ("--keep", args.keep),
+                                      ("--power-loss", args.power_loss), ("--domain", args.domain),
+                                      ("--evict-rate", args.evict_rate), ("--persist-bandwidth", args.persist_bandwidth))
+             if value is not None] + (["--fail-fast"] if args.fail_fast else [])
+    if given:
+        raise ConfigError(f"--enumerate runs no trials and chooses its own device models: drop {', '.join(given)}")
+    seed = args.seed if args.seed is not None else random.randrange(1 << 31)
+    samples = SAMPLES if args.samples is None else args.samples
+    exhaustive = EXHAUSTIVE_ATOMS if args.exhaustive_atoms is None else args.exhaustive_atoms
+    if exhaustive > 16:
+        raise ConfigError(f"--exhaustive-atoms {exhaustive}: at most 16 (2^16 states an interval)")
+    if samples < 2:
+        raise ConfigError(f"--samples {samples}: at least 2 (a crash keeping nothing, and one keeping everything)")
+    print(f"crashtest --enumerate: seed {seed}, every subset of up to {exhaustive} dirty atoms, else at most "
+          f"{samples} states per fence interval" + (f", planted bug {args.plant}" if args.plant else ""), flush=True)
+    outcomes = []
+    for pool_set in (False, True):
+        outcome = enumerate_commit(pool_set=pool_set, plant=args.plant, seed=seed, exhaustive_atoms=exhaustive,
+                                   samples=samples)
+        outcomes.append(outcome)
+        print(outcome.line(), flush=True)
+        for problem in outcome.inexact[:3]:
+            print(f"  inexact: {problem}")
+    if args.json:
+        print(json.dumps({"seed": seed, "plant": args.plant or None, "samples": samples,
+                          "exhaustive_atoms": exhaustive, "commits": [o.to_json() for o in outcomes]}))
+    return 0 if not any(o.inexact for o in outcomes) else EXIT_ERROR

@@ -43,6 +43,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -99,6 +100,9 @@ class Device(abc.ABC):
     kind: str = "abstract"
     model: str | None = None   # what an emulated device models (power loss, domain, write-back), in words
     evictor = None             # an emulated device's early write-back thread, when it has one
+    # called with the device after each fence it completes, and once at close (fence=False): how
+    # jobs/crash_states.py records the persistence events of a crash-model device (atom, durable)
+    observer: Callable[[Device, bool], None] | None = None
 
     def __init__(self, path: str, size: int, writable: bool, is_pmem: bool) -> None:
         self.path = path
@@ -134,6 +138,7 @@ class Device(abc.ABC):
         """Wait for every flush issued so far."""
         self.counters.drains += 1
         self._fence()
+        self._observe()
 
     def persist(self, offset: int, length: int) -> None:
         """Make [offset, offset+length) durable before returning."""
@@ -143,6 +148,7 @@ class Device(abc.ABC):
         counters.drains += 1
         counters.persisted_bytes += length
         self._persist_range(offset, length)
+        self._observe()
 
     def persist_streamed(self, offset: int, length: int) -> None:
         """Make [offset, offset+length) durable after it was written with non-temporal stores (the
@@ -154,6 +160,7 @@ class Device(abc.ABC):
         counters.drains += 1
         counters.persisted_bytes += length
         self._persist_streamed(offset, length)
+        self._observe()
 
     def flush_rows(self, offset: int, stride: int, rows: np.ndarray) -> None:
         """Flush rows `rows` (sorted ascending, int64 [U]) of a table at `offset` with `stride`-byte
@@ -206,6 +213,11 @@ class Device(abc.ABC):
         counters.drains += 1
         counters.persisted_bytes += src.size
         self._store_persist(offset, src)
+        self._observe()
+
+    def _observe(self, fence: bool = True) -> None:
+        if self.observer is not None:
+            self.observer(self, fence)
 
     # -- the hooks: what each backend does; ranges are checked and counted before they run -------
     @abc.abstractmethod
@@ -251,6 +263,9 @@ class Device(abc.ABC):
 
     def close(self) -> None:
         """Drop this device's reference to the mapping; it is unmapped when the last view goes."""
+        if self._array is not None:
+            self._observe(fence=False)  # the stores made since the last fence
+        self.observer = None
         self._array = None
 
     def __repr__(self) -> str:

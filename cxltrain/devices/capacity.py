@@ -68,6 +68,7 @@ class CapacityCrashDevice(CapacityDevice):
     file and syncs it. A kill loses the view and the queue: every page write never synced."""
 
     model = "capacity tier: page writes never synced are lost at a crash"
+    crash_atom_bytes = PAGE   # a crash keeps or loses each page write whole
 
     def __init__(self, path: str, fd: int, size: int) -> None:
         Device.__init__(self, path, size, writable=True, is_pmem=False)
@@ -99,6 +100,10 @@ class CapacityCrashDevice(CapacityDevice):
             crash_point(PAGE_WRITE_POINT)
             os.pwrite(self._fd, self._array[page : min(page + PAGE, self.size)], page)
         os.fdatasync(self._fd)
+
+    def durable(self) -> np.ndarray:
+        """What a crash now would leave of the pool: the file's bytes [size] uint8."""
+        return np.frombuffer(os.pread(self._fd, self.size, 0), dtype=np.uint8)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.kind} crash-model {self.path} {self.size} bytes>"
