@@ -130,3 +130,20 @@ def test_data_convert_onto_a_full_disk_is_one_line_and_leaves_no_files(tmp_path,
         err = capsys.readouterr().err
         assert len(err.splitlines()) == 1 and "cannot write the converted data: No space left on device" in err, err
         assert not any(out.iterdir())
+
+
+def test_train_metrics_onto_a_full_disk_is_one_line_and_the_pool_resumes(tmp_path, capsys):
+    """Before: an OSError traceback. Now one line, the batch whose line failed is not committed, and
+    the pool checks clean (its last commit the batch before)."""
+    from cxltrain.pool.info import inspect
+
+    pool = tmp_path / "m.pool"
+    with small_file_system(tmp_path / "full", "size=64k") as folder:
+        (folder / "fill").write_bytes(bytes(64 << 10))  # every page taken
+        assert main(["train", "--pool", str(pool), *SMALL, "--metrics", str(folder / "m.jsonl"),
+                     "--eval-every", "1"]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1, err
+        assert "m.jsonl: cannot write the metrics file: No space left on device; stopped before batch 1 committed" in err
+    report = inspect(str(pool))
+    assert report.ok and report.root.batches_done == 0, report.problems

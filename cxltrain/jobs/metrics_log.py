@@ -16,11 +16,12 @@ refused, never appended to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CxlTrainError
 from ..pool.handle import Pool
 
 STATE_KEY = "metrics"  # the Runtime metadata key of the running state (TrainConfig.MUTABLE_METADATA)
@@ -88,14 +89,25 @@ class MetricsLog:
             line["eval_auc"], line["eval_logloss"] = evaluated
         line["run"] = self.run
         if self._file is not None:
-            self._file.write(json.dumps(line) + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())  # durable before batch b commits: a resume never misses it
+            try:
+                self._file.write(json.dumps(line) + "\n")
+                self._file.flush()
+                os.fsync(self._file.fileno())  # durable before batch b commits: a resume never misses it
+            except OSError as e:  # a full disk, say: the batch is not committed, a resume cuts the torn line
+                path, self._file = self._file.name, self._discard(self._file)
+                raise CxlTrainError(f"{path}: cannot write the metrics file: {e.strerror or e}; stopped before batch "
+                                    f"{b + 1} committed (the pool resumes from its last commit)") from None
         self._loss_sum, self._steps, self._timed, self._since = 0.0, 0, 0, now
 
     def state(self, batches_done: int) -> dict:
         """The running state after `batches_done` batches, for the snapshot that commits them."""
         return {"batch": batches_done, "loss_sum": self._loss_sum, "steps": self._steps}
+
+    @staticmethod
+    def _discard(file) -> None:
+        """Close a file whose write failed, dropping what its buffer still holds."""
+        with contextlib.suppress(OSError):
+            file.close()
 
     def close(self) -> None:
         if self._file is not None:
