@@ -59,7 +59,12 @@ def test_a_trial_replays_with_the_same_plan():
 FUSED_PLANTED = (Planted.HEADER_BEFORE_PAYLOAD, Planted.UPDATE_BEFORE_HEADER, Planted.KERNEL_SKIPS_ROW_FLUSH)
 
 
-@pytest.mark.parametrize("fault", [pytest.param(f, marks=pytest.mark.slow) if f in FUSED_PLANTED else f
+# in the default suite one planted bug shows the torture catches them (the suite's 10 minutes; each
+# is caught by its own crash test there too); -m slow runs every one
+DEFAULT_PLANTED = (Planted.SKIP_UNDO_PERSIST,)
+
+
+@pytest.mark.parametrize("fault", [f if f in DEFAULT_PLANTED else pytest.param(f, marks=pytest.mark.slow)
                                    for f in PLANTED if f not in (Planted.ROOT_BEFORE_ENTRIES,
                                                                  Planted.WINDOW_NEVER_CLEARED,
                                                                  Planted.SKIP_CAPACITY_SYNC,

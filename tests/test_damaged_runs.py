@@ -80,7 +80,9 @@ def test_pool_check_takes_a_healthy_run_directory(run):
 CASES = ["row-wise table said table-wise", "another run's id", "rank pools swapped", "an old copy of rank 1"]
 
 
-@pytest.mark.parametrize("case", CASES)
+# two of the four in the default suite (the suite's 10 minutes); -m slow runs all four
+@pytest.mark.parametrize("case", [case if case in ("row-wise table said table-wise", "rank pools swapped")
+                                  else pytest.param(case, marks=pytest.mark.slow) for case in CASES])
 def test_a_damaged_run_directory_is_refused_by_every_command(run, case, tmp_path):
     with damaged(case, run) as expected:
         before = digest(run)
