@@ -7,6 +7,7 @@ ordering bug makes it fail (slow: bigger bounds, and every planted bug a commit 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -36,23 +37,30 @@ def test_small_intervals_are_enumerated_whole_and_big_ones_within_the_bound():
     assert run.sum() in (1, 2, 3) and np.array_equal(some[3], ~run)
 
 
-def test_the_recorder_sees_stores_as_dirty_until_a_fence_makes_them_durable(shm_dir):
-    path = os.path.join(shm_dir, "recorded.bin")
+@contextlib.contextmanager
+def recorded_device(folder, name: str):
+    """(a 4 KiB power-loss device over a new file, its Recorder); the device closed after (its close
+    is the recorder's last interval)."""
+    path = os.path.join(folder, name)
     with open(path, "wb") as f:
         f.write(bytes(4096))
     fd = os.open(path, os.O_RDWR)
     device = PowerLossCXLDevice(path, fd, 4096)
     try:
-        recorder = Recorder([device])
+        yield device, Recorder([device])
+    finally:
+        device.close()
+        os.close(fd)
+
+
+def test_the_recorder_sees_stores_as_dirty_until_a_fence_makes_them_durable(shm_dir):
+    with recorded_device(shm_dir, "recorded.bin") as (device, recorder):
         words = device.array.view(np.uint64)
         words[[0, 1, 100]] = 7
         device.flush(0, 16)            # words 0 and 1 written back, not yet fenced: still dirty
         device.drain()
         words[100] = 8                 # a store never written back
         device.persist(512, 8)         # word 64, unchanged: a fence with nothing new
-    finally:
-        device.close()
-        os.close(fd)
     first, second, closed = recorder.intervals
     assert first.dirty[0].atoms.tolist() == [0, 1, 100] and first.advanced[0].atoms.tolist() == [0, 1]
     assert second.dirty[0].atoms.tolist() == [100] and second.advanced[0].atoms.size == 0
@@ -64,13 +72,7 @@ def test_the_recorder_sees_stores_as_dirty_until_a_fence_makes_them_durable(shm_
 def test_the_recorder_sees_a_native_kernels_own_persists(shm_dir):
     """A kernel that persists by itself (here the dense payload's stream_pieces, one fence) calls the
     observer through the domain's on_fence, holding the media lock, and the fence is recorded."""
-    path = os.path.join(shm_dir, "native.bin")
-    with open(path, "wb") as f:
-        f.write(bytes(4096))
-    fd = os.open(path, os.O_RDWR)
-    device = PowerLossCXLDevice(path, fd, 4096)
-    try:
-        recorder = Recorder([device])
+    with recorded_device(shm_dir, "native.bin") as (device, recorder):
         persistence = device.native_persistence()
         assert persistence.on_fence != 0
         lib = native.lib()
@@ -80,9 +82,6 @@ def test_the_recorder_sees_a_native_kernels_own_persists(shm_dir):
         with persistence.lock:
             lib.stream_pieces(native.address(device.array) + 128, 4096 - 128, persistence,
                               *lib.addresses(sources, lengths), 1, 0)
-    finally:
-        device.close()
-        os.close(fd)
     assert recorder.errors == [] and recorder.intervals[0].what.startswith("fence")
     assert recorder.intervals[0].advanced[0].atoms.tolist() == list(range(16, 24))  # the 64 bytes at 128
 

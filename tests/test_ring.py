@@ -154,6 +154,24 @@ def _fused_ring(path, power_loss: int, seed: int):
     return pool, table, writer, indices, grad
 
 
+def _recorded_rows(pool, scanned, before_w: torch.Tensor, before_s: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows the scanned records hold [V], in order, each record's old values checked against
+    the table's before the update (weights [R, P]; state [R, K] where given)."""
+    array, base = pool.device.array, pool.region(layout.RING_REGION).offset
+    got = []
+    for record in scanned:
+        h = record.header
+        start = base + record.offset + layout.UNDO_HEADER.size
+        old_w, old_s, ids = layout.split_payload(array[start : start + h.payload_bytes], h.count, h.row_bytes,
+                                                 h.state_bytes)
+        ids = torch.from_numpy(ids.copy())
+        assert torch.equal(torch.from_numpy(old_w.copy()).view(torch.float32).view(h.count, -1), before_w[ids])
+        if before_s is not None:
+            assert torch.equal(torch.from_numpy(old_s.copy()).view(torch.float32).view(h.count, -1), before_s[ids])
+        got.append(ids)
+    return torch.cat(got)
+
+
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
 @pytest.mark.parametrize("window", [False, True], ids=["all-rows", "first-touches"])
@@ -190,24 +208,11 @@ def test_fused_update_writes_chunk_records_and_the_same_rows(shm_dir, rule, wind
     assert written == sum(1 for c in range(chunks) if np.isin(rows[16 * c : 16 * (c + 1)], recorded).any())
     scanned = ring.scan(pool, 5, 0, 0)
     assert [r.header.seq for r in scanned] == list(range(written)) and writer.marked == written
-    array = pool.device.array
-    base = pool.region(layout.RING_REGION).offset
-    got_rows = []
-    for record in scanned:
-        h = record.header
-        start = base + record.offset + layout.UNDO_HEADER.size
-        old_w, old_s, ids = layout.split_payload(array[start : start + h.payload_bytes], h.count, h.row_bytes,
-                                                 h.state_bytes)
-        ids = torch.from_numpy(ids.copy())
-        assert torch.equal(torch.from_numpy(old_w.copy()).view(torch.float32).view(h.count, -1), before_w[ids])
-        if state is not None:
-            assert torch.equal(torch.from_numpy(old_s.copy()).view(torch.float32).view(h.count, -1), before_s[ids])
-        got_rows.append(ids)
-    assert torch.equal(torch.cat(got_rows), torch.from_numpy(recorded))
+    assert torch.equal(_recorded_rows(pool, scanned, before_w, before_s), torch.from_numpy(recorded))
     if power_loss:  # every record and the tail mark reached the media
         media = pool.device._file.media
         region = pool.region(layout.RING_REGION)
-        assert np.array_equal(media[region.offset : region.end], array[region.offset : region.end])
+        assert np.array_equal(media[region.offset : region.end], pool.device.array[region.offset : region.end])
     pool.close()
 
 
@@ -253,17 +258,7 @@ def test_a_cached_tables_fused_update_records_its_table_rows_only(shm_dir, rule)
     writer.land(records)
     assert torch.equal(weights, expected_w) and torch.equal(slots.weights, expected.weights)
     assert state is None or (torch.equal(state, expected_s) and torch.equal(slots.state, expected.state))
-    array, base = pool.device.array, pool.region(layout.RING_REGION).offset
-    recorded = []
-    for record in ring.scan(pool, 5, 0, 0):
-        h = record.header
-        start = base + record.offset + layout.UNDO_HEADER.size
-        old_w, _, ids = layout.split_payload(array[start : start + h.payload_bytes], h.count, h.row_bytes,
-                                             h.state_bytes)
-        ids = torch.from_numpy(ids.copy())
-        assert torch.equal(torch.from_numpy(old_w.copy()).view(torch.float32).view(h.count, -1), before_w[ids])
-        recorded.append(ids)
-    assert torch.equal(torch.cat(recorded), torch.from_numpy(uncached))
+    assert torch.equal(_recorded_rows(pool, ring.scan(pool, 5, 0, 0), before_w), torch.from_numpy(uncached))
     pool.close()
 
 
