@@ -177,11 +177,15 @@ def test_an_error_in_a_rank_ends_the_group_without_a_restart(shm_dir):
 
 
 @pytest.mark.slow
-def test_a_crash_during_the_group_recovery_is_repaired_by_recovering_again(reference, shm_dir):
+@pytest.mark.parametrize("point", [CrashPoint.DIST_RECOVER_BEFORE_ROOT, CrashPoint.RECOVER_MID,
+                                   CrashPoint.RECOVER_AFTER_ROOT])
+def test_a_crash_during_the_group_recovery_is_repaired_by_recovering_again(reference, shm_dir, point):
+    """`cxltrain recover DIR` killed inside a rank's roll-back to G (between records, before its root,
+    after it), then recovered again by the export: exact at G."""
     run = shm_dir / "run"
     assert train(run, STEPS, 2, "--max-restarts", "0", env=BETWEEN_COMMITS).returncode != 0
-    dying = cxltrain("recover", run, env={CRASH_ENV: CrashPoint.DIST_RECOVER_BEFORE_ROOT}, timeout=CHILD_TIMEOUT)
-    assert dying.returncode == -signal.SIGKILL
+    dying = cxltrain("recover", run, env={CRASH_ENV: point}, timeout=CHILD_TIMEOUT)
+    assert dying.returncode == -signal.SIGKILL, dying.stderr
     assert_same_export(export(run), reference["at_g"])
 
 
