@@ -31,6 +31,7 @@ import tempfile
 
 from cxltrain.bench.records import Record
 from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.train import storage_io
 from cxltrain.modes import OFF
 
 DEFAULT_CAPACITY_DIR = "/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()
@@ -101,11 +102,7 @@ def _io_counters(rt) -> dict[str, float]:
     counters = {"pages": float(rt.prefetcher.pages_read) if rt.prefetcher is not None else 0.0,
                 "hits": float(sum(s.hits for s in rt.cache_stats.values())),
                 "lookups": float(sum(s.lookups for s in rt.cache_stats.values()))}
-    with open("/proc/self/io") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("read_bytes", "write_bytes"):
-                counters[name] = float(value)
+    counters.update((name, float(value)) for name, value in storage_io().items())
     return counters
 
 

@@ -11,6 +11,7 @@ import time
 # A rank that a SIGTERM finds blocked in a collective ends after this long (torchrun's agent waits
 # longer, then SIGKILLs: every worker it stops would otherwise cost the group that wait).
 RANK_GRACE_S = 5.0
+_wakeup: tuple[socket.socket, socket.socket] | None = None  # kept open for the process: the wakeup fd
 
 
 class Terminated(KeyboardInterrupt):
@@ -53,7 +54,8 @@ def end_blocked_rank_on_sigterm(exit_status: int, grace_s: float = RANK_GRACE_S)
     never runs; the interpreter's C-level handler still writes the signal's number to the wakeup fd,
     which a thread of this process reads. Ending the rank there is a kill as far as the pool goes:
     every committed batch stays, and the group recovers to its last agreed point."""
-    read_end, write_end = socket.socketpair()
+    global _wakeup
+    read_end, write_end = _wakeup = socket.socketpair()
     write_end.setblocking(False)
     signal.set_wakeup_fd(write_end.fileno(), warn_on_full_buffer=False)
 
@@ -68,5 +70,3 @@ def end_blocked_rank_on_sigterm(exit_status: int, grace_s: float = RANK_GRACE_S)
                 os._exit(exit_status)
 
     threading.Thread(target=watch, name="cxltrain-sigterm-watch", daemon=True).start()
-    # the sockets live as long as the process: the wakeup fd must stay valid
-    end_blocked_rank_on_sigterm.sockets = (read_end, write_end)

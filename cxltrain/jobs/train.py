@@ -337,7 +337,7 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     device = rt.pool.device
     device_before = device.counters.copy()
-    io_before = _storage_io()
+    io_before = storage_io()
     loop_start = time.perf_counter()
     try:
         for batch in rt.batches(fetch, stop=config.steps):
@@ -354,7 +354,7 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
     split = clock.stop(config.steps - timed_from)  # the generator has committed the last batch
     seconds = time.perf_counter() - loop_start
     device_work = device.counters - device_before
-    io = {name: value - io_before.get(name, 0) for name, value in _storage_io().items()}
+    io = {name: value - io_before.get(name, 0) for name, value in storage_io().items()}
     bar.close()
 
     eval_auc, eval_loss = step.evaluate(data.evaluation, data.heldout)
@@ -378,7 +378,7 @@ def run_steps(config: TrainConfig, step, data: TrainingData, rt: Runtime, progre
         group=step.group_facts(config.steps - timed_from))
 
 
-def _storage_io() -> dict[str, int]:
+def storage_io() -> dict[str, int]:
     """This process's bytes read from and written to storage so far ({} where /proc has no io file)."""
     try:
         with open("/proc/self/io") as f:
