@@ -4,14 +4,19 @@ the folder has no __init__.py, so its files are imported by their bare names).""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import json
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -84,8 +89,12 @@ def run_and_kill(cmd: list[str], *, env: dict | None = None, kill_after: float |
                  ready_lines: int = 1, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `cmd`; with kill_after, SIGKILL it that many seconds after it has printed `ready_lines`
     lines (its signal that the part worth killing is next). Output captured as text."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    full_env = {**os.environ, **(env or {})}
+    prefix = cxltrain_command()
+    if FORK_COMMANDS and cmd[:len(prefix)] == prefix:
+        proc = ForkedCommand(cmd[len(prefix):], full_env)
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
     if kill_after is not None:
         for _ in range(ready_lines):
             proc.stdout.readline()
@@ -105,9 +114,128 @@ def cxltrain_command() -> list[str]:
 
 
 def cxltrain(*args, env=None, timeout=300, **popen) -> subprocess.CompletedProcess:
-    """Run the command line; `popen`: more subprocess.run arguments (user=, preexec_fn=)."""
-    return subprocess.run(cxltrain_command() + [str(a) for a in args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, **popen)
+    """Run the command line; `popen`: more subprocess.run arguments (cwd=, user=, preexec_fn=)."""
+    argv = [str(a) for a in args]
+    full_env = {**os.environ, **(env or {})}
+    if FORK_COMMANDS and set(popen) <= {"cwd"}:
+        proc = ForkedCommand(argv, full_env, cwd=popen.get("cwd"))
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(cxltrain_command() + argv, proc.returncode, out, err)
+    return subprocess.run(cxltrain_command() + argv, capture_output=True, text=True, timeout=timeout,
+                          env=full_env, **popen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands forked from a preloaded interpreter (tests/zygote.py says why and how)
+# ---------------------------------------------------------------------------------------------
+# CXLTRAIN_TEST_EXEC=1 starts every command as a new interpreter instead.
+FORK_COMMANDS = os.environ.get("CXLTRAIN_TEST_EXEC", "0") != "1"
+
+
+class _Zygote:
+    """The zygote of this test process, started on first use and ended with the process."""
+
+    _of_process: dict[int, _Zygote] = {}
+
+    @classmethod
+    def get(cls) -> _Zygote:
+        if os.getpid() not in cls._of_process:
+            cls._of_process[os.getpid()] = cls()
+        return cls._of_process[os.getpid()]
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="cxltrain-zygote-")
+        self.address = os.path.join(self.folder, "socket")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("zygote.py")), self.address],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the test zygote did not start (exit {self.proc.wait()})")
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # its signal to end
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class ForkedCommand:
+    """`cxltrain ARGV` as a process forked from the zygote, with subprocess.Popen's interface for
+    what the tests use: pid, stdout/stderr (text pipes), poll, wait, communicate, send_signal, kill."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: str | os.PathLike | None = None) -> None:
+        self.args = argv
+        self.returncode: int | None = None
+        out_read, out_write = os.pipe()
+        err_read, err_write = os.pipe()
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._conn.connect(_Zygote.get().address)
+        request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd())}
+        socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], [stdin, out_write, err_write])
+        for fd in (stdin, out_write, err_write):
+            os.close(fd)
+        self.stdout = open(out_read)
+        self.stderr = open(err_read)
+        self._received = b""
+        self._readers: list[threading.Thread] = []
+        self._output: dict[str, str] = {}
+        self.pid = self._message(None)["pid"]
+
+    def _message(self, timeout: float | None) -> dict:
+        """The zygote's next message; TimeoutExpired when none comes within `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._received:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            more = self._conn.recv(4096)
+            if not more:
+                raise RuntimeError("the test zygote went away")
+            self._received += more
+        line, _, self._received = self._received.partition(b"\n")
+        return json.loads(line)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._message(timeout)["returncode"]
+            self._conn.close()
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Read both pipes to their end and wait; TimeoutExpired leaves the readers running."""
+        if not self._readers:
+            for name, pipe in (("out", self.stdout), ("err", self.stderr)):
+                reader = threading.Thread(target=lambda n=name, p=pipe: self._output.__setitem__(n, p.read()),
+                                          daemon=True)
+                reader.start()
+                self._readers.append(reader)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        self.stdout.close()
+        self.stderr.close()
+        return self._output["out"], self._output["err"]
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 # ---------------------------------------------------------------------------------------------
