@@ -565,7 +565,7 @@ def test_layout_cache_reuses_a_training_runs_manifest_and_stays_exact():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-    cache = LayoutCache(counters=("batch",))
+    cache = LayoutCache(volatile=("batch",))
     for batch in (0, 1, 2, 9, 10, 11, 99, 100, 12345):  # the counter's digits change the manifest's length
         model(torch.randn(3, 4)).sum().backward()
         optimizer.step()
@@ -578,11 +578,33 @@ def test_layout_cache_reuses_a_training_runs_manifest_and_stays_exact():
     assert cache.hits == 9
 
 
+def test_layout_cache_reencodes_volatile_items_and_still_reuses_the_rest():
+    """The run's metadata changes every batch (its running metrics: a loss sum, a step count): as a
+    volatile item it is encoded afresh while the tensors' manifest is reused; a volatile item that
+    comes to hold a tensor is laid out afresh, never misplaced."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    cache = LayoutCache(volatile=("batch", "metadata"))
+    loss_sum = 0.0
+    for batch in range(6):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        loss_sum += 0.1 * batch + 1 / 3
+        tree = dense_tree(model, optimizer, batch)
+        tree["metadata"] = {"lr": 0.01, "metrics": {"batch": batch, "loss_sum": loss_sum, "steps": batch + 1}}
+        assert_cached_is_encode(cache, tree)
+    assert (cache.misses, cache.hits) == (1, 5)
+    tree["metadata"] = {"lr": 0.01, "extra": torch.ones(2)}
+    assert_cached_is_encode(cache, tree)
+    assert_cached_is_encode(cache, tree)
+    assert cache.hits == 5
+
+
 def test_layout_cache_follows_a_scheduler_by_laying_out_afresh():
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    cache = LayoutCache(counters=("batch",))
+    cache = LayoutCache(volatile=("batch",))
     for batch in range(5):
         model(torch.ones(1, 3)).sum().backward()
         optimizer.step()
@@ -599,7 +621,7 @@ def test_layout_cache_that_keeps_missing_pauses_and_one_that_settles_hits_again(
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 / (1 + step))
-    cache = LayoutCache(counters=("batch",))
+    cache = LayoutCache(volatile=("batch",))
     first, pause = LayoutCache.MISSES_BEFORE_PAUSE, LayoutCache.PAUSE_CALLS
     calls = first + 3 * (pause + 1)
     for batch in range(calls):
@@ -651,7 +673,7 @@ def test_layout_cache_is_encode_after_any_change(changes):
     tree = {key: (value.clone() if isinstance(value, torch.Tensor) else value.copy() if hasattr(value, "copy")
                   else value) for key, value in BASE.items()}
     tree["o"] = OrderedDict(p=torch.ones(2))
-    cache = LayoutCache(counters=("batch",))
+    cache = LayoutCache(volatile=("batch",))
     assert_cached_is_encode(cache, tree)
     for change in changes:
         tree = dict(tree)
@@ -669,7 +691,7 @@ def test_layout_cache_never_reuses_what_pickle_and_the_encoder_see_differently()
         shared = torch.full((4,), float(batch))
         return {"batch": batch, "od": ordered, "x": shared, "y": shared}
 
-    cache = LayoutCache(counters=("batch",))
+    cache = LayoutCache(volatile=("batch",))
     for batch in range(3):
         assert_cached_is_encode(cache, tree(batch))
     assert cache.hits == 0
@@ -677,11 +699,11 @@ def test_layout_cache_never_reuses_what_pickle_and_the_encoder_see_differently()
     odd.extra = torch.zeros(2, dtype=torch.complex64)  # not encodable, and not encoded: no error either
     assert_cached_is_encode(cache, {"batch": 0, "od": odd})
     with pytest.raises(TypeError, match="top-level str keys"):
-        LayoutCache(counters=(1,))
+        LayoutCache(volatile=(1,))
 
 
 def test_layout_cache_refuses_what_lay_out_refuses():
-    cache = LayoutCache(counters=("batch",))
+    cache = LayoutCache(volatile=("batch",))
     with pytest.raises(TypeError, match=r"state\['x'\]: unsupported type .*function"):
         cache.lay_out({"batch": 1, "x": lambda: 0})
     assert_cached_is_encode(cache, [1, 2])  # not a dict: laid out, never cached

@@ -138,7 +138,7 @@ class Checkpointer(BatchGuard):
         self._window = self._ordering.window_captures() if mode == STRICT and dense_every > 1 else None
         # the dense state keeps its shape from batch to batch: its manifest is reused (cheaper than
         # laying it out again: docs/benchmarks.md)
-        self._layouts = codec.LayoutCache(counters=("batch",))
+        self._layouts = codec.LayoutCache(volatile=("batch", "metadata"))
         # Capture inside the update (kernels/undo.c, fused.py), chunk by chunk of a table's
         # unique rows, where the kernels and the device can persist the records without Python and
         # the capture runs on this thread; else the whole record first, then the update.

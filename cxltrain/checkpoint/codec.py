@@ -247,13 +247,15 @@ class LayoutCache:
 
     The tree (a plain dict) is compared with the previous one at C speed: pickled, with each tensor
     and ndarray pickled as its descriptor (dtype, shape, ...) instead of its values, and the
-    `counters` (int items of the tree, e.g. the batch) left out. Equal pickles mean equal shapes,
-    types, keys in the same order and equal scalars bit for bit (pickle writes floats' bits and tells
-    int, bool, float, list, tuple, dict and OrderedDict apart), so the previous manifest holds, with
-    the counters' new values; its blobs are the new tree's tensors and arrays, found in the same
-    order (pickle and the encoder both go depth first, a dict's items in order, then `_metadata`).
-    Anything else (another shape, an object twice, a counter that is not an int) is laid out afresh.
-    Either way the result is what lay_out(tree) gives.
+    `volatile` items left out: top-level items of plain data (no tensors, arrays or bytes) that
+    change every batch — the batch, the run's metadata with its running metrics — encoded afresh at
+    every call. Equal pickles mean equal shapes, types, keys in the same order and equal scalars bit
+    for bit (pickle writes floats' bits and tells int, bool, float, list, tuple, dict and OrderedDict
+    apart), so the previous manifest holds, with the volatile items' new text; its blobs are the new
+    tree's tensors and arrays, found in the same order (pickle and the encoder both go depth first,
+    a dict's items in order, then `_metadata`). Anything else (another shape, an object twice, a
+    volatile item holding a tensor) is laid out afresh. Either way the result is what lay_out(tree)
+    gives.
 
     A miss costs the pickling on top of lay_out, and some trees miss every time (a scheduler that
     steps every batch changes the learning rate; Python's RNG state is in the tree): after
@@ -263,10 +265,10 @@ class LayoutCache:
     MISSES_BEFORE_PAUSE = 4
     PAUSE_CALLS = 8
 
-    def __init__(self, counters: tuple[str, ...] = ()) -> None:
-        if not all(type(key) is str for key in counters):
-            raise TypeError(f"LayoutCache counters are top-level str keys, got {counters!r}")
-        self.counters = counters
+    def __init__(self, volatile: tuple[str, ...] = ()) -> None:
+        if not all(type(key) is str for key in volatile):
+            raise TypeError(f"LayoutCache volatile items are top-level str keys, got {volatile!r}")
+        self.volatile = volatile
         self.hits = self.misses = 0
         self.compared = 0                 # calls that pickled a skeleton to compare
         self._misses_in_a_row = 0
@@ -279,8 +281,7 @@ class LayoutCache:
         self._end = 0
 
     def lay_out(self, tree) -> Layout:
-        if type(tree) is not dict or not all(type(tree.get(key)) is int and _INT64_MIN <= tree[key] <= _INT64_MAX
-                                             for key in self.counters):
+        if type(tree) is not dict:
             self._skeleton = None
             return lay_out(tree)
         if self._paused:  # the last compared layout stays: a tree that settled meanwhile hits at once
@@ -288,11 +289,12 @@ class LayoutCache:
             return lay_out(tree)
         self.compared += 1
         try:
-            skeleton, sources = _skeleton({key: None if key in self.counters else value for key, value in tree.items()})
+            skeleton, sources = _skeleton({key: None if key in self.volatile else value for key, value in tree.items()})
         except Exception:  # noqa: BLE001 — what pickle refuses, lay_out refuses with its own message, or lays out
             self._skeleton = None
             return lay_out(tree)
-        if skeleton == self._skeleton and len(sources) == len(self._arrays):
+        items = self._items_with_volatile(tree) if skeleton == self._skeleton else None
+        if items is not None and len(sources) == len(self._arrays):
             blobs = list(self._blobs)
             for index, view_of, source in zip(self._arrays, self._views_of, sources):
                 offset, old = blobs[index]
@@ -308,18 +310,21 @@ class LayoutCache:
             else:
                 self.hits += 1
                 self._misses_in_a_row = 0
-                items = [_json([key, tree[key]]) if key in self.counters else text
-                         for key, text in zip(tree, self._items)]
                 return _assemble('["d",[' + ",".join(items) + "]]", blobs, self._end)
         self.misses += 1
         self._misses_in_a_row += 1
         if self._misses_in_a_row >= self.MISSES_BEFORE_PAUSE:  # and after a pause, one more miss pauses again
             self._misses_in_a_row, self._paused = self.MISSES_BEFORE_PAUSE - 1, self.PAUSE_CALLS
         enc = _Encoder()
-        nodes = [enc.item(key, value, (), 1) for key, value in tree.items()]
+        nodes, plain = [], True
+        for key, value in tree.items():
+            blobs_before = len(enc.blobs)
+            nodes.append(enc.item(key, value, (), 1))
+            plain = plain and (key not in self.volatile or len(enc.blobs) == blobs_before)
         # Reused only where pickle met the very tensors and arrays the encoder wrote, in its order: not
-        # where an object is met twice (pickled once) or an attribute the encoder skips holds one.
-        same = len(sources) == len(enc.sources) and all(a is b for a, b in zip(sources, enc.sources))
+        # where an object is met twice (pickled once) or an attribute the encoder skips holds one; and
+        # only where the volatile items need no blob (their text alone is encoded again).
+        same = plain and len(sources) == len(enc.sources) and all(a is b for a, b in zip(sources, enc.sources))
         self._skeleton = skeleton if same else None
         self._items = [_json(node) for node in nodes]
         self._blobs, self._arrays, self._end = enc.blobs, enc.arrays, enc.end
@@ -327,6 +332,20 @@ class LayoutCache:
         self._views_of = [source.data_ptr() if type(source) is not np.ndarray and
                           _viewable(source, _TORCH_NAMES[source.dtype]) else 0 for source in enc.sources]
         return _assemble('["d",[' + ",".join(self._items) + "]]", enc.blobs, enc.end)  # the items' texts, joined
+
+    def _items_with_volatile(self, tree: dict) -> list[str] | None:
+        """The last layout's item texts with the volatile items encoded afresh; None where one of
+        them now needs a blob (it is laid out afresh then)."""
+        items = []
+        for key, text in zip(tree, self._items):
+            if key in self.volatile:
+                enc = _Encoder()
+                node = enc.item(key, tree[key], (), 1)
+                if enc.blobs:
+                    return None
+                text = _json(node)
+            items.append(text)
+        return items
 
 
 class _SkeletonPickler(pickle.Pickler):
