@@ -24,10 +24,12 @@ def add_recover_export(sub) -> None:
                                    "the committed batch under \"batch\". Read it with torch.load(OUT, "
                                    "weights_only=True).")
     e.add_argument("path")
-    e.add_argument("out", help="output file (.pt); must not exist")
-    e.add_argument("--format", choices=("cxltrain", "torchrec"), default="cxltrain",
+    e.add_argument("out", help="output file (.pt), or with --format dcp a folder; must not exist")
+    e.add_argument("--format", choices=("cxltrain", "torchrec", "dcp"), default="cxltrain",
                    help="torchrec: one flat state dict, tables keyed embedding_bags.<table>.weight as in TorchRec's "
-                        "EmbeddingBagCollection, plus the dense weights; no optimizer state (docs/torchrec.md)")
+                        "EmbeddingBagCollection, plus the dense weights; no optimizer state. dcp: a "
+                        "torch.distributed.checkpoint folder under TorchRec's keys, optimizer state included, "
+                        "that dcp.load reads on any world size (docs/torchrec.md)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(run=_run_export)
 
@@ -35,12 +37,13 @@ def add_recover_export(sub) -> None:
 def add_import(sub) -> None:
     i = sub.add_parser("import", help="build a new pool from an export (ours, or a TorchRec EBC state dict)",
                        description="Build the pool PATH (which must not exist) from OUT.pt: an export of cxltrain (any "
-                                   "format), or a TorchRec EmbeddingBagCollection state dict plus dense weights. "
+                                   "format), a TorchRec EmbeddingBagCollection state dict plus dense weights, or a "
+                                   "DCP checkpoint folder of either. "
                                    "The pool is committed at the export's batch; a Runtime or `cxltrain train` "
                                    "with the same options resumes it there (docs/torchrec.md). With --nproc-per-node N, "
                                    "PATH is a distributed run's directory instead, the tables re-sharded onto N "
                                    "ranks (docs/distributed.md).")
-    i.add_argument("source", metavar="OUT.pt")
+    i.add_argument("source", metavar="OUT.pt", help="an export file, or a DCP checkpoint folder (TorchRec's keys)")
     i.add_argument("path", metavar="PATH", help="the new pool, or with --nproc-per-node the new run's directory "
                                                 "(must not exist)")
     i.add_argument("--sparse-optimizer", choices=("adagrad", "sgd"), default="adagrad",
@@ -86,19 +89,31 @@ def _run_export(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
+    save = _save_dcp if args.format == "dcp" else _save_export
     if run_dir.is_run_dir(args.path):
-        return dist_cli.run_export(args.path, args.out, _save_export, args.json)
+        return dist_cli.run_export(args.path, args.out, save, args.json)
     with open_export(args.path) as state:  # the tables are read from the pool as they are written
-        if args.format == "torchrec":
+        if args.format == "dcp":
+            _save_dcp(state, args.out)
+        elif args.format == "torchrec":
             from ..runtime.interop import to_torchrec
 
             state = {"batch": state["batch"], "model": to_torchrec(state)}
-        _save_export(state["model"] if args.format == "torchrec" else state, args.out)
+            _save_export(state["model"], args.out)
+        else:
+            _save_export(state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:
         print(json.dumps({"path": args.path, "out": args.out, "batch": state["batch"]}))
     return 0
+
+
+def _save_dcp(state: dict, out: str) -> None:
+    """Our export (tables streamed) as the DCP checkpoint folder `out` (runtime/dcp.py)."""
+    from ..runtime import dcp
+
+    dcp.save(dcp.to_dcp(state), out)
 
 
 def _save_export(state: dict, out: str) -> None:

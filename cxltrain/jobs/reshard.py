@@ -34,6 +34,7 @@ from ..runtime.interop import DLRM_COLLECTION
 from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.run_check import refuse_damaged_run_dir
 from ..runtime.runtime import materialized
+from ..runtime.state_import import load_dcp
 from ..runtime.streamed_save import Streamed
 from ..tables.bag import region_names
 from ..tables.cache import merged_chunks
@@ -113,11 +114,15 @@ def import_state(source: str, directory: str, config: TrainConfig, world_size: i
     check_config(config, world_size)
     if os.path.exists(directory):
         raise ConfigError(f"{directory}: already exists; import makes a new run's directory")
-    try:
-        # mapped, not read: each rank's rows are paged in as they are copied into its pool
-        state = torch.load(source, weights_only=True, mmap=zipfile.is_zipfile(source))
-    except (OSError, RuntimeError, ValueError) as e:
-        raise ConfigError(f"{source}: not a state dict cxltrain can read ({str(e).splitlines()[0][:120]})") from None
+    if os.path.isdir(source):  # a DCP checkpoint: read as the pool import reads it
+        state = load_dcp(source)[0]
+    else:
+        try:
+            # mapped, not read: each rank's rows are paged in as they are copied into its pool
+            state = torch.load(source, weights_only=True, mmap=zipfile.is_zipfile(source))
+        except (OSError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"{source}: not a state dict cxltrain can read ({str(e).splitlines()[0][:120]})") \
+                from None
     plan = plan_for(config, world_size, sharding)
     batch = _check_fits(state, config, plan, source)
     m = {**run_dir.new(world_size, plan, settings_for(config, sharding))}
@@ -157,7 +162,8 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
     model, dense_opt, rt = build(config, plan, point)
     try:
         model.dense.load_state_dict({k: v for k, v in state["model"].items() if not _is_table_key(k)})
-        dense_opt.load_state_dict(state["optimizers"][0])
+        if state["optimizers"]:  # TorchRec's checkpoints bring none: Adam starts afresh, as on a new run
+            dense_opt.load_state_dict(state["optimizers"][0])
     except (RuntimeError, ValueError, KeyError, IndexError) as e:
         raise ConfigError(f"the dense or optimizer state does not fit this model ({str(e).splitlines()[0][:160]})") \
             from None

@@ -38,14 +38,19 @@ class ImportReport:
     path: str
     batch: int
     tables: dict[str, tuple[int, int]]   # table name -> (rows, dim)
-    source: str                          # "cxltrain" or "torchrec"
+    source: str                          # "cxltrain", "torchrec", or either's DCP folder: "dcp"
 
 
 def import_file(source: str, path: str, *, state_columns: int = 1,
                 undo_ring_bytes: int = DEFAULT_UNDO_RING_BYTES) -> ImportReport:
     """Build the pool `path` (must not exist) from the export file `source` (module docstring).
     state_columns: optimizer-state columns of tables whose export holds none (TorchRec's: 1 for
-    row-wise Adagrad, our DLRM's default; 0 for SGD)."""
+    row-wise Adagrad, our DLRM's default; 0 for SGD). A folder is read as a DCP checkpoint (dcp.read)."""
+    if os.path.isdir(source):
+        state, ours = load_dcp(source)
+        report = import_state(state, path, state_columns=state_columns, source=source, undo_ring_bytes=undo_ring_bytes,
+                              foreign=not ours)
+        return dataclasses.replace(report, source="dcp")
     try:
         # mapped, not read: a table's bytes are paged in as _fill copies it, a chunk at a time
         state = torch.load(source, weights_only=True, map_location="cpu", mmap=zipfile.is_zipfile(source))
@@ -57,10 +62,20 @@ def import_file(source: str, path: str, *, state_columns: int = 1,
     return import_state(state, path, state_columns=state_columns, source=source, undo_ring_bytes=undo_ring_bytes)
 
 
+def load_dcp(source: str) -> tuple[dict, bool]:
+    """(the DCP checkpoint folder `source` as an export, whether cxltrain wrote it): the one reader
+    both imports (a pool, jobs.reshard's run folder) take a DCP source through."""
+    from . import dcp
+
+    return dcp.read(source)
+
+
 def import_state(state, path: str, *, state_columns: int = 1, source: str = "the export",
-                 undo_ring_bytes: int = DEFAULT_UNDO_RING_BYTES) -> ImportReport:
-    """Build the pool `path` from an export already loaded (see import_file)."""
-    kind = "cxltrain"
+                 undo_ring_bytes: int = DEFAULT_UNDO_RING_BYTES, foreign: bool = False) -> ImportReport:
+    """Build the pool `path` from an export already loaded (see import_file). foreign: it came from
+    TorchRec in our layout (a DCP checkpoint's), so a table without optimizer state gets
+    `state_columns` of them, as a TorchRec state dict's does."""
+    kind = "torchrec" if foreign else "cxltrain"
     if isinstance(state, dict) and "model" not in state and any(
             isinstance(k, str) and k.startswith(TORCHREC_PREFIX) for k in state):
         state, kind = from_torchrec(state), "torchrec"
