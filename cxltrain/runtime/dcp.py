@@ -224,8 +224,12 @@ def read(directory: str) -> tuple[dict, bool]:
         table = found and next((w for w in weights if w == found["param"] or w.endswith(f".{found['param']}")), None)
         if table:
             momentum[table] = key
-    wanted = [k for k in tensors if not _is_optimizer_key(k)] + list(momentum.values())
-    state = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in wanted}
+    dense = [k for k in tensors if not _is_optimizer_key(k) and k not in weights]
+    state = {k: torch.empty(tensors[k].size, dtype=tensors[k].properties.dtype) for k in dense}
+    # the tables into mapped scratch files (unlinked at once): DCP copies each saved chunk in as it
+    # reads it, the pages are the file's, and the import copies them into the pool a chunk at a time,
+    # as it does from a mapped .pt file; memory holds chunks, not tables
+    state.update({k: _scratch(tensors[k].size, tensors[k].properties.dtype) for k in weights + list(momentum.values())})
     if EXTRA_KEY in metadata:
         state[EXTRA_KEY] = None
     try:
@@ -238,6 +242,25 @@ def read(directory: str) -> tuple[dict, bool]:
         raise ConfigError(f"{directory}: cannot read the DCP checkpoint ({_why(e)})") from None
     ours = isinstance(extra, dict) and isinstance(extra.get("tables"), dict)
     return _as_export(state, weights, momentum, extra if ours else None, directory), ours
+
+
+def _scratch(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor [shape] mapped from a file in the temporary folder ($TMPDIR), the file
+    already unlinked: its blocks go when the tensor does."""
+    numel = int(np.prod(shape))
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    fd, path = tempfile.mkstemp(prefix="cxltrain-dcp-", suffix=".rows")
+    try:
+        # blocks reserved now: a full disk is this error, not a SIGBUS when DCP writes the mapping
+        os.posix_fallocate(fd, 0, numel * torch.empty(0, dtype=dtype).element_size())
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    except OSError as e:
+        raise CxlTrainError(f"{tempfile.gettempdir()}: no room to read the checkpoint's tables through "
+                            f"({e.strerror}; set TMPDIR to a folder with room)") from None
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 # TorchRec's fused optimizer keys a table's state "state.<param path>.<table>.momentum1"; under a
