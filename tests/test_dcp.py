@@ -284,6 +284,18 @@ def test_torchrecs_own_collection_round_trips(pool, tmp_path, shm_dir):
     assert cli_main(["import", theirs, str(shm_dir / "p.pool")]) == 0
     imported = export_state(str(shm_dir / "p.pool"))["model"]
     assert torch.equal(imported["embedding_bag_collection.embedding_bags.t1.weight"], state["embedding_bags.t1.weight"])
+    from torchrec.models.dlrm import DLRM as TorchRecDLRM
+
+    dlrm = TorchRecDLRM(embedding_bag_collection=ebc, dense_in_features=13, dense_arch_layer_sizes=[32, 16],
+                        over_arch_layer_sizes=[8, 1])
+    theirs = str(tmp_path / "dlrm")
+    tdcp.save(dlrm.state_dict(), checkpoint_id=theirs, no_dist=True)
+    assert cli_main(["import", theirs, str(shm_dir / "dlrm.pool")]) == 0
+    imported = export_state(str(shm_dir / "dlrm.pool"))
+    path = "sparse_arch.embedding_bag_collection.embedding_bags"
+    assert imported["tables"] == {f"{path}.t{i}": f"t{i}" for i in range(2)}
+    for key, tensor in dlrm.state_dict().items():
+        assert torch.equal(imported["model"][key], tensor), key
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ file is done, so memory is at most a chunk per table key, whatever the tables' s
 Reading takes any DCP checkpoint whose keys end in `embedding_bags.<table>.weight` (a TorchRec
 EmbeddingBagCollection's, or a model holding one, such as TorchRec's DLRM under
 `sparse_arch.embedding_bag_collection.`), with or without the fused optimizer's `momentum1`, as
-an export (runtime_export layout) that runtime.state_import and jobs.reshard build from.
+an export (runtime.export_state's layout) that runtime.state_import and jobs.reshard build from.
 """
 
 from __future__ import annotations
