@@ -48,6 +48,8 @@ class CrashPoint:
     COMMIT_BETWEEN_ROOTS = "commit:between-roots"          # pool.py: members' roots durable, not the primary's
     CACHE_MID_ADMISSION = "cache:mid-admission"            # cache.py: half a table's slots filled (admission, re-placement)
     CACHE_AFTER_WRITE_BACK = "cache:after-write-back"      # cache.py: re-placement's evicted rows written back, slots not refilled
+    REPOINT_TORN_RECORD = "repoint:torn-record"            # pool/repoint.py: half the set's new record written
+    REPOINT_AFTER_RECORD = "repoint:after-record"          # pool/repoint.py: the new record durable, nothing said yet
     # distributed runs, reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/recovery_point.py: committed here, not at peers
     DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # runtime/recovery_point.py: step done, G not agreed

@@ -76,10 +76,13 @@ def _run_train(args) -> int:
     from ..jobs.train import pool_bytes, train
     from ..jobs.train_text import result_lines
 
+    moved = _repoint_capacity_pool(args)
     stored = stored_metadata(args.pool) if args.pool is not None else None
     # a pool that holds a run resumes it: the options left out are its own (cli/resume.py)
     taken = [] if stored is None else take_stored(args, given_options(args.train_parser, args.argv[1:]), stored,
                                                    args.pool)
+    if moved is not None:
+        args.capacity_pool = moved
     config = train_config(args)
     config.validate()
     check_memory(config)  # first: a model too big for memory must not even be built
@@ -127,6 +130,23 @@ def _run_train(args) -> int:
     if args.json:
         print(json.dumps(result.to_json()))
     return 0
+
+
+def _repoint_capacity_pool(args) -> str | None:
+    """A set whose capacity pool was moved: `--capacity-pool NEW` re-points it (pool/repoint.py),
+    said in one line. Returns the capacity pool a resume without the option must take: the path
+    the set records, which a re-point changed and its snapshot's remembered settings may not yet."""
+    from ..pool.repoint import recorded_paths, repoint
+
+    if args.pool is None or not os.path.exists(args.pool):
+        return None
+    if args.capacity_pool is not None:
+        said = repoint(args.pool, args.capacity_pool)
+        if said is not None:
+            print(said, flush=True)
+        return None
+    recorded = recorded_paths(args.pool)
+    return recorded[0] if len(recorded) == 1 else None
 
 
 def _lr_text(before: dict, after: dict) -> str:

@@ -133,12 +133,13 @@ class Pool:
 
     @classmethod
     def open(cls, path: str, *, writable: bool = True, backend: str | None = None, mapper=None,
-             member: bool = False) -> "Pool":
+             member: bool = False, with_members: bool = True) -> "Pool":
         """Open and validate an existing pool. Nothing is mapped until every check has passed.
 
         A pool set's primary opens its capacity pools too (open_members, with member=True), each
         checked before anything is written; a capacity pool named alone is refused (PoolError).
-        mapper: maps a writable pool instead of the backend (capacity pools)."""
+        mapper: maps a writable pool instead of the backend (capacity pools). with_members=False:
+        the primary alone, its set record readable, its members' regions absent (pool/repoint.py)."""
         with open_pool_file(path, writable, keep=True) as (fd, file_size):
             lock_fd = lock_pool(path, writable)
             read = pread_reader(fd)
@@ -162,9 +163,10 @@ class Pool:
                 raise
             pool = cls(path, fd, lock_fd, device, sb, root, regions)
         try:
-            if pool_set.SET_REGION in pool._regions:
+            if pool_set.SET_REGION in pool._regions and with_members:
                 pool.open_members()
-            check_set_regions(pool.regions, pool._region_bytes, sb.uuid)
+            if with_members:
+                check_set_regions(pool.regions, pool._region_bytes, sb.uuid)
         except PoolError as e:
             pool.close()
             raise type(e)(e if str(e).startswith(path) else f"{path}: {e}") from None
@@ -213,11 +215,10 @@ class Pool:
         before anything is written; refused ones raise PoolError and leave every file as it was."""
         from ..devices.capacity import open_capacity
 
-        raw = self.array(pool_set.SET_REGION).tobytes()
-        for entry in pool_set.unpack_set(raw, self.superblock.uuid, self.path):
+        for entry in self.set_record().entries:
             where = f"{self.path}: capacity pool {entry.path}"
             if not os.path.exists(entry.path):
-                raise PoolError(f"{where} is missing; a pool set needs all its pools")
+                raise PoolError(f"{self.path}: {pool_set.missing_member(entry.path, self.path)}")
             try:
                 member = Pool.open(entry.path, writable=self.device.writable, mapper=open_capacity, member=True)
             except PoolError as e:
@@ -229,6 +230,12 @@ class Pool:
             pool_set.check_member(member.array(pool_set.MEMBER_REGION).tobytes(), entry, self.superblock.uuid,
                                   member.superblock.uuid, where)
             pool_set.check_epoch(member.root, self.root, where)
+
+    def set_record(self) -> pool_set.SetRecord:
+        """The primary's current list of its members (the newer valid slot of SET_REGIONS)."""
+        slots = [self._regions[name] if name in self._regions else None for name in pool_set.SET_REGIONS]
+        return pool_set.current_record([None if r is None else self._region_bytes(r) for r in slots],
+                                       self.superblock.uuid, self.path)
 
     def add_member(self, member: "Pool", path: str | None = None) -> None:
         """Make `member` (a new, empty capacity pool) part of this primary's set, durably: the

@@ -92,9 +92,9 @@ def _inspect(path: str, read: Reader, file_size: int, member: bool) -> PoolRepor
     if named is not None and not member and not report.problems:
         report.problems.append(pool_set.named_instead_of_primary(read(named.offset, named.size), sb.uuid))
         return report
-    set_region = next((r for r in report.regions if r.name == pool_set.SET_REGION), None)
-    if set_region is not None and not report.problems:
-        _inspect_members(report, read(set_region.offset, set_region.size))
+    slots = [next((r for r in report.regions if r.name == name), None) for name in pool_set.SET_REGIONS]
+    if slots[0] is not None and not report.problems:
+        _inspect_members(report, [None if r is None else read(r.offset, r.size) for r in slots])
     if not report.problems:
         _check_set_regions(report, read)
     return report
@@ -131,18 +131,18 @@ def _file_reader(path: str) -> Reader:
     return read
 
 
-def _inspect_members(report: PoolReport, raw: bytes) -> None:
-    """Inspect the capacity pools a primary names, and check each belongs to it, now (problems go
-    in the primary's report, one line each)."""
+def _inspect_members(report: PoolReport, slots: list[bytes | None]) -> None:
+    """Inspect the capacity pools a primary names (its set record's `slots`: pool_set.current_record),
+    and check each belongs to it, now (problems go in the primary's report, one line each)."""
     try:
-        entries = pool_set.unpack_set(raw, report.superblock.uuid, "its list of capacity pools")
+        entries = pool_set.current_record(slots, report.superblock.uuid, "its list of capacity pools").entries
     except PoolError as e:
         report.problems.append(str(e))
         return
     for entry in entries:
         where = f"capacity pool {entry.path}"
         if not os.path.exists(entry.path):
-            report.problems.append(f"{where} is missing; a pool set needs all its pools")
+            report.problems.append(pool_set.missing_member(entry.path, report.path))
             continue
         try:
             member = inspect(entry.path, member=True)

@@ -3,10 +3,15 @@ one (docs/tiers.md). This module is the on-media part: what the primary says abo
 members, what a member says about its primary, and the checks an opener runs before it trusts a
 member. `Pool.open` uses it to open a whole set from the primary's path.
 
-Two BLOB regions, each sealed with a CRC-32 seeded with its own pool's UUID:
+BLOB regions, each sealed with a CRC-32 seeded with its own pool's UUID:
 
-  cxltrain.set     in the primary: a count, then per member its number, UUID and path
+  cxltrain.set     in the primary: a count and a generation, then per member its number, UUID and path
+  cxltrain.set.1   in the primary: the same record's second slot (a set made before it had none)
   cxltrain.member  in each member: its number and the primary's UUID
+
+The primary's record is rewritten (a moved capacity pool re-pointed: pool/repoint.py) as a root is:
+into the slot that does not hold the current record, with the next generation; the valid slot of
+the highest generation is current, so a crash leaves the old record or the new one, never a torn one.
 
 A member's root is rewritten by every commit of the set, after its pages are durable and before
 the primary's root (pool.Pool.commit): batches_done = the commit's target, dense_batch = 1 + the
@@ -29,12 +34,13 @@ from ..errors import PoolError
 from . import format as fmt
 
 SET_REGION = "cxltrain.set"
+SET_REGIONS = (SET_REGION, SET_REGION + ".1")  # the record's two slots
 MEMBER_REGION = "cxltrain.member"
 MEMBER_SHIFT = 16           # directories hold at most 65536 entries (knobs.dir_capacity)
 MAX_MEMBERS = 8
 PATH_BYTES = 480
 
-SET_HEADER = struct.Struct("<IIII")      # magic, version, member count, zero
+SET_HEADER = struct.Struct("<IIII")      # magic, version, member count, generation (0 first)
 SET_ENTRY = struct.Struct(f"<I16sH{PATH_BYTES}s")  # number, member UUID, path length, path (UTF-8)
 MEMBER_BODY = struct.Struct("<III16s")   # magic, version, member number, the primary's UUID
 SET_MAGIC = int.from_bytes(b"CXST", "little")
@@ -53,10 +59,19 @@ class MemberEntry:
     path: str
 
 
-def pack_set(entries: list[MemberEntry], primary_uuid: bytes) -> bytes:
+@dataclasses.dataclass(frozen=True)
+class SetRecord:
+    """The primary's current list of members: which slot holds it, and its generation."""
+
+    slot: int
+    generation: int
+    entries: list[MemberEntry]
+
+
+def pack_set(entries: list[MemberEntry], primary_uuid: bytes, generation: int = 0) -> bytes:
     if len(entries) > MAX_MEMBERS:
         raise PoolError(f"a pool set holds at most {MAX_MEMBERS} capacity pools, {len(entries)} given")
-    body = SET_HEADER.pack(SET_MAGIC, VERSION, len(entries), 0)
+    body = SET_HEADER.pack(SET_MAGIC, VERSION, len(entries), generation)
     for entry in entries:
         path = entry.path.encode()
         if len(path) > PATH_BYTES:
@@ -66,11 +81,28 @@ def pack_set(entries: list[MemberEntry], primary_uuid: bytes) -> bytes:
     return fmt.seal(body, primary_uuid)
 
 
-def unpack_set(raw: bytes, primary_uuid: bytes, where: str) -> list[MemberEntry]:
-    """The members the primary's set region names; raises PoolError when it is damaged."""
-    magic, version, count, zero = SET_HEADER.unpack_from(raw)
-    if magic != SET_MAGIC or version != VERSION or zero or count > MAX_MEMBERS or not fmt.is_sealed(raw, primary_uuid):
+def current_record(slots: list[bytes | None], primary_uuid: bytes, where: str) -> SetRecord:
+    """The record in the valid slot of the highest generation (`slots`: the bytes of each region
+    of SET_REGIONS, None where the primary has none); raises PoolError when no slot is valid."""
+    valid = []
+    for slot, raw in enumerate(slots):
+        if raw is not None and _is_valid(raw, primary_uuid):
+            valid.append(SetRecord(slot, SET_HEADER.unpack_from(raw)[3], unpack_set(raw, primary_uuid, where)))
+    if not valid:
         raise PoolError(f"{where}: its list of capacity pools ({SET_REGION}) is damaged")
+    return max(valid, key=lambda record: record.generation)
+
+
+def _is_valid(raw: bytes, primary_uuid: bytes) -> bool:
+    magic, version, count, _ = SET_HEADER.unpack_from(raw)
+    return magic == SET_MAGIC and version == VERSION and count <= MAX_MEMBERS and fmt.is_sealed(raw, primary_uuid)
+
+
+def unpack_set(raw: bytes, primary_uuid: bytes, where: str) -> list[MemberEntry]:
+    """The members one slot of the primary's set record names; raises PoolError when it is damaged."""
+    if not _is_valid(raw, primary_uuid):
+        raise PoolError(f"{where}: its list of capacity pools ({SET_REGION}) is damaged")
+    count = SET_HEADER.unpack_from(raw)[2]
     entries = []
     for i in range(count):
         number, uuid, length, path = SET_ENTRY.unpack_from(raw, SET_HEADER.size + i * SET_ENTRY.size)
@@ -86,6 +118,12 @@ def named_instead_of_primary(raw: bytes, member_uuid: bytes) -> str:
         if magic == MEMBER_MAGIC and version == VERSION and fmt.is_sealed(raw, member_uuid) else \
         "a capacity pool of a pool set"
     return f"is {which}: name the set's primary pool instead, the --pool it was trained with"
+
+
+def missing_member(path: str, primary: str) -> str:
+    """What to say when the capacity pool at `path` (as the primary records it) is not there."""
+    return (f"capacity pool {path} is missing; a pool set needs all its pools (moved? name its new place: "
+            f"cxltrain train --pool {primary} --capacity-pool NEW)")
 
 
 def pack_member(number: int, primary_uuid: bytes, member_uuid: bytes) -> bytes:

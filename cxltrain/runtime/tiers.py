@@ -47,8 +47,9 @@ class Tiers:
         return cls(os.path.abspath(os.fspath(capacity_pool)), chosen)
 
     def primary_extra_bytes(self) -> list[int]:
-        """What the primary holds for the set beyond a single pool's regions: its list of members."""
-        return [SET_BYTES] if self.capacity_path else []
+        """What the primary holds for the set beyond a single pool's regions: its list of members,
+        and room for the list's second slot (added when a moved capacity pool is re-pointed)."""
+        return [SET_BYTES, SET_BYTES] if self.capacity_path else []
 
     def is_fast(self, table) -> bool:
         return table.name not in self.capacity_tables
