@@ -76,7 +76,8 @@ def _run_train(args) -> int:
     from ..jobs.train import pool_bytes, train
     from ..jobs.train_text import result_lines
 
-    moved = _repoint_capacity_pool(args)
+    with knobs.override(**emulation_knobs(args)):  # the re-point writes the primary: on the modelled device
+        moved = _repoint_capacity_pool(args)
     stored = stored_metadata(args.pool) if args.pool is not None else None
     # a pool that holds a run resumes it: the options left out are its own (cli/resume.py)
     taken = [] if stored is None else take_stored(args, given_options(args.train_parser, args.argv[1:]), stored,
