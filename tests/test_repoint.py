@@ -17,11 +17,13 @@ import shutil
 import pytest
 
 from cxltrain.devices.capacity import open_capacity
-from cxltrain.errors import PoolError
+from cxltrain.errors import PoolError, PoolFullError
 from cxltrain.faults import CRASH_ENV, CrashPoint
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import train
+from cxltrain.knobs import KNOBS
 from cxltrain.pool import set_format as pool_set
+from cxltrain.pool.format import pool_size_for
 from cxltrain.pool.handle import Pool
 from cxltrain.pool.info import inspect
 from cxltrain.pool.repoint import recorded_paths, repoint
@@ -69,7 +71,7 @@ def digest(*paths: str) -> list[str]:
 def test_a_moved_capacity_pool_is_re_pointed_and_the_run_resumes_bit_exactly(folders, reference):
     primary, old, new = moved_set(folders, "m")
     before = digest(primary, new)
-    says = f"capacity pool {old} is missing; .* cxltrain train --pool {primary} --capacity-pool NEW\\)$"
+    says = f"capacity pool {old} is missing; .* cxltrain recover {primary} --capacity-pool NEW\\)$"
     with pytest.raises(PoolError, match=says):
         Pool.open(primary, writable=False)
     assert [p for p in inspect(primary).problems if "is missing" in p] == [pool_set.missing_member(old, primary)]
@@ -81,6 +83,20 @@ def test_a_moved_capacity_pool_is_re_pointed_and_the_run_resumes_bit_exactly(fol
     assert done.stdout.splitlines()[0] == f"re-pointed pool set {primary}: capacity pool {old} -> {new} (uuid {uuid})"
     assert recorded_paths(primary) == [new]
     assert_same_export(export_state(primary), reference)
+
+
+def test_recover_re_points_without_training(folders):
+    """`recover P --capacity-pool NEW`: the re-point, then the recovery, each said in one line; the
+    set then passes `pool check` at its new place."""
+    primary, old, new = moved_set(folders, "r")
+    done = cxltrain("recover", primary, "--capacity-pool", new)
+    assert done.returncode == 0, done.stderr
+    said = done.stdout.splitlines()
+    assert said[0].startswith(f"re-pointed pool set {primary}: capacity pool {old} -> {new} (uuid ")
+    assert said[1].startswith(f"recovered {primary} to batch 2") and len(said) == 2, said
+    done = cxltrain("pool", "check", primary)
+    assert done.returncode == 0 and done.stdout.startswith(f"ok: {primary}"), done
+    assert recorded_paths(primary) == [new]
 
 
 def bare_set(fast: str, disk: str, name: str) -> str:
@@ -106,10 +122,11 @@ def wrong_files(folders):
 
 
 def test_another_sets_capacity_pool_is_refused_in_one_line_with_nothing_written(folders, wrong_files):
+    """By `recover` (no torch: quick); `train` runs the same re-point first (the killed tests)."""
     primary, _, new = moved_set(folders, "w")
     other, _ = wrong_files["another set's capacity pool"]
     before = digest(primary, new, other)
-    done = cxltrain("train", "--pool", primary, "--capacity-pool", other, "--steps", STEPS, "--no-progress")
+    done = cxltrain("recover", primary, "--capacity-pool", other)
     assert done.returncode == 1 and len(done.stderr.strip().splitlines()) == 1 and not done.stdout, done
     expected = inspect(new, member=True).superblock.uuid.hex()
     uuid = inspect(other, member=True).superblock.uuid.hex()
@@ -155,6 +172,22 @@ def test_the_record_flips_between_its_slots_and_names_no_path_it_was_not_given(f
             record = pool.set_record()
             assert (record.slot, record.generation) == ((i + 1) % 2, i + 1)
             assert [m.path for m in pool.members] == [place]
+
+
+def test_a_set_with_no_room_for_the_second_slot_is_refused_with_nothing_written(folders):
+    """A primary sized to the byte for one record (as sets were before the second slot had room)."""
+    fast, disk = folders
+    primary = os.path.join(fast, "tight.pool")
+    with Pool.create(primary, pool_size_for([pool_set.SET_BYTES], KNOBS.dir_capacity, KNOBS.region_align)) as pool:
+        old = os.path.join(disk, "tight.cap")
+        pool.add_member(Pool.create(old, 1 << 20, mapper=open_capacity))
+    new = os.path.join(disk, "moved", "tight.cap")
+    os.makedirs(os.path.dirname(new), exist_ok=True)
+    shutil.move(old, new)
+    before = digest(primary, new)
+    with pytest.raises(PoolFullError, match="no room for a second copy of its list of capacity pools"):
+        repoint(primary, new)
+    assert digest(primary, new) == before and recorded_paths(primary) == [old]
 
 
 def test_a_torn_or_damaged_slot_is_never_current():

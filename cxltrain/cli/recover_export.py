@@ -16,6 +16,9 @@ def add_recover_export(sub) -> None:
                        description="Roll a pool back to its last committed batch (what `train` does on start), "
                                    "and report it.")
     r.add_argument("path")
+    r.add_argument("--capacity-pool", metavar="NEW", default=None,
+                   help="a pool set whose capacity pool was moved: its new place, checked by UUID and recorded "
+                        "in the primary first (docs/tiers.md, Moving a capacity pool)")
     r.add_argument("--json", action="store_true")
     r.set_defaults(run=_run_recover)
     e = sub.add_parser("export", help="write the recovered model as a plain torch state dict",
@@ -71,7 +74,16 @@ def _run_recover(args) -> int:
     from ..checkpoint.offline import process_seconds, recover_pool  # no torch: recovery copies bytes
 
     if run_dir.is_run_dir(args.path):
+        if args.capacity_pool is not None:
+            raise CxlTrainError(f"{args.path}: is a run directory; --capacity-pool re-points a pool set "
+                                "(a distributed run's pools have no capacity pool)")
         return dist_cli.run_recover(args.path, args.json)
+    if args.capacity_pool is not None:
+        from ..pool.repoint import repoint
+
+        said = repoint(args.path, args.capacity_pool)
+        if said is not None:
+            print(said, flush=True)
     report = recover_pool(args.path)
     process = process_seconds()
     print(report.describe(args.path, report.seconds)

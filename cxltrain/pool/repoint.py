@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..errors import PoolError
+from ..errors import PoolError, PoolFullError
 from ..faults import CrashPoint, crash_armed, crash_point
 from . import set_format as pool_set
 from .check import validate_superblock
@@ -91,8 +91,12 @@ def _check_member(primary: Pool, entry: pool_set.MemberEntry, path: str) -> None
 def _write_record(primary: Pool, record: pool_set.SetRecord, entries: list[pool_set.MemberEntry]) -> None:
     """Write `entries` as the set's next record, into the slot that does not hold `record`."""
     name = pool_set.SET_REGIONS[1 - record.slot]
-    if name not in primary.regions:  # a set made before the second slot existed: add it (one root commit)
-        primary.add_region(name, RegionKind.BLOB, "uint8", (pool_set.SET_BYTES,))
+    if name not in primary.regions:  # the first re-point: the second slot is added (one root commit)
+        try:
+            primary.add_region(name, RegionKind.BLOB, "uint8", (pool_set.SET_BYTES,))
+        except PoolFullError as e:  # a set made before the slot had room saved for it; refused before writing
+            raise PoolFullError(f"{e}: no room for a second copy of its list of capacity pools, which a "
+                                "re-point writes; move the capacity pool back") from None
     offset = primary.region(name).offset
     packed = pool_set.pack_set(entries, primary.superblock.uuid, record.generation + 1)
     if crash_armed(CrashPoint.REPOINT_TORN_RECORD):  # a crash half-way: the slot's checksum must catch it

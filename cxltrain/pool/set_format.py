@@ -6,7 +6,7 @@ member. `Pool.open` uses it to open a whole set from the primary's path.
 BLOB regions, each sealed with a CRC-32 seeded with its own pool's UUID:
 
   cxltrain.set     in the primary: a count and a generation, then per member its number, UUID and path
-  cxltrain.set.1   in the primary: the same record's second slot (a set made before it had none)
+  cxltrain.set.1   in the primary: the same record's second slot, added by the first re-point
   cxltrain.member  in each member: its number and the primary's UUID
 
 The primary's record is rewritten (a moved capacity pool re-pointed: pool/repoint.py) as a root is:
@@ -122,8 +122,8 @@ def named_instead_of_primary(raw: bytes, member_uuid: bytes) -> str:
 
 def missing_member(path: str, primary: str) -> str:
     """What to say when the capacity pool at `path` (as the primary records it) is not there."""
-    return (f"capacity pool {path} is missing; a pool set needs all its pools (moved? name its new place: "
-            f"cxltrain train --pool {primary} --capacity-pool NEW)")
+    return (f"capacity pool {path} is missing; a pool set needs all its pools (moved? re-point the set: "
+            f"cxltrain recover {primary} --capacity-pool NEW)")
 
 
 def pack_member(number: int, primary_uuid: bytes, member_uuid: bytes) -> bytes:
