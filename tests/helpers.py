@@ -79,6 +79,17 @@ def tier_folders(prefix: str):
         shutil.rmtree(disk, ignore_errors=True)
 
 
+def bare_set(fast: str, disk: str, name: str) -> str:
+    """A pool set of two empty pools, made with the pool API alone; returns its capacity pool's path."""
+    from cxltrain.devices.capacity import open_capacity
+    from cxltrain.pool.handle import Pool
+
+    with Pool.create(os.path.join(fast, f"{name}.pool"), 1 << 20) as primary:
+        capacity = os.path.join(disk, f"{name}.cap")
+        primary.add_member(Pool.create(capacity, 1 << 20, mapper=open_capacity))
+    return capacity
+
+
 def run_python(code: str, *args, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """`python -c code args...` in a child with this environment plus `env`; output captured as text."""
     return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from cxltrain import knobs
-from cxltrain.devices.capacity import open_capacity
 from cxltrain.errors import CxlTrainError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
@@ -30,7 +29,7 @@ from cxltrain.runtime.group import join_group
 from cxltrain.runtime.group_recovery import roll_back_rank, snapshot_payload
 from cxltrain.runtime.recovery_point import AgreedMinimum
 from cxltrain.runtime.runtime import Runtime, export_state
-from helpers import assert_same_export, cxltrain, tier_folders
+from helpers import assert_same_export, bare_set, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
 TABLE = "embedding_bag_collection.embedding_bags.t0.weight"
@@ -51,14 +50,6 @@ def make_set(fast: str, disk: str, name: str, steps: int) -> tuple[str, str]:
 
 def digest(*paths: str) -> list[str]:
     return [hashlib.sha256(open(p, "rb").read()).hexdigest() for p in paths]
-
-
-def bare_set(fast: str, disk: str, name: str) -> str:
-    """A set of two empty pools, made with the pool API alone; returns its capacity pool's path."""
-    with Pool.create(os.path.join(fast, f"{name}.pool"), 1 << 20) as primary:
-        capacity = os.path.join(disk, f"{name}.cap")
-        primary.add_member(Pool.create(capacity, 1 << 20, mapper=open_capacity))
-    return capacity
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from cxltrain.pool.handle import Pool
 from cxltrain.pool.info import inspect
 from cxltrain.pool.repoint import recorded_paths, repoint
 from cxltrain.runtime.runtime import export_state
-from helpers import assert_same_export, cxltrain, tier_folders
+from helpers import assert_same_export, bare_set, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=2, batch_size=64, num_tables=2, rows=3000, dim=16)
 STEPS = 4  # the resumed runs' length
@@ -97,14 +97,6 @@ def test_recover_re_points_without_training(folders):
     done = cxltrain("pool", "check", primary)
     assert done.returncode == 0 and done.stdout.startswith(f"ok: {primary}"), done
     assert recorded_paths(primary) == [new]
-
-
-def bare_set(fast: str, disk: str, name: str) -> str:
-    """Another set of two empty pools, made with the pool API alone; returns its capacity pool."""
-    with Pool.create(os.path.join(fast, f"{name}.pool"), 1 << 20) as primary:
-        capacity = os.path.join(disk, f"{name}.cap")
-        primary.add_member(Pool.create(capacity, 1 << 20, mapper=open_capacity))
-    return capacity
 
 
 @pytest.fixture(scope="module")
