@@ -65,6 +65,9 @@ class Knobs:
     # Unique rows per chunk of the fused capture, for crash tests that want several chunks per table
     # and batch (0 = the checkpointer's default). Read once, where a Runtime builds its options.
     undo_chunk_rows: int = 0
+    # A pool set's capacity pages written back every this many batches, its cold rows durable by
+    # redo records in between (docs/tiers.md "Steal, no force"; 1 = synced at every commit).
+    write_back_every: int = 1
 
     def validate(self) -> None:
         """Raise ConfigError for a knob (or CXLTRAIN_* variable) out of range."""
@@ -84,6 +87,8 @@ class Knobs:
             raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
         if not 0 <= self.undo_chunk_rows <= 1 << 20:
             raise ConfigError(f"undo_chunk_rows {self.undo_chunk_rows} must be in [0, {1 << 20}]")
+        if not 1 <= self.write_back_every <= 1 << 20:
+            raise ConfigError(f"write_back_every {self.write_back_every} must be in [1, {1 << 20}]")
         if not 0 <= self.prefetch_threads <= 256:
             raise ConfigError(f"prefetch_threads {self.prefetch_threads} must be in [0, 256]")
         if self.capacity_crash not in (0, 1):

@@ -144,19 +144,30 @@ def test_a_set_resumed_without_its_capacity_pool_is_refused(sets):
     assert digest(primary, capacity) == before
 
 
-def killed_and_resumed(fast: str, disk: str, point: str, fault: str = "") -> dict:
-    """A `train` child with the capacity crash model, killed at `point`; then resumed here to
-    CONFIG.steps and exported."""
+def killed_and_resumed(fast: str, disk: str, point: str, fault: str = "", write_back_every: int = 1) -> dict:
+    """A `train` child with the capacity crash model (its capacity pages written back every
+    `write_back_every` batches), killed at `point`; then resumed here to CONFIG.steps and exported."""
+    return resumed(*killed(fast, disk, point, fault, write_back_every), write_back_every=write_back_every)
+
+
+def killed(fast: str, disk: str, point: str, fault: str = "", write_back_every: int = 1) -> tuple[str, str]:
+    """killed_and_resumed's `train` child, killed at `point`: (primary, capacity) of its set."""
     primary, capacity = os.path.join(fast, "k.pool"), os.path.join(disk, "k.cap")
     for path in (primary, capacity):
         if os.path.exists(path):
             os.unlink(path)
     args = ["train", "--pool", primary, "--capacity-pool", capacity, "--steps", CONFIG.steps, "--num-tables", "2",
             "--rows", CONFIG.rows, "--dim", CONFIG.dim, "--batch-size", CONFIG.batch_size, "--no-progress"]
-    env = {"CXLTRAIN_CAPACITY_CRASH": "1", CRASH_ENV: point, FAULT_ENV: fault}
+    env = {"CXLTRAIN_CAPACITY_CRASH": "1", CRASH_ENV: point, FAULT_ENV: fault,
+           "CXLTRAIN_WRITE_BACK_EVERY": str(write_back_every)}
     done = cxltrain(*args, env=env, timeout=120)
     assert done.returncode == -9, done.stderr  # killed at the point
-    with knobs.override(capacity_crash=1):
+    return primary, capacity
+
+
+def resumed(primary: str, capacity: str, write_back_every: int = 1) -> dict:
+    """The set resumed here (recovered first) to CONFIG.steps, and exported."""
+    with knobs.override(capacity_crash=1, write_back_every=write_back_every):
         train(dataclasses.replace(CONFIG, capacity_pool=capacity), pool_path=primary, progress=False)
     return export_state(primary)
 
@@ -182,6 +193,15 @@ def test_the_crash_test_catches_cold_pages_never_synced(folders, reference):
     resumed = killed_and_resumed(*folders, f"{CrashPoint.COMMIT_AFTER_ROOT}:2", Planted.SKIP_CAPACITY_SYNC)
     with pytest.raises(AssertionError):
         assert_same_export(resumed, reference)
+
+
+@pytest.mark.parametrize("point", [f"{CrashPoint.COMMIT_AFTER_ROOT}:3",
+                                   pytest.param(f"{CrashPoint.UPDATE_ROWS_FLUSHED}:7", marks=pytest.mark.slow)])
+def test_a_stealing_set_killed_between_write_backs_is_redone_bit_exactly(folders, reference, point):
+    """Steal, no force: with the capacity pages written back every 8 batches, none is before the
+    kill (batch 2 committed, or batch 3 half-updated); the crash model has lost every cold row's page
+    write, and recovery redoes the committed batches from their redo records."""
+    assert_same_export(killed_and_resumed(*folders, point, write_back_every=8), reference)
 
 
 def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:

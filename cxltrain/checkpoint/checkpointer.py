@@ -111,7 +111,10 @@ class Checkpointer(BatchGuard):
         self.ring = UndoRing(pool, root.ring_generation, root.ring_start, root.ring_start_seq,
                              record_device=self._ordering.undo_device(pool.device))
         self.stats = CheckpointStats()
-        self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == RELAXED)
+        # a pool set steals (redo records for cold rows, capacity write-back deferred) where one
+        # thread appends every record: not with background captures (the worker appends those)
+        self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == RELAXED,
+                                       write_back_every=1 if options.captures_on_worker else options.write_back_every)
         self.committed = root.batches_done      # the batch of the last commit handed over (embeddings)
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
         self._worker = BackgroundWorker() if options.pipeline else InlineWorker()
@@ -213,6 +216,8 @@ class Checkpointer(BatchGuard):
             undo, records, recorded_rows, size = landing
             self.ring.land(records)
             self._count_capture(batch, table, rows, recorded_rows, size)
+        if self._commits.steals and rows.numel() and self._commits.row_device(table) is not self.pool.device:
+            self._log_redo(batch, table, rows)
         if not self.flush_at_update or not rows.numel():
             return
         started = time.perf_counter()
@@ -222,6 +227,24 @@ class Checkpointer(BatchGuard):
             self._commits.flush_rows(table, rows.numpy())
         crash_point(CrashPoint.UPDATE_ROWS_FLUSHED)
         self.stats.training_flush_seconds += time.perf_counter() - started
+
+    def _log_redo(self, batch: int, table: LoggedTable, rows: torch.Tensor) -> None:
+        """A capacity table's rows `rows` [U] (sorted, unique), as batch `batch` just stored them,
+        into a redo record in the ring (docs/tiers.md "Steal, no force")."""
+        started = time.perf_counter()
+        weights, state = table.storage()
+        weight_region = self.pool.region(table.weight_region)
+        state_region = self.pool.region(table.state_region) if state is not None else None
+        size = self._with_room(batch, lambda: self.ring.append(batch, weight_region, state_region, rows, weights,
+                                                               state, redo=True))
+        # ORDERING U2e: a cold row's redo record is durable (append returns only then, and the tail
+        # mark covers it) before the batch ends, so before the commit naming the batch is handed
+        # over: between write-backs it, not the capacity page, makes the row's update durable (U2).
+        self.ring.mark_tail()
+        self._largest_record = max(self._largest_record, size)
+        self._batch_bytes += size
+        self.stats.redo_bytes += size
+        self.stats.capture_seconds += time.perf_counter() - started
 
     def log_before_write(self, table: LoggedTable, rows: torch.Tensor) -> int:
         if self._ordering.logs_cache_writes:  # a planted bug skips the record
@@ -246,9 +269,10 @@ class Checkpointer(BatchGuard):
         snapshot_due = done - self.dense_committed >= self.dense_every
         due = snapshot_due or self.mode == RELAXED
         # room for two batches like the largest so far, plus what the wrap can waste (< one record)
-        ring_short = not due and self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
-        if due or ring_short:
-            self._hand_over_commit(done, snapshot=snapshot_due or ring_short)
+        room_low = self.ring.free_bytes < 2 * self._largest_batch_bytes + self._largest_record
+        ring_short = not due and room_low
+        if due or ring_short:  # a stealing set's commit writes back when room is low: only that frees the ring
+            self._hand_over_commit(done, snapshot=snapshot_due or ring_short, write_back=room_low)
         lag = done - self._commits.durable
         self.stats.commit_lag_max = max(self.stats.commit_lag_max, lag)
         self.stats.commit_lag_sum += lag
@@ -263,8 +287,10 @@ class Checkpointer(BatchGuard):
         last commit already) and wait until it is durable."""
         self._check_finish(done)
         started = time.perf_counter()
-        if self.committed != done or self.dense_committed != done:
-            self._hand_over_commit(done, snapshot=True)
+        self.wait_durable()
+        # a stealing set's last commit writes the capacity pools back: the run ends with them current
+        if self.committed != done or self.dense_committed != done or self._commits.written_back != done:
+            self._hand_over_commit(done, snapshot=True, write_back=True)
         self.wait_durable()
         self.stats.training_boundary_seconds += time.perf_counter() - started
 
@@ -286,7 +312,7 @@ class Checkpointer(BatchGuard):
         finally:
             super().detach()
 
-    def _hand_over_commit(self, done: int, snapshot: bool) -> None:
+    def _hand_over_commit(self, done: int, snapshot: bool, write_back: bool = False) -> None:
         if self.flush_at_update:
             # ORDERING U2a: rows flushed at their update, on this thread, are drained before the
             # commit that names them is handed to the worker.
@@ -303,7 +329,8 @@ class Checkpointer(BatchGuard):
             written = slot, *dense.write_payload(self.pool, slot, done,
                                                  self._layouts.lay_out(self.dense_state.capture(done)))
             self.stats.dense_bytes += written[1]
-        self._commit_ticket = self._worker.submit_commit(self._commits.steps(done, dirty, written, self.agreed))
+        self._commit_ticket = self._worker.submit_commit(self._commits.steps(done, dirty, written, self.agreed,
+                                                                             write_back=write_back))
         self.committed = done
         if snapshot:
             self.dense_committed = done

@@ -10,7 +10,14 @@ The commit of batch b (`done` = b + 1 batches), handed over by the checkpointer 
     reclaim          forget the undo records the durable root no longer needs
 
 The order of the first three is the Ordering strategy's (ordering.py: U2); the reclaim comes after
-all of them (U3). Steps are yielded so the worker can serve captures of b + 1 between them.
+all of them (U3).
+
+A pool set that steals (write_back_every > 1, docs/tiers.md "Steal, no force"): the cold rows'
+redo records are durable in the ring before the commit is handed over, so a commit syncs the
+capacity pools only when a write-back is due (every write_back_every batches since the last one,
+when the ring is half full, or when the caller asks: the run's last commit, an early one for
+room); until then the root keeps the ring's live start at the last write-back, so every redo
+record since stays live for recovery. Steps are yielded so the worker can serve captures of b + 1 between them.
 """
 
 from __future__ import annotations
@@ -40,27 +47,47 @@ class CommitPipeline:
     last durable root names (read by the training thread, written by whoever runs the steps)."""
 
     def __init__(self, pool: Pool, ring: UndoRing, stats: CheckpointStats, ordering: Ordering, *,
-                 relaxed: bool) -> None:
+                 relaxed: bool, write_back_every: int = 1) -> None:
         self.pool, self.ring, self.stats, self.ordering = pool, ring, stats, ordering
         self._root_flags = ROOT_RELAXED if relaxed else 0
         self.durable = pool.root.batches_done
         self._keep_from = 0  # the commit in flight keeps undo records of batches >= this
+        # a pool set's cold rows are made durable by redo records between write-backs (steal)
+        self.write_back_every = write_back_every if pool.members else 1
+        self.written_back = pool.root.batches_done  # batches the capacity pools hold durably (recovered: all)
+        self._write_back = True  # whether the commit in flight syncs the capacity pools
+
+    @property
+    def steals(self) -> bool:
+        """Whether cold rows get redo records and the capacity pools are synced only at write-backs."""
+        return self.write_back_every > 1
 
     def steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None,
-              agreed: int | None = None) -> Iterator[None]:
+              agreed: int | None = None, *, write_back: bool = False) -> Iterator[None]:
         """The commit at `done` batches, timed. dirty: the rows updated since the last commit;
         written: (slot, payload bytes, payload checksum) of the dense state at `done`, already
         durable in that slot (dense.write_payload), or None when no snapshot is due; agreed: a
-        distributed run's last agreed target G (Ordering.keep_from), None in a single process."""
-        return self._timed(self._steps(done, dirty, written, agreed))
+        distributed run's last agreed target G (Ordering.keep_from), None in a single process;
+        write_back: sync the capacity pools at this commit whether or not one is due (stealing sets)."""
+        return self._timed(self._steps(done, dirty, written, agreed, write_back))
 
     def _steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None,
-               agreed: int | None) -> Iterator[None]:
+               agreed: int | None, write_back: bool) -> Iterator[None]:
+        self._write_back = (not self.steals or write_back or done - self.written_back >= self.write_back_every
+                            or 2 * self.ring.free_bytes < self.ring.capacity)
         self._keep_from = self.ordering.keep_from(done, agreed)
+        if not self._write_back:
+            # ORDERING U3c: the redo records of every batch since the last write-back stay live
+            # (the root's ring start does not pass them) until a commit has synced the capacity
+            # pools: they are what makes those batches' cold rows durable.
+            self._keep_from = min(self._keep_from, self.written_back)
         yield from self.ordering.commit(self, done, dirty, written)
         # ORDERING U3a: records of batches < done (< G in a distributed run) are forgotten (their
         # ring space reused) only now that a durable root no longer needs them.
         self.ring.reclaim(self._keep_from)
+        if self._write_back:
+            self.written_back = done
+            self.stats.write_backs += bool(self.pool.members)
         self.durable = done
         self.stats.commits += 1
 
@@ -88,10 +115,11 @@ class CommitPipeline:
                 crash_point(CrashPoint.COMMIT_MID_ROWS)  # one table's rows flushed, more to go
             yield
         self.pool.device.drain()
-        if self.pool.members:
+        if self.pool.members and self._write_back:
             crash_point(CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC)
             # ORDERING U2d: the capacity pools' dirty pages (cold rows) are durable (fdatasync)
-            # before the root that names `done` is written (U2 across the pool set).
+            # before the root that names `done` is written (U2 across the pool set), at every
+            # commit without steal, at each write-back with it (between those, U2e: redo records).
             self.ordering.sync_capacity(self.pool)
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:

@@ -11,6 +11,13 @@ Undo ring (`cxltrain.undo`, uint8 [capacity]): a circular log of records, each 6
            row indices [U] int64       sorted ascending, unique
     (zero padding to a multiple of 64)
 
+A redo record (pool sets, docs/tiers.md "Steal, no force") is laid out the same, with the magic
+REDO: the weights and state are a capacity table's rows as batch `batch` left them (new values,
+written after the update, before the commit that names the batch). Recovery applies the committed
+ones (batch < target) oldest first, before it restores the undo records. A build that knows only
+UNDO stops its scan at a redo header and, the tail mark saying more records follow, refuses the
+pool as damaged: it never rolls back with a redo record missed.
+
 A record is live when its header checksum holds, it carries the root's ring generation, and its
 sequence number is the one the scan expects next (records are numbered 0, 1, 2, ... within a
 generation, so a stale record left over in a reused place never carries the expected number). A
@@ -57,6 +64,7 @@ DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 a
 RECORD_ALIGN = 64
 
 UNDO_MAGIC = 0x4F444E55   # b"UNDO" little-endian
+REDO_MAGIC = 0x4F444552   # b"REDO" little-endian: a redo record (new values of capacity rows)
 TAIL_MAGIC = 0x4C494154   # b"TAIL" little-endian
 DENSE_MAGIC = 0x534E4544  # b"DENS" little-endian
 
@@ -95,6 +103,7 @@ class UndoHeader:
     state_bytes: int
     payload_crc: int
     state_region: int | None
+    redo: bool = False    # a redo record: the rows' new values, not their old ones
 
     @property
     def payload_bytes(self) -> int:
@@ -106,7 +115,8 @@ class UndoHeader:
 
     def pack(self, uuid: bytes) -> bytes:
         state = 0 if self.state_region is None else self.state_region + 1
-        body = UNDO_HEADER.pack(UNDO_MAGIC, self.weight_region, self.generation, self.seq, self.batch, self.count,
+        magic = REDO_MAGIC if self.redo else UNDO_MAGIC
+        body = UNDO_HEADER.pack(magic, self.weight_region, self.generation, self.seq, self.batch, self.count,
                                 self.row_bytes, self.state_bytes, self.payload_crc, self.payload_bytes, state, 0)
         return seal(body, uuid, self.generation)
 
@@ -128,10 +138,10 @@ def unpack_undo_header(raw: bytes, uuid: bytes) -> UndoHeader | None:
     """The header in `raw`, or None when it is not a well-formed, checksummed header."""
     (magic, weight_region, generation, seq, batch, count, row_bytes, state_bytes, payload_crc, payload_bytes,
      state, _) = UNDO_HEADER.unpack(raw)
-    if magic != UNDO_MAGIC or not is_sealed(raw, uuid, generation):
+    if magic not in (UNDO_MAGIC, REDO_MAGIC) or not is_sealed(raw, uuid, generation):
         return None
     header = UndoHeader(weight_region, generation, seq, batch, count, row_bytes, state_bytes, payload_crc,
-                        None if state == 0 else state - 1)
+                        None if state == 0 else state - 1, magic == REDO_MAGIC)
     if batch < 0 or payload_bytes != header.payload_bytes:
         return None
     return header

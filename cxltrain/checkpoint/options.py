@@ -27,6 +27,9 @@ class CheckpointOptions:
     background_capture: with the pipeline, the worker takes the undo captures and the row flushes too.
     fused_capture: where the kernels and the device allow it, capture each table's undo record inside
         its update, undo_chunk_rows unique rows at a time (False: the whole record first, then the update).
+    write_back_every: a pool set's capacity pages are written back and synced every this many
+        batches (or sooner, when the ring fills); in between the commits make the cold rows durable
+        with redo records in the fast tier's ring (docs/tiers.md). 1: at every commit, no redo records.
     See checkpointer.py's docstring for what each choice costs and what it can lose."""
 
     dense_every: int = 1
@@ -35,6 +38,7 @@ class CheckpointOptions:
     background_capture: bool = False
     fused_capture: bool = True
     undo_chunk_rows: int = DEFAULT_UNDO_CHUNK_ROWS
+    write_back_every: int = 1
 
     def __post_init__(self) -> None:
         if self.dense_every < 1:
@@ -43,6 +47,8 @@ class CheckpointOptions:
             raise CheckpointError(f"mode must be one of {MODES}, got {self.mode!r}")
         if type(self.undo_chunk_rows) is not int or not 1 <= self.undo_chunk_rows <= MAX_UNDO_CHUNK_ROWS:
             raise CheckpointError(f"undo_chunk_rows must be in [1, {MAX_UNDO_CHUNK_ROWS}], got {self.undo_chunk_rows!r}")
+        if type(self.write_back_every) is not int or self.write_back_every < 1:
+            raise CheckpointError(f"write_back_every must be an integer >= 1, got {self.write_back_every!r}")
 
     @property
     def captures_on_worker(self) -> bool:

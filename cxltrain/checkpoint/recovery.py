@@ -7,7 +7,9 @@
     roll_back(pool, g, live)            # the step every recovery shares (a group's rank: to G)
 
 Order: validate everything (root, every live undo record and the dense snapshot the root names)
-before the first write; restore the records whose batch is >= the target, newest first; persist;
+before the first write; redo the live redo records whose batch is < the target (a pool set's cold
+rows committed since the last write-back, docs/tiers.md), oldest first; restore the undo records
+whose batch is >= the target, newest first; persist;
 then write a fresh root that starts a new ring generation, so records from before the crash can
 never be taken as live again. Restoring writes absolute old values, so a crash anywhere in here is
 repaired by recovering again.
@@ -35,6 +37,7 @@ class RecoveryReport:
     rows_restored: int
     generation: int            # the ring generation the fresh root starts
     seconds: float
+    records_redone: int = 0    # redo records applied (a stealing pool set's cold rows since its last write-back)
 
     @property
     def dense_lag(self) -> int:
@@ -96,9 +99,26 @@ def recover(pool: Pool, snapshot: dict | None = None, *, decode: bool = True) ->
     live, snapshot = verify(pool, snapshot, decode=decode)  # every check before the first write
     root = pool.root
     rollback, generation = roll_back(pool, root.batches_done, live)
+    redone = len(to_redo(live, root.batches_done))
     report = RecoveryReport(root.batches_done, root.dense_batch, len(rollback), len({r.header.batch for r in rollback}),
-                            sum(r.header.count for r in rollback), generation, time.perf_counter() - started)
+                            sum(r.header.count for r in rollback), generation, time.perf_counter() - started,
+                            redone)
     return report, snapshot
+
+
+def to_redo(live: list[ring.ScannedRecord], target: int) -> list[ring.ScannedRecord]:
+    """The live redo records recovery to `target` applies: those of committed batches (< target), oldest first."""
+    return [record for record in live if record.header.redo and record.header.batch < target]
+
+
+def to_undo(live: list[ring.ScannedRecord], target: int) -> list[ring.ScannedRecord]:
+    """The live undo records recovery to `target` restores: those of batches >= target, oldest first."""
+    return [record for record in live if not record.header.redo and record.header.batch >= target]
+
+
+def pending(live: list[ring.ScannedRecord], target: int) -> int:
+    """How many live records recovery to `target` writes back (0: the pool is as its root says)."""
+    return len(to_redo(live, target)) + len(to_undo(live, target))
 
 
 def roll_back(pool: Pool, target: int, live: list[ring.ScannedRecord], *, dense_slot: int | None = None,
@@ -108,9 +128,15 @@ def roll_back(pool: Pool, target: int, live: list[ring.ScannedRecord], *, dense_
     durable in the primary and its capacity pools, then write a fresh root naming `target` and a
     new ring generation. dense_slot: a slot the caller has just made durable with the snapshot at
     `target` (a rank rolled back past its own snapshot), named by that root; None keeps the root's.
-    Returns (the records restored, oldest first; the new ring generation)."""
-    rollback = [record for record in live if record.header.batch >= target]
+    A pool set's live redo records of batches < `target` are applied first, oldest first.
+    Returns (the undo records restored, oldest first; the new ring generation)."""
+    rollback = to_undo(live, target)
     ring_region = pool.region(layout.RING_REGION)
+    # Redo before undo: the undo records of batches >= target hold the values the redo records
+    # of batches < target end with, so the restore below lands on the target either way; oldest
+    # first, so a row's newest committed value wins.
+    for record in to_redo(live, target):
+        ring.restore(pool, ring_region, record)
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win
         ring.restore(pool, ring_region, record)
         if done == 0 and len(rollback) > 1:

@@ -90,11 +90,12 @@ class UndoRing:
         raise RingFull(f"undo ring full: {self.live_bytes:,} of {self.capacity:,} bytes live")
 
     def append(self, batch: int, weights_region: Region, state_region: Region | None, rows: torch.Tensor,
-               weights: torch.Tensor, state: torch.Tensor | None) -> int:
+               weights: torch.Tensor, state: torch.Tensor | None, *, redo: bool = False) -> int:
         """Write the record of `batch` for one table and make it durable; returns its ring bytes.
 
         rows [U] int64 unique; weights [R, P] the table's padded rows; state [R, K] or None.
-        The old values are gathered straight into the ring (no staging copy, non-temporal stores).
+        The rows' values are gathered straight into the ring (no staging copy, non-temporal stores):
+        their old values (an undo record) or, with redo, their new ones (a redo record, layout.py).
         """
         from ..kernels import ops as row_ops  # torch: the writer only (recovery imports this module too)
 
@@ -113,7 +114,7 @@ class UndoRing:
         header = layout.UndoHeader(weights_region.index, self.generation, self.next_seq, batch, count, row_bytes,
                                    state_bytes, layout.payload_checksum(payload, self.pool.superblock.uuid,
                                                                         self.generation, self.next_seq),
-                                   None if state_region is None else state_region.index)
+                                   None if state_region is None else state_region.index, redo)
         if streamed:  # non-temporal stores: no cache lines to write back
             device.persist_streamed(base + layout.UNDO_HEADER.size, payload_len)
         else:

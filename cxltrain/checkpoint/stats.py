@@ -21,6 +21,8 @@ class CheckpointStats:
     dense_bytes: int = 0             # encoded snapshot bytes written
     row_bytes: int = 0               # table bytes (weights and optimizer state) flushed at commits
     rows_persisted: int = 0          # table rows flushed at commits
+    redo_bytes: int = 0              # ring bytes of redo records (a pool set's cold rows, new values)
+    write_backs: int = 0             # commits that wrote back and synced the capacity pools
     ring_full_commits: int = 0       # commits taken early because the ring was nearly full
     ring_wait_seconds: float = 0.0   # training thread: what those early commits cost it
     ring_full_waits: int = 0         # worker: captures that found the ring full and first ran the
@@ -49,7 +51,7 @@ class CheckpointStats:
         per_batch = max(self.batches, 1)
         return {**dataclasses.asdict(self),
                 "wait_ms_per_batch": 1000.0 * self.wait_seconds / per_batch,
-                "bytes_persisted_per_batch": (self.row_bytes + self.undo_bytes + self.dense_bytes) / per_batch,
+                "bytes_persisted_per_batch": (self.row_bytes + self.undo_bytes + self.redo_bytes + self.dense_bytes) / per_batch,
                 "commit_lag_mean": self.commit_lag_sum / per_batch}
 
 

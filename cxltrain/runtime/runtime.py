@@ -44,6 +44,7 @@ from ..checkpoint import (
     first_commit,
     has_checkpoint,
     layout,
+    pending,
     recover,
     verify,
 )
@@ -177,6 +178,7 @@ class Runtime:
         self.checkpoint_options = CheckpointOptions(dense_every=dense_every, mode=mode, pipeline=self.pipeline,
                                                     background_capture=self.background_capture,
                                                     fused_capture=bool(fused_capture),
+                                                    write_back_every=KNOBS.write_back_every,
                                                     **({"undo_chunk_rows": KNOBS.undo_chunk_rows}
                                                        if KNOBS.undo_chunk_rows else {}))
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
@@ -612,7 +614,7 @@ def _default_slot_bytes(model: nn.Module) -> int:
 def _records_to_roll_back(pool: Pool) -> tuple[int, dict]:
     """(live undo records recovery would restore, the checked dense snapshot); writes nothing."""
     live, snapshot = verify(pool)
-    return sum(record.header.batch >= pool.root.batches_done for record in live), snapshot
+    return pending(live, pool.root.batches_done), snapshot
 
 
 def export_state(path: str) -> dict:
