@@ -50,6 +50,11 @@ class CrashPoint:
     CACHE_AFTER_WRITE_BACK = "cache:after-write-back"      # cache.py: re-placement's evicted rows written back, slots not refilled
     REPOINT_TORN_RECORD = "repoint:torn-record"            # pool/repoint.py: half the set's new record written
     REPOINT_AFTER_RECORD = "repoint:after-record"          # pool/repoint.py: the new record durable, nothing said yet
+    # a stealing pool set's write-back (docs/tiers.md "Steal, no force"), and its recovery's redo
+    CAPACITY_MID_WRITE_BACK = "capacity:mid-write-back"    # devices/capacity.py (crash model): half the queued pages written
+    CAPACITY_BEFORE_SYNC = "capacity:before-sync"          # devices/capacity.py (crash model): every queued page written, unsynced
+    COMMIT_AFTER_WRITE_BACK = "commit:after-write-back"    # checkpoint/commit.py: capacity pools synced, the root not yet moved past the redo records
+    RECOVER_MID_REDO = "recover:mid-redo"                  # checkpoint/recovery.py: one redo record applied
     # distributed runs, reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/recovery_point.py: committed here, not at peers
     DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # runtime/recovery_point.py: step done, G not agreed
@@ -92,6 +97,10 @@ class Planted:
     RENORM_UNLOGGED = "renorm-unlogged"              # U1: max_norm's renorm stores rows before their record is taken
     # U2 across pools, in recovery: its root retires the records before the cold rows they restored are synced
     RECOVERY_ROOT_BEFORE_CAPACITY_SYNC = "recovery-root-before-capacity-sync"
+    # U3c (steal): a write-back's root lets the ring reuse the redo records before the capacity pools are synced
+    RECLAIM_BEFORE_WRITE_BACK = "reclaim-before-write-back"
+    # U2e (steal): a batch's redo records are written only after the commit naming it is durable
+    REDO_AFTER_COMMIT = "redo-after-commit"
 
 
 class PlantedDist:

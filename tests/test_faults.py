@@ -42,7 +42,7 @@ def test_crashtest_tortures_the_registered_points():
     assert set(PROTOCOL_POINTS) | set(RECOVERY_POINTS) <= CRASH_POINTS
     assert set(RECOVERY_POINTS) == {CrashPoint.RECOVER_MID, CrashPoint.RECOVER_BEFORE_ROOT,
                                     CrashPoint.RECOVER_AFTER_ROOT}
-    assert Planted.ROOT_BEFORE_ENTRIES in PLANTED and len(set(PLANTED)) == len(PLANTED) == 13
+    assert Planted.ROOT_BEFORE_ENTRIES in PLANTED and len(set(PLANTED)) == len(PLANTED) == 15
 
 
 def test_unregistered_names_are_refused(disarmed):

@@ -204,6 +204,40 @@ def test_a_stealing_set_killed_between_write_backs_is_redone_bit_exactly(folders
     assert_same_export(killed_and_resumed(*folders, point, write_back_every=8), reference)
 
 
+# every 2 batches: the commit naming batch 2 writes back (its 2nd sync: the 1st is the new set's)
+@pytest.mark.parametrize("point", [f"{CrashPoint.CAPACITY_MID_WRITE_BACK}:2",
+                                   f"{CrashPoint.CAPACITY_BEFORE_SYNC}:2",
+                                   f"{CrashPoint.COMMIT_AFTER_WRITE_BACK}:1",
+                                   f"{CrashPoint.COMMIT_AFTER_ROOT}:2"])
+def test_a_stealing_set_killed_inside_a_write_back_resumes_bit_exactly(folders, reference, point):
+    """Killed half-way through the write-back's page writes, with every page written and none
+    synced, synced with the root still keeping the redo records, and right after its root:
+    recovery redoes what is live (absolute values: pages that did reach the file are written again
+    with the same bytes)."""
+    assert_same_export(killed_and_resumed(*folders, point, write_back_every=2), reference)
+
+
+def test_a_stealing_set_killed_inside_its_redo_recovers_again_bit_exactly(folders, reference):
+    """Recovery killed after its first redo record (of several) is repaired by recovering again."""
+    primary, capacity = killed(*folders, f"{CrashPoint.COMMIT_AFTER_ROOT}:3", write_back_every=8)
+    env = {"CXLTRAIN_CAPACITY_CRASH": "1", CRASH_ENV: f"{CrashPoint.RECOVER_MID_REDO}:1"}
+    done = cxltrain("recover", primary, env=env, timeout=120)
+    assert done.returncode == -9, done  # killed inside the redo
+    assert_same_export(resumed(primary, capacity, write_back_every=8), reference)
+
+
+@pytest.mark.parametrize("fault, point, every", [
+    (Planted.RECLAIM_BEFORE_WRITE_BACK, f"{CrashPoint.COMMIT_AFTER_ROOT}:2", 2),
+    (Planted.REDO_AFTER_COMMIT, f"{CrashPoint.COMMIT_AFTER_ROOT}:3", 8)])
+def test_the_crash_test_catches_a_stealing_set_s_planted_bugs(folders, reference, fault, point, every):
+    """Planted: the write-back's root frees the redo records before the capacity pools are synced
+    (U3c); a batch's redo records are written after its commit (U2e). Either way the crash model
+    loses cold rows no durable record holds, and the resumed run differs from the reference."""
+    resumed = killed_and_resumed(*folders, point, fault, write_back_every=every)
+    with pytest.raises(AssertionError):
+        assert_same_export(resumed, reference)
+
+
 def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:
     """A one-rank group's pool set trained to `steps`, its ring keeping every batch since 0 (the
     test never lets G move past the start)."""

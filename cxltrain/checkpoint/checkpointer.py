@@ -152,6 +152,7 @@ class Checkpointer(BatchGuard):
         self._chunk_rows = options.undo_chunk_rows
         # table -> (its layout, records, recorded rows, their ring bytes): laid out, not landed yet
         self._fused_records: dict[str, tuple[fused.FusedUndo, list, torch.Tensor, int]] = {}
+        self._late_redo: list[tuple[int, LoggedTable, torch.Tensor]] = []  # the planted RedoAfterCommit's
 
     @property
     def durable(self) -> int:
@@ -217,7 +218,10 @@ class Checkpointer(BatchGuard):
             self.ring.land(records)
             self._count_capture(batch, table, rows, recorded_rows, size)
         if self._commits.steals and rows.numel() and self._commits.row_device(table) is not self.pool.device:
-            self._log_redo(batch, table, rows)
+            if self._ordering.redo_before_commit:
+                self._log_redo(batch, table, rows)
+            else:  # a planted bug: written at the batch's end, once its commit is durable
+                self._late_redo.append((batch, table, rows.clone()))
         if not self.flush_at_update or not rows.numel():
             return
         started = time.perf_counter()
@@ -273,6 +277,11 @@ class Checkpointer(BatchGuard):
         ring_short = not due and room_low
         if due or ring_short:  # a stealing set's commit writes back when room is low: only that frees the ring
             self._hand_over_commit(done, snapshot=snapshot_due or ring_short, write_back=room_low)
+        if self._late_redo:  # the planted RedoAfterCommit: the rows' values now, after the commit
+            self.wait_durable()
+            for entry in self._late_redo:
+                self._log_redo(*entry)
+            self._late_redo = []
         lag = done - self._commits.durable
         self.stats.commit_lag_max = max(self.stats.commit_lag_max, lag)
         self.stats.commit_lag_sum += lag

@@ -121,6 +121,8 @@ class CommitPipeline:
             # before the root that names `done` is written (U2 across the pool set), at every
             # commit without steal, at each write-back with it (between those, U2e: redo records).
             self.ordering.sync_capacity(self.pool)
+            if self.steals:
+                crash_point(CrashPoint.COMMIT_AFTER_WRITE_BACK)  # synced; the root still keeps the redo records
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
         """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""

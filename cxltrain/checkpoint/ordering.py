@@ -12,6 +12,8 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     HeaderBeforePayload  U1  (fused capture) a chunk's header is durable before its payload is stored
     UpdateBeforeHeader   U1  (fused capture) a chunk's rows are updated before its header is written
     KernelSkipsRowFlush  U2  (fused capture) the kernel's row write-back writes nothing
+    ReclaimBeforeWriteBack U3c (stealing sets) a write-back's root frees the redo records before the sync
+    RedoAfterCommit      U2e (stealing sets) a batch's redo records are written after its commit is durable
 
 The fused capture's orders are step lists (fused.py), not flags: a planted one is another list.
 
@@ -70,6 +72,8 @@ class Ordering:
     # Stores outside a table's update (the hot-row cache's admission and re-placement) are
     # undo-logged first (U1).
     logs_cache_writes = True
+    # A stealing set's redo records of a batch are written before its commit is handed over (U2e).
+    redo_before_commit = True
 
     def kernel_row_flush(self, flush: NativePersistence | None) -> NativePersistence | None:
         """How the fused update writes its updated rows back inside the kernel (U2's flush,
@@ -122,6 +126,26 @@ class SkipCapacitySync(Ordering):
 
     def sync_capacity(self, pool) -> None:
         pass
+
+
+class ReclaimBeforeWriteBack(Ordering):
+    """Planted U3c bug: a write-back commit writes its root, which moves the ring's live start past
+    the redo records, and only then syncs the capacity pools."""
+
+    def sync_capacity(self, pool) -> None:
+        self._late = pool
+
+    def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
+        self._late = None
+        yield from super().commit(pipeline, done, dirty, written)
+        if self._late is not None:
+            self._late.drain_members()
+
+
+class RedoAfterCommit(Ordering):
+    """Planted U2e bug: a batch's redo records are written once the commit naming it is durable."""
+
+    redo_before_commit = False
 
 
 class UnloggedAdmission(Ordering):
@@ -212,6 +236,8 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.UPDATE_BEFORE_HEADER: UpdateBeforeHeader,
     Planted.KERNEL_SKIPS_ROW_FLUSH: KernelSkipsRowFlush,
     Planted.UNLOGGED_ADMISSION: UnloggedAdmission,
+    Planted.RECLAIM_BEFORE_WRITE_BACK: ReclaimBeforeWriteBack,
+    Planted.REDO_AFTER_COMMIT: RedoAfterCommit,
     PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,
 }
 

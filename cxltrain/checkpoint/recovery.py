@@ -135,8 +135,10 @@ def roll_back(pool: Pool, target: int, live: list[ring.ScannedRecord], *, dense_
     # Redo before undo: the undo records of batches >= target hold the values the redo records
     # of batches < target end with, so the restore below lands on the target either way; oldest
     # first, so a row's newest committed value wins.
-    for record in to_redo(live, target):
+    for done, record in enumerate(to_redo(live, target)):
         ring.restore(pool, ring_region, record)
+        if done == 0:
+            crash_point(CrashPoint.RECOVER_MID_REDO)  # one redo record applied, maybe more to go
     for done, record in enumerate(reversed(rollback)):  # newest first: the oldest record's values win
         ring.restore(pool, ring_region, record)
         if done == 0 and len(rollback) > 1:

@@ -87,9 +87,14 @@ class CapacityCrashDevice(CapacityDevice):
 
     def _fence(self) -> None:
         queued, self._queued = self._queued, {}
-        for page in sorted(queued):
+        pages = sorted(queued)  # in file order: the write-back is one sweep over the file
+        for i, page in enumerate(pages):
+            if i == len(pages) // 2 and i:
+                crash_point(CrashPoint.CAPACITY_MID_WRITE_BACK)  # half the pages written, the rest not
             crash_point(PAGE_WRITE_POINT)
             os.pwrite(self._fd, queued[page], page)
+        if pages:
+            crash_point(CrashPoint.CAPACITY_BEFORE_SYNC)  # every page written (the disk may keep them), none synced
         os.fdatasync(self._fd)
 
     def _persist_range(self, offset: int, length: int) -> None:
