@@ -157,9 +157,9 @@ def killed(fast: str, disk: str, point: str, fault: str = "", write_back_every: 
         if os.path.exists(path):
             os.unlink(path)
     args = ["train", "--pool", primary, "--capacity-pool", capacity, "--steps", CONFIG.steps, "--num-tables", "2",
-            "--rows", CONFIG.rows, "--dim", CONFIG.dim, "--batch-size", CONFIG.batch_size, "--no-progress"]
-    env = {"CXLTRAIN_CAPACITY_CRASH": "1", CRASH_ENV: point, FAULT_ENV: fault,
-           "CXLTRAIN_WRITE_BACK_EVERY": str(write_back_every)}
+            "--rows", CONFIG.rows, "--dim", CONFIG.dim, "--batch-size", CONFIG.batch_size, "--no-progress",
+            "--write-back-every", write_back_every]
+    env = {"CXLTRAIN_CAPACITY_CRASH": "1", CRASH_ENV: point, FAULT_ENV: fault}
     done = cxltrain(*args, env=env, timeout=120)
     assert done.returncode == -9, done.stderr  # killed at the point
     return primary, capacity
@@ -167,8 +167,9 @@ def killed(fast: str, disk: str, point: str, fault: str = "", write_back_every: 
 
 def resumed(primary: str, capacity: str, write_back_every: int = 1) -> dict:
     """The set resumed here (recovered first) to CONFIG.steps, and exported."""
-    with knobs.override(capacity_crash=1, write_back_every=write_back_every):
-        train(dataclasses.replace(CONFIG, capacity_pool=capacity), pool_path=primary, progress=False)
+    with knobs.override(capacity_crash=1):
+        train(dataclasses.replace(CONFIG, capacity_pool=capacity, write_back_every=write_back_every),
+              pool_path=primary, progress=False)
     return export_state(primary)
 
 

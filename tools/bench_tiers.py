@@ -11,6 +11,8 @@ on all of them alike:
     capacity-off  the same with checkpoint off: what per-batch durability costs on the tiered set
     cache-2%      every table in the capacity pool, its hottest 2% of rows in the hot-row cache
     cache-10%     the same with 10% of the rows cached (cache.py), every batch durable
+    steal-10%     the same, the capacity pages written back every STEAL_EVERY batches, the cold rows
+                  durable by redo records in the fast tier in between (docs/tiers.md "Steal, no force")
 
 A cached setup's hit rate is its caches' hits over their lookups in the timed blocks.
 
@@ -51,7 +53,10 @@ SETUPS = (
     Setup("capacity", "capacity tier only, no cache", capacity=True),
     Setup("capacity-off", "capacity tier only, checkpoint off", capacity=True, overrides={"checkpoint": OFF}),
     Setup("cache-2%", "capacity tier + 2% of rows cached", capacity=True, cache_share=0.02),
-    Setup("cache-10%", "capacity tier + 10% of rows cached", capacity=True, cache_share=0.10),
+    Setup("cache-10%", "capacity tier + 10% of rows cached", capacity=True, cache_share=0.10,
+          overrides={"write_back_every": 1}),
+    Setup("steal-10%", "10% cached, steal, write-back 16", capacity=True, cache_share=0.10,
+          overrides={"write_back_every": 16}),
 )
 BASELINE, TIERED, TIERED_OFF = "fast", "capacity", "capacity-off"
 

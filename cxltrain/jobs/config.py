@@ -151,6 +151,12 @@ class TrainConfig:
                                     "with --capacity-pool: hot rows of each table cached in the fast tier, "
                                     "persistently (docs/tiers.md; default: as the planner decides from --fast-bytes); "
                                     "kept by the set", kind="positive", metavar="N")
+    # None: the write_back_every knob
+    write_back_every: int | None = option(None, "--write-back-every",
+                                          "with --capacity-pool: write the capacity pages back and sync them every "
+                                          "N batches; commits in between make the cold rows durable by redo records "
+                                          "in the fast tier (docs/tiers.md; 1: sync at every commit)",
+                                          kind="positive", metavar="N")
     cache_replace_every: int = option(0, "--cache-replace-every",
                                       "re-place the hot-row caches every N batches from the lookups counted since "
                                       "(evicted rows written back; default: never)", kind="non_negative", metavar="N")

@@ -199,6 +199,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
                    capacity_pool=config.capacity_pool,
                    prefetch_ids=lambda batch: {t.name: v for t, v in zip(model.tables, batch.values)}, plan=plan,
                    hot_rows=hot_rows, cache_replace_every=config.cache_replace_every,
+                   write_back_every=config.write_back_every,
                    mutable_metadata=TrainConfig.MUTABLE_METADATA, keep_given_lr=True)
 
 

@@ -123,6 +123,8 @@ class Runtime:
             those tables a persistent hot-row cache of that many rows in the primary (cache.py,
             docs/tiers.md), filled by the first batch. An existing set keeps its cache: hot rows given
             for it must be as many as it caches, per table, or it is refused.
+        write_back_every: a pool set's capacity pages written back every this many batches, its cold
+            rows durable by redo records in between (docs/tiers.md); None: the write_back_every knob.
         cache_replace_every: re-place the hot-row caches every this many batches from the lookups
             counted since (cache.HotRowCache.replace; 0: the hot list stays). Not stored: a run may
             change it; where rows are cached never changes a value.
@@ -146,7 +148,8 @@ class Runtime:
                  discard_checkpoint: bool = False, capacity_pool: str | os.PathLike | None = None,
                  capacity_tables: Sequence[str] | None = None, prefetch_ids: Callable | None = None,
                  plan: planner.Plan | None = None, hot_rows: dict | None = None,
-                 cache_replace_every: int = 0, rows_per_batch: int | None = None,
+                 cache_replace_every: int = 0, write_back_every: int | None = None,
+                 rows_per_batch: int | None = None,
                  recovery_point: OwnBatch | AgreedMinimum | None = None, mutable_metadata: Sequence[str] = (),
                  keep_given_lr: bool = False) -> None:
         if checkpoint not in CHECKPOINTS:
@@ -178,7 +181,8 @@ class Runtime:
         self.checkpoint_options = CheckpointOptions(dense_every=dense_every, mode=mode, pipeline=self.pipeline,
                                                     background_capture=self.background_capture,
                                                     fused_capture=bool(fused_capture),
-                                                    write_back_every=KNOBS.write_back_every,
+                                                    write_back_every=(KNOBS.write_back_every if write_back_every is None
+                                                                      else write_back_every),
                                                     **({"undo_chunk_rows": KNOBS.undo_chunk_rows}
                                                        if KNOBS.undo_chunk_rows else {}))
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
