@@ -10,14 +10,14 @@ The commit of batch b (`done` = b + 1 batches), handed over by the checkpointer 
     reclaim          forget the undo records the durable root no longer needs
 
 The order of the first three is the Ordering strategy's (ordering.py: U2); the reclaim comes after
-all of them (U3).
+all of them (U3). Steps are yielded so the worker can serve captures of b + 1 between them.
 
 A pool set that steals (write_back_every > 1, docs/tiers.md "Steal, no force"): the cold rows'
 redo records are durable in the ring before the commit is handed over, so a commit syncs the
 capacity pools only when a write-back is due (every write_back_every batches since the last one,
 when the ring is half full, or when the caller asks: the run's last commit, an early one for
 room); until then the root keeps the ring's live start at the last write-back, so every redo
-record since stays live for recovery. Steps are yielded so the worker can serve captures of b + 1 between them.
+record since stays live for recovery.
 """
 
 from __future__ import annotations
