@@ -54,7 +54,9 @@ def _config(quick: bool) -> dict:
 
 def _child(command: list[str], env: dict | None = None) -> str:
     """The last stdout line of a child; a failure raises with its last stderr line."""
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env={**os.environ, **(env or {})})
+    # as `cxltrain` sets it (cli/main.py): spinning OpenMP threads slow a shared machine's runs 10x
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:8])} ... failed: {done.stderr.strip().splitlines()[-1:]}")
     return done.stdout.strip().splitlines()[-1]
