@@ -126,5 +126,6 @@ def take_turns(runs: list[Turns], *, warmup: int, blocks: int, block_steps: int,
                 totals[j][name] = totals[j].get(name, 0) + value - before[name]
     for run in runs:
         next(run.batches, None)  # ends (commits) the last batch
+        run.rt.wait_durable()  # the stats below count its commit
     return [SideBySide(s, None if run.rt.stats is None else run.rt.stats.to_json(), block_steps, t)
             for s, t, run in zip(seconds, totals, runs)]
