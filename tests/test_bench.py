@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cxltrain.bench import dist as dist_bench
-from cxltrain.bench import methods, plain
+from cxltrain.bench import dist_paired, methods, plain
 from cxltrain.bench.records import (
     DistRecovery,
     DistResults,
@@ -17,6 +17,7 @@ from cxltrain.bench.records import (
     DistSteps,
     EmbeddingTiming,
     OursSteps,
+    PairedTiming,
     PlainSteps,
     Unmeasured,
 )
@@ -31,6 +32,7 @@ from cxltrain.bench.results import (
     StepTiming,
 )
 from cxltrain.bench.suite import _step_row
+from cxltrain.bench.worker import config_to_json
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import build_model, build_source
 from test_cli import assert_one_line_error, cxltrain
@@ -225,3 +227,32 @@ def test_the_dist_bench_reads_train_json_into_typed_records_and_prints_its_layou
     text = dist_bench.format_text(results)
     assert "    2            12.5         10.0       25%                  2.0" in text, text
     assert "to batch 4 in 500 ms" in text
+
+
+def test_the_dist_bench_prints_each_overhead_with_its_interval_beside_one_process():
+    """Side by side: each world size's overhead with its interval, a world size beyond the cores
+    marked as crowded, and the one-process figure of the same run."""
+    timing = PairedTiming(base_ms=10.0, method_ms=10.4, ratio=1.04, median_block_ratio=1.04, block_ratios=[1.04] * 10,
+                          blocks=10, block_steps=5, ratio_low=1.01, ratio_high=1.07)
+    rows = [DistRow(r, DistSteps(12.5, 2048.0), DistSteps(10.0, 2048.0), strict_overhead=0.25, overhead_low=0.2,
+                    overhead_high=0.3, blocks=10, block_steps=5) for r in (2, 4)]
+    text = dist_bench.format_text(DistResults(["--steps", "12"], 2, rows, DistRecovery(4, 0.5), single=timing))
+    assert "    2            12.5         10.0       25%                  2.0         +20.0% to +30.0%\n" in text, text
+    assert "+20.0% to +30.0% (more ranks than cores)" in text, text
+    assert "one process, the same model: 10.4 / 10.0 ms/step, overhead 4% (+1.0% to +7.0%)" in text
+    assert "10 blocks of 5 steps each" in text
+
+
+def test_the_dist_side_by_side_runs_take_turns_and_commit_every_durable_batch(shm_dir):
+    """dist_paired in this process as a group of one: both runs take their turns, the durable one
+    commits every batch (warm-up and blocks), the off one none, and the ratio has its interval."""
+    config = config_to_json(TINY)
+    job = {"config": config, "dirs": [str(shm_dir / "off"), str(shm_dir / "durable")], "warmup": 1, "blocks": 10,
+           "block_steps": 1}
+    paired = dist_paired.run(job)
+    assert paired.ranks == 1 and paired.timing.blocks == 10 and len(paired.timing.block_ratios) == 10
+    assert paired.timing.ratio_low is not None and paired.timing.ratio_low <= paired.timing.ratio
+    assert paired.stats["commits"] == paired.stats["batches"] == 1 + 10
+    assert paired.durable_bytes_per_batch == paired.off_bytes_per_batch == 0.0  # one rank sends nobody anything
+    row = dist_bench._row(paired)
+    assert row.strict_overhead == pytest.approx(paired.timing.ratio - 1) and row.blocks == 10

@@ -13,7 +13,7 @@ Layer: above the trainer, beside the command line. Modules:
     results.py    the typed results of a whole run, as report.py and plot.py read them
     suite.py      runs every measurement, one after the other
     report.py     the text report and the targets;  plot.py  the plot
-    dist.py       `cxltrain bench --dist`
+    dist.py       `cxltrain bench --dist` (dist_paired.py: one rank of its side-by-side runs)
     gpu.py        `cxltrain bench --gpu`: cxltrain's GPU placements against torch with its tables in GPU
                   memory (gpu_runs.py, the runs and their turns), and the gather bandwidth (gpu_gather.py)
 

@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -52,12 +52,18 @@ def paired_steps(base: TrainConfig, method: TrainConfig, pools: tuple[str, str],
                  block_steps: int) -> PairedTiming:
     """Mean ms per step of `base` and `method` over `blocks` alternating blocks of `block_steps`
     steps each (after `warmup` steps each), their ratio, and each block pair's ratio."""
-    first, second = paired_runs([base, method], list(pools), warmup=warmup, blocks=blocks, block_steps=block_steps)
+    return paired_timing(*paired_runs([base, method], list(pools), warmup=warmup, blocks=blocks,
+                                      block_steps=block_steps))
+
+
+def paired_timing(first: SideBySide, second: SideBySide) -> PairedTiming:
+    """`second` against `first` (the baseline): mean ms per step, their ratio and its interval."""
     block_ratios = [b / a for a, b in zip(first.block_seconds, second.block_seconds)]
     low, high = ratio_interval(first.block_seconds, second.block_seconds) or (None, None)
     return PairedTiming(base_ms=first.mean_ms, method_ms=second.mean_ms, ratio=second.mean_ms / first.mean_ms,
                         median_block_ratio=statistics.median(block_ratios), block_ratios=block_ratios,
-                        blocks=blocks, block_steps=block_steps, ratio_low=low, ratio_high=high)
+                        blocks=len(first.block_seconds), block_steps=first.block_steps, ratio_low=low,
+                        ratio_high=high)
 
 
 def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, blocks: int, block_steps: int,
@@ -70,35 +76,56 @@ def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, bl
 
     source = build_source(configs[0])
     stop = warmup + blocks * block_steps
-    seconds: list[list[float]] = [[] for _ in configs]
-    totals: list[dict] = [{} for _ in configs]
     with contextlib.ExitStack() as stack:
         runs = []
         for config, pool in zip(configs, pools):
             model = build_model(config)
             dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
             rt = stack.enter_context(make_runtime(config, model, dense_opt, pool))
-            runs.append((model, rt, rt.batches(source, stop=stop)))
+            runs.append(Turns(rt, rt.batches(source, stop=stop),
+                              lambda batch, rt, model=model: train_step(model, batch, rt.optimizers, rt.batch)))
+        return take_turns(runs, warmup=warmup, blocks=blocks, block_steps=block_steps, probe=probe)
 
-        def block(run, steps: int) -> float:
-            model, rt, batches = run
-            started = time.perf_counter()
-            for _ in range(steps):
-                batch = next(batches)
-                train_step(model, batch, rt.optimizers, rt.batch)
-            rt.wait_durable()
-            return time.perf_counter() - started
 
-        for run in runs:
-            block(run, warmup)
-        order = list(range(len(runs)))
-        for i in range(blocks):
-            for j in order[i % len(order):] + order[: i % len(order)]:  # who goes first rotates too
-                before = probe(runs[j][1]) if probe else {}
-                seconds[j].append(block(runs[j], block_steps))
-                for name, value in (probe(runs[j][1]) if probe else {}).items():
-                    totals[j][name] = totals[j].get(name, 0) + value - before[name]
-        for _, _, batches in runs:
-            next(batches, None)  # ends (commits) the last batch
-    return [SideBySide(s, None if rt.stats is None else rt.stats.to_json(), block_steps, t)
-            for s, t, (_, rt, _) in zip(seconds, totals, runs)]
+@dataclasses.dataclass
+class Turns:
+    """One run of take_turns: its Runtime, its batches (rt.batches(...) up to the last timed
+    step) and step(batch, rt), which trains one batch."""
+
+    rt: object
+    batches: Iterator
+    step: Callable
+
+
+def take_turns(runs: list[Turns], *, warmup: int, blocks: int, block_steps: int, probe: Callable | None = None,
+               settle: Callable[[], None] | None = None) -> list[SideBySide]:
+    """The runs in turn, `blocks` blocks of `block_steps` steps each after `warmup` steps each;
+    who goes first rotates from block to block. A block ends once its run's commits are durable
+    (rt.wait_durable, then settle(): a group's barrier, so no rank's commit is billed to the next
+    block). The batch in flight is committed at the end (the runs' batches run out)."""
+    seconds: list[list[float]] = [[] for _ in runs]
+    totals: list[dict] = [{} for _ in runs]
+
+    def block(run: Turns, steps: int) -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            run.step(next(run.batches), run.rt)
+        run.rt.wait_durable()
+        if settle is not None:
+            settle()
+        return time.perf_counter() - started
+
+    for run in runs:
+        block(run, warmup)
+    order = list(range(len(runs)))
+    for i in range(blocks):
+        for j in order[i % len(order):] + order[: i % len(order)]:  # who goes first rotates too
+            before = probe(runs[j].rt) if probe else {}
+            seconds[j].append(block(runs[j], block_steps))
+            for name, value in (probe(runs[j].rt) if probe else {}).items():
+                totals[j][name] = totals[j].get(name, 0) + value - before[name]
+    for run in runs:
+        next(run.batches, None)  # ends (commits) the last batch
+        run.rt.wait_durable()  # the stats below count its commit
+    return [SideBySide(s, None if run.rt.stats is None else run.rt.stats.to_json(), block_steps, t)
+            for s, t, run in zip(seconds, totals, runs)]

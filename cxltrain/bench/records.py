@@ -191,6 +191,26 @@ class DistRow(Record):
     undo: DistSteps
     off: DistSteps
     strict_overhead: float                      # undo / off - 1
+    overhead_low: float | None = optional()     # its 95% interval (interval.py), over the paired blocks
+    overhead_high: float | None = optional()
+    blocks: int | None = optional()             # blocks of each run, taking turns (dist_paired.py)
+    block_steps: int | None = optional()
+
+
+@dataclasses.dataclass
+class DistPaired(Record):
+    """dist_paired.run: one world size, checkpointing off and every batch durable side by side in
+    each rank's process; rank 0's block times, and what the ranks sent each other per batch."""
+
+    ranks: int
+    timing: PairedTiming                        # off the baseline, durable the method
+    off_bytes_per_batch: float
+    durable_bytes_per_batch: float
+    stats: dict | None                          # the durable run's CheckpointStats.to_json(), rank 0's
+
+    @classmethod
+    def from_json(cls, fields: dict) -> DistPaired:
+        return cls(**{**fields, "timing": PairedTiming.from_json(fields["timing"])})
 
 
 @dataclasses.dataclass
@@ -209,3 +229,4 @@ class DistResults(Record):
     cores: int | None
     runs: list[DistRow]
     recovery: DistRecovery
+    single: PairedTiming | None = optional()    # one process, the same model, side by side, in the same bench
