@@ -99,7 +99,7 @@ class Planted:
     RECOVERY_ROOT_BEFORE_CAPACITY_SYNC = "recovery-root-before-capacity-sync"
     # U3c (steal): a write-back's root lets the ring reuse the redo records before the capacity pools are synced
     RECLAIM_BEFORE_WRITE_BACK = "reclaim-before-write-back"
-    # U2e (steal): a batch's redo records are written only after the commit naming it is durable
+    # U2f (steal): a batch's redo records are written only after the commit naming it is durable
     REDO_AFTER_COMMIT = "redo-after-commit"
 
 

@@ -32,8 +32,10 @@ WHERE = {
     "U2c": "cxltrain/checkpoint/commit.py",        # the dense snapshot sealed before the root
     "U2d": "cxltrain/checkpoint/commit.py",        # a pool set's capacity pools synced before the root
     "U2e": "cxltrain/tables/device_rows.py",       # GPU: the stores into the pool left the GPU before the rows are noted
+    "U2f": "cxltrain/checkpoint/checkpointer.py",  # stealing set: a cold row's redo record durable before the batch ends
     "U3a": "cxltrain/checkpoint/commit.py",        # reclaim after the durable root
     "U3b": "cxltrain/checkpoint/ordering.py",      # distributed: never reclaim above the agreed G
+    "U3c": "cxltrain/checkpoint/commit.py",        # stealing set: redo records live until a write-back synced them
     "U4": "cxltrain/checkpoint/checkpointer.py",   # capture from the rows after the previous update
 }
 # what the statement right below each tag calls: the call that enforces its rule
@@ -53,8 +55,10 @@ ENFORCED_BY = {
     "U2c": "self.pool.commit(",
     "U2d": ".sync_capacity(",
     "U2e": ".synchronize()",
+    "U2f": "self.ring.mark_tail()",
     "U3a": "self.ring.reclaim(",
     "U3b": "min(done, agreed)",
+    "U3c": "min(self._keep_from, self.written_back)",
     "U4": "capture_source(",
 }
 

@@ -232,7 +232,7 @@ def test_a_stealing_set_killed_inside_its_redo_recovers_again_bit_exactly(folder
     (Planted.REDO_AFTER_COMMIT, f"{CrashPoint.COMMIT_AFTER_ROOT}:3", 8)])
 def test_the_crash_test_catches_a_stealing_set_s_planted_bugs(folders, reference, fault, point, every):
     """Planted: the write-back's root frees the redo records before the capacity pools are synced
-    (U3c); a batch's redo records are written after its commit (U2e). Either way the crash model
+    (U3c); a batch's redo records are written after its commit (U2f). Either way the crash model
     loses cold rows no durable record holds, and the resumed run differs from the reference."""
     resumed = killed_and_resumed(*folders, point, fault, write_back_every=every)
     with pytest.raises(AssertionError):

@@ -39,11 +39,12 @@ def test_bench_tiers_runs_side_by_side_at_a_tiny_size(capsys):
     assert code == 0, err
     result = json.loads(out.splitlines()[-1])
     rows = {row["name"]: row for row in result["rows"]}
-    assert list(rows) == ["fast", "capacity", "capacity-off", "cache-2%", "cache-10%"]
+    assert list(rows) == ["fast", "capacity", "capacity-off", "cache-2%", "cache-10%", "steal-10%"]
     assert rows["fast"]["ratio"] == 1.0
     # the hot-row cache serves a share of the lookups, more with more rows cached; no cache, no rate
     assert rows["capacity"]["hit_rate"] is None
     assert 0 < rows["cache-2%"]["hit_rate"] < rows["cache-10%"]["hit_rate"] < 1
+    assert rows["steal-10%"]["hit_rate"] == rows["cache-10%"]["hit_rate"]  # the same cache; only the write-back differs
     assert all(row["ms_per_step"] > 0 for row in rows.values())
     # the fast tier (/dev/shm) does no block I/O and reads nothing ahead; the durable tiered set
     # writes its dirty pages every batch

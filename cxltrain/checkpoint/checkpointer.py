@@ -241,7 +241,7 @@ class Checkpointer(BatchGuard):
         state_region = self.pool.region(table.state_region) if state is not None else None
         size = self._with_room(batch, lambda: self.ring.append(batch, weight_region, state_region, rows, weights,
                                                                state, redo=True))
-        # ORDERING U2e: a cold row's redo record is durable (append returns only then, and the tail
+        # ORDERING U2f: a cold row's redo record is durable (append returns only then, and the tail
         # mark covers it) before the batch ends, so before the commit naming the batch is handed
         # over: between write-backs it, not the capacity page, makes the row's update durable (U2).
         self.ring.mark_tail()

@@ -119,7 +119,7 @@ class CommitPipeline:
             crash_point(CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC)
             # ORDERING U2d: the capacity pools' dirty pages (cold rows) are durable (fdatasync)
             # before the root that names `done` is written (U2 across the pool set), at every
-            # commit without steal, at each write-back with it (between those, U2e: redo records).
+            # commit without steal, at each write-back with it (between those, U2f: redo records).
             self.ordering.sync_capacity(self.pool)
             if self.steals:
                 crash_point(CrashPoint.COMMIT_AFTER_WRITE_BACK)  # synced; the root still keeps the redo records

@@ -13,7 +13,7 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     UpdateBeforeHeader   U1  (fused capture) a chunk's rows are updated before its header is written
     KernelSkipsRowFlush  U2  (fused capture) the kernel's row write-back writes nothing
     ReclaimBeforeWriteBack U3c (stealing sets) a write-back's root frees the redo records before the sync
-    RedoAfterCommit      U2e (stealing sets) a batch's redo records are written after its commit is durable
+    RedoAfterCommit      U2f (stealing sets) a batch's redo records are written after its commit is durable
 
 The fused capture's orders are step lists (fused.py), not flags: a planted one is another list.
 
@@ -72,7 +72,7 @@ class Ordering:
     # Stores outside a table's update (the hot-row cache's admission and re-placement) are
     # undo-logged first (U1).
     logs_cache_writes = True
-    # A stealing set's redo records of a batch are written before its commit is handed over (U2e).
+    # A stealing set's redo records of a batch are written before its commit is handed over (U2f).
     redo_before_commit = True
 
     def kernel_row_flush(self, flush: NativePersistence | None) -> NativePersistence | None:
@@ -143,7 +143,7 @@ class ReclaimBeforeWriteBack(Ordering):
 
 
 class RedoAfterCommit(Ordering):
-    """Planted U2e bug: a batch's redo records are written once the commit naming it is durable."""
+    """Planted U2f bug: a batch's redo records are written once the commit naming it is durable."""
 
     redo_before_commit = False
 
