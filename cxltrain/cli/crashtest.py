@@ -35,10 +35,6 @@ def add_crashtest(sub) -> None:
     c.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch")
     c.add_argument("--keep", metavar="DIR", help="where failing pools and logs are kept (default: a folder in "
                                                  "the temp dir named after the seed)")
-    f = c.add_argument_group("damaged images (instead of trials; docs/testing.md)")
-    f.add_argument("--fuzz", type=positive_int, default=None, metavar="N",
-                   help="damage N copies of trained pools, pool sets and run folders, and run pool info, pool "
-                        "check, recover, export and train on each; counts tracebacks and damage accepted silently")
     e = c.add_argument_group("every crash state of one commit (instead of trials; docs/testing.md)")
     e.add_argument("--enumerate", action="store_true",
                    help="record one batch's update and commit on the crash-model devices, for one pool and for "
@@ -56,8 +52,6 @@ def add_crashtest(sub) -> None:
 
 
 def _run_crashtest(args) -> int:
-    if args.fuzz is not None:
-        return _run_fuzz(args)
     if args.enumerate:
         return _run_enumeration(args)
     if args.samples is not None or args.exhaustive_atoms is not None:
@@ -159,5 +153,3 @@ def _run_enumeration(args) -> int:
     return 0 if not any(o.inexact for o in outcomes) else EXIT_ERROR
 
 
-def _run_fuzz(args) -> int:
-    raise ConfigError("--fuzz: not yet")

@@ -63,19 +63,35 @@ def train_args(run: str, config: TrainConfig) -> list[str]:
             "--dist-timeout", "30", "--no-progress"]
 
 
+_LAUNCHED: set[subprocess.Popen] = set()  # commands still running, ended by stop_launched
+
+
 def _launch(args: list[str], log: str, env: dict) -> subprocess.Popen:
+    """`cxltrain ARGS` in a session of its own (so a kill reaches its ranks), output to `log`."""
     with open(log, "ab") as out:
-        return subprocess.Popen(_command() + args, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(_command() + args, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env}, start_new_session=True)
+    _LAUNCHED.add(proc)
+    return proc
+
+
+def stop_launched() -> None:
+    """Kill every launched command still running, with its ranks (a torture stopped by Ctrl-C)."""
+    for proc in list(_LAUNCHED):
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _LAUNCHED.discard(proc)
 
 
 def _finish(proc: subprocess.Popen, log: str) -> int:
     """Wait for a launched command; a hung one is killed with its whole session and is a failure."""
     try:
-        return proc.wait(timeout=CHILD_TIMEOUT)
+        code = proc.wait(timeout=CHILD_TIMEOUT)
+        _LAUNCHED.discard(proc)
+        return code
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_launched()
         raise CxlTrainError(f"`{shlex.join(proc.args[2:4])}` did not end within {CHILD_TIMEOUT} s: {_tail(log)}")
 
 
@@ -232,6 +248,10 @@ class RankTorture(Torture):
         if os.path.exists(kept):
             lines.append(f"cxltrain recover {shlex.quote(kept)}   # the run folder as the kill left it")
         return lines
+
+    def close(self) -> None:
+        stop_launched()
+        super().close()
 
     def _keep(self, plan: TrialPlan, kept: list[str], log: str) -> None:
         os.makedirs(self.keep_dir, exist_ok=True)
