@@ -435,15 +435,23 @@ class Fuzzer:
         return None
 
     def run(self, images: int, on_image=lambda: None) -> Tally:
-        started = time.perf_counter()
-        self.make_seeds()
-        self.seed_seconds = time.perf_counter() - started
-        for number in range(images):
-            try:
+        """Check images 0..images-1; Ctrl-C (SIGINT) stops after the image in hand (the commands
+        would take it for their own interruption, a refusal)."""
+        import signal
+
+        stopped = []
+        previous = signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+        try:
+            started = time.perf_counter()
+            self.make_seeds()
+            self.seed_seconds = time.perf_counter() - started
+            for number in range(images):
+                if stopped:
+                    break
                 self.check(number)
-            except KeyboardInterrupt:
-                break
-            on_image()
+                on_image()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return self.tally
 
     def close(self) -> None:
