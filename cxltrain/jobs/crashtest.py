@@ -297,18 +297,8 @@ class Torture:
     def __init__(self, *, trials: int, device: DeviceModel, seed: int, plant: str = "", only: int | None = None,
                  fail_fast: bool = False, keep_dir: str | None = None, config: TrainConfig = TRIAL_CONFIG,
                  pool_set: bool = False) -> None:
-        if trials < 1:
-            raise ConfigError(f"--trials must be at least 1, got {trials}")
         self.mode = "set" if pool_set else self.mode
-        if plant and plant not in self.plants:
-            raise ConfigError(f"unknown planted fault {plant!r} for --mode {self.mode}; choose one of "
-                              f"{', '.join(self.plants)}")
-        with knobs.override(**device.knobs(0)):
-            KNOBS.validate()
-        self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
-        self.only, self.fail_fast = only, fail_fast
-        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
-        self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
+        self._settle(trials, device, seed, plant, only, fail_fast, keep_dir)
         self.path = os.path.join(self.work, "trial.pool")
         self.disk_work = None
         if pool_set:  # the capacity tier on the real disk, as `train --capacity-pool` is meant to be used
@@ -322,6 +312,21 @@ class Torture:
         self._context.set_forkserver_preload(["cxltrain.jobs.train", "cxltrain.jobs.crashtest"])
         self.run_seconds = 0.0      # an uninterrupted child's training time (calibrated)
         self.flushes = 0            # an uninterrupted child's device flushes (calibrated)
+
+    def _settle(self, trials: int, device: DeviceModel, seed: int, plant: str, only: int | None, fail_fast: bool,
+                keep_dir: str | None) -> None:
+        """Check and keep what every mode is given; make the work folder."""
+        if trials < 1:
+            raise ConfigError(f"--trials must be at least 1, got {trials}")
+        if plant and plant not in self.plants:
+            raise ConfigError(f"unknown planted fault {plant!r} for --mode {self.mode}; choose one of "
+                              f"{', '.join(self.plants)}")
+        with knobs.override(**device.knobs(0)):
+            KNOBS.validate()
+        self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
+        self.only, self.fail_fast = only, fail_fast
+        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
+        self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
 
     # -- plans ---------------------------------------------------------------------------------
     def plan(self, number: int) -> TrialPlan:

@@ -28,14 +28,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
-from .. import faults, knobs
-from ..emulation.cxl import memory_dir
-from ..errors import ConfigError, CxlTrainError
+from .. import faults
+from ..errors import CxlTrainError
 from ..faults import CrashPoint
-from ..knobs import KNOBS
 from .config import TrainConfig
 from .crashtest import PROTOCOL_POINTS, DeviceModel, Torture, TrialPlan, _copy, _tail, check_recovery
 from .processes import alive, children, rank_of
@@ -144,18 +141,8 @@ class RankTorture(Torture):
 
     def __init__(self, *, trials: int, device: DeviceModel, seed: int, plant: str = "", only: int | None = None,
                  fail_fast: bool = False, keep_dir: str | None = None, config: TrainConfig = RANKS_CONFIG) -> None:
-        if trials < 1:
-            raise ConfigError(f"--trials must be at least 1, got {trials}")
-        if plant and plant not in self.plants:
-            raise ConfigError(f"unknown planted fault {plant!r} for --mode ranks; choose one of "
-                              f"{', '.join(self.plants)}")
-        with knobs.override(**device.knobs(0)):
-            KNOBS.validate()
-        self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
-        self.only, self.fail_fast, self.config = only, fail_fast, config
-        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
-        self.disk_work = None
-        self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
+        self._settle(trials, device, seed, plant, only, fail_fast, keep_dir)
+        self.config, self.disk_work = config, None
         self.path = os.path.join(self.work, "run")
         self.references = RankReferences(config, self.work)
         self.run_seconds = 0.0
