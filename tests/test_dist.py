@@ -26,6 +26,7 @@ import torch
 
 from cxltrain.errors import ConfigError, RecoveryError
 from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, FAULT_ENV, CrashPoint, PlantedDist
+from cxltrain.jobs.processes import children
 from cxltrain.jobs.reshard import export_dir
 from cxltrain.placement.sharding import DATA_PARALLEL, ROW_WISE, TABLE_WISE, make_plan, parse_kinds
 from cxltrain.runtime import manifest as run_dir
@@ -224,7 +225,7 @@ def test_random_kill_then_torchrun_restart_is_bit_identical(reference, shm_dir, 
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         time.sleep(3 + rng.random() * 4)
-        ranks = _children(agent.pid)
+        ranks = children(agent.pid)
         if ranks:
             os.kill(rng.choice(ranks), signal.SIGKILL)
         out, _ = agent.communicate(timeout=CHILD_TIMEOUT)
@@ -232,13 +233,6 @@ def test_random_kill_then_torchrun_restart_is_bit_identical(reference, shm_dir, 
         agent.kill()
     assert agent.returncode == 0, out[-3000:]
     assert_same_export(export(run), reference["end"])
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,11 +10,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from cxltrain.faults import CRASH_ENV
+from cxltrain.jobs.processes import alive, children, rank_of
 from cxltrain.pool.handle import Pool
 from helpers import cxltrain, cxltrain_command
 
@@ -50,20 +50,6 @@ def test_a_restart_right_after_a_sigkill_opens_the_pool_its_workers_held(shm_dir
         trainer.kill()
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_the_ranks_end_with_their_launcher(shm_dir):
     run = shm_dir / "run"
     command = cxltrain_command() + ["train", "--nproc-per-node", "2", "--pool", str(run), "--steps", "100000",
@@ -75,20 +61,20 @@ def test_the_ranks_end_with_their_launcher(shm_dir):
         for line in launcher.stdout:
             if "training from batch" in line:
                 break
-        ranks = _children(launcher.pid)
+        ranks = children(launcher.pid)
         assert len(ranks) == 2, ranks
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        while any(map(alive, ranks)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(map(_alive, ranks)), "the ranks outlived their launcher"
+        assert not any(map(alive, ranks)), "the ranks outlived their launcher"
         done = cxltrain("pool", "check", run)
         assert done.returncode == 0, done.stderr
     finally:
         launcher.kill()
         for pid in ranks:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -112,15 +98,6 @@ def test_a_creation_still_running_is_left_alone(shm_dir):
         assert os.path.exists(path + ".creating")
 
 
-def _rank_of(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    found = [int(v.split(b"=", 1)[1]) for v in environ if v.startswith(b"RANK=")]
-    return found[0] if found else None
-
-
 def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir):
     """Rank 1 stopped (SIGSTOP: a peer that is gone), rank 0 blocks in the next collective; torchrun's
     agent would SIGTERM it, and it must end within seconds, not wait out the collective's timeout
@@ -136,18 +113,18 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir):
         for line in launcher.stdout:
             if "training from batch" in line:
                 break
-        ranks = {_rank_of(pid): pid for pid in _children(launcher.pid)}
+        ranks = {rank_of(pid): pid for pid in children(launcher.pid)}
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[1], signal.SIGSTOP)
         time.sleep(1.0)  # rank 0 reaches the next collective and waits there for rank 1
         os.kill(ranks[0], signal.SIGTERM)
         deadline = time.monotonic() + 20
-        while _alive(ranks[0]) and time.monotonic() < deadline:
+        while alive(ranks[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(ranks[0]), "rank 0 ignored the SIGTERM while blocked"
+        assert not alive(ranks[0]), "rank 0 ignored the SIGTERM while blocked"
     finally:
         launcher.kill()
         for pid in ranks.values():
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=30)

@@ -13,7 +13,7 @@ from .emulation import add_emulation_options, emulation_knobs
 
 
 def add_crashtest(sub) -> None:
-    from ..faults import PLANTED
+    from ..faults import DIST_PLANTED, PLANTED
 
     c = sub.add_parser("crashtest", help="kill training at random moments and protocol points; prove recovery exact",
                        description="Run training in a child process, kill it (at random moments, at named points of "
@@ -21,12 +21,17 @@ def add_crashtest(sub) -> None:
                                    "compare the export with an uninterrupted run bit for bit, resume and compare "
                                    "again. Exits non-zero on any mismatch, keeping the pool and printing the "
                                    "commands that replay it.")
+    c.add_argument("--mode", choices=("single", "set", "ranks"), default="single",
+                   help="what is killed: one pool (default); a pool set, its capacity pool on the disk under "
+                        "the capacity crash model, with a hot-row cache; or `train --nproc-per-node 2` run "
+                        "folders (one rank, both, or the launcher killed)")
     c.add_argument("--trials", type=positive_int, default=None, help="trials to run (default 50)")
     c.add_argument("--seed", type=non_negative_int, default=None, help="plan of the trials (default: random, printed)")
     c.add_argument("--trial", type=non_negative_int, default=None, metavar="K",
                    help="run only trial K of the seed's plan (to replay one)")
-    c.add_argument("--plant", choices=PLANTED, default="",
-                   help="plant a bug that breaks a persistence rule, to see the torture catch it")
+    c.add_argument("--plant", choices=PLANTED + DIST_PLANTED, default="",
+                   help="plant a bug that breaks a persistence rule, to see the torture catch it (the "
+                        "distributed runs' bugs with --mode ranks)")
     c.add_argument("--fail-fast", action="store_true", help="stop at the first mismatch")
     c.add_argument("--keep", metavar="DIR", help="where failing pools and logs are kept (default: a folder in "
                                                  "the temp dir named after the seed)")
@@ -58,19 +63,25 @@ def _run_crashtest(args) -> int:
     from tqdm import tqdm
 
     from ..jobs.crashtest import DeviceModel, Torture, summary
+    from ..jobs.crashtest_ranks import RankTorture
 
     with knobs.override(**emulation_knobs(args)):
         device = DeviceModel(bool(KNOBS.power_loss), KNOBS.domain, KNOBS.evict_rate, KNOBS.persist_bandwidth)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     with knobs.override(threads=1):  # references and resumes in this process, as in the children
-        torture = Torture(trials=args.trials, device=device, seed=seed, plant=args.plant, only=args.trial,
-                          fail_fast=args.fail_fast, keep_dir=args.keep)
+        common = dict(trials=args.trials, device=device, seed=seed, only=args.trial, fail_fast=args.fail_fast,
+                      keep_dir=args.keep)
+        if args.mode == "ranks":
+            torture = RankTorture(plant=args.plant, **common)
+        else:
+            torture = Torture(plant=args.plant, pool_set=args.mode == "set", **common)
+        plant = torture.plant
         from ..emulation.cxl import describe_model
 
         with knobs.override(**device.knobs(0)):
             model = describe_model()
-        print(f"crashtest: seed {seed}, {1 if args.trial is not None else args.trials} trial(s), device models "
-              f"{model}" + (f", planted bug {args.plant}" if args.plant else ""), flush=True)
+        print(f"crashtest --mode {args.mode}: seed {seed}, {1 if args.trial is not None else args.trials} trial(s), "
+              f"device models {model}" + (f", planted bug {plant}" if plant else ""), flush=True)
         started = time.perf_counter()
         bar = tqdm(total=1 if args.trial is not None else args.trials, desc="crashtest", unit="trial",
                    disable=None if not args.no_progress else True, file=sys.stderr, dynamic_ncols=True)
@@ -90,17 +101,22 @@ def _run_crashtest(args) -> int:
             bar.close()
             torture.close()
     report = summary(results, time.perf_counter() - started)
+    asked = 1 if args.trial is not None else args.trials
     kinds = ", ".join(f"{k} {v['exact']}/{v['trials']}" for k, v in report["by_kind"].items())
-    print(f"{report['exact']}/{report['trials']} exact in {report['seconds']:.0f} s ({kinds}; "
-          f"{report['killed']} killed mid-run, recovered batches {report['recovered_batches']})")
+    print(f"{report['exact']}/{report['trials']} exact in {report['seconds']:.0f} s, "
+          f"{report['trials'] / max(report['seconds'], 1e-9):.2f} trials/s ({kinds}; "
+          f"{report['killed']} killed mid-run, recovered batches {report['recovered_batches']})"
+          + (f"; interrupted after {report['trials']} of {asked} trials" if report["trials"] < asked
+             and not (args.fail_fast and report["exact"] < report["trials"]) else ""))
     for result in results:
         if not result.exact:
             print(f"trial {result.plan.number} ({result.plan.describe()}) differs; replay with:")
             for line in torture.replay_commands(result.plan):
                 print(f"  {line}")
     if args.json:
-        print(json.dumps({"seed": seed, "device_model": model, "plant": args.plant or None, **report}))
-    return 0 if report["exact"] == report["trials"] else EXIT_ERROR
+        print(json.dumps({"seed": seed, "mode": args.mode, "device_model": model, "plant": plant or None,
+                          "asked": asked, **report}))
+    return 0 if report["exact"] == report["trials"] == asked else EXIT_ERROR
 
 
 def _run_enumeration(args) -> int:
@@ -135,3 +151,5 @@ def _run_enumeration(args) -> int:
         print(json.dumps({"seed": seed, "plant": args.plant or None, "samples": samples,
                           "exhaustive_atoms": exhaustive, "commits": [o.to_json() for o in outcomes]}))
     return 0 if not any(o.inexact for o in outcomes) else EXIT_ERROR
+
+

@@ -1,7 +1,17 @@
 """`cxltrain crashtest`: kill training over and over, and prove every recovery exact.
 
-Each trial runs `cxltrain train` (the same `train` call, in a child process) on a fresh pool and
-kills it — SIGKILL, which under the emulated device's power-loss model is a power failure:
+Three modes share one trial loop (Torture.run_trial: kill, recover, export, compare bit for bit
+with an uninterrupted run, resume, compare again):
+
+  single  one pool on /dev/shm (the emulated device)
+  set     a pool set: the primary on /dev/shm, the tables in a capacity pool on the disk under the
+          capacity tier's crash model (unsynced page writes lost), a hot-row cache re-placed
+          every 4 batches (cache admission and re-placement are killed too)
+  ranks   `train --nproc-per-node 2` run folders, killed one rank, both, or the launcher at a time
+          (crashtest_ranks.py)
+
+In the pool modes each trial runs `cxltrain train` (the same `train` call, in a child process) on a
+fresh pool and kills it — SIGKILL, which under the emulated device's power-loss model is a power failure:
 
   time      at a random moment of the run
   point     at the n-th time it reaches a named step of the persistence protocol (faults.py)
@@ -48,11 +58,18 @@ from .config import TrainConfig
 # in flight during any kill, two tables (records interleave), row-wise Adagrad, Adam, dropout-free.
 TRIAL_CONFIG = TrainConfig(steps=10, batch_size=64, num_tables=2, rows=3000, dim=8, seed=3)
 SMALL_RING_BYTES = 32 << 10   # ~4 batches of this config's records: the ring wraps, commits come early
+SET_SMALL_RING_BYTES = 64 << 10  # a set's first batch also records its cache admission
 
 KINDS = ("time", "point", "flush", "recovery")
+MODES = ("single", "set", "ranks")
 # Named points and how many times a full run reaches each, per batch (tables = per table lookup):
 # the registry's, so a point added there is tortured here.
 PROTOCOL_POINTS = dict(CrashPoint.REACHED_PER)
+# a pool set reaches the set's points too, and its cache's: admission fills each table's slots in
+# two halves (at the start and at each re-placement), a re-placement writes each table's evicted rows back
+SET_POINTS = {**PROTOCOL_POINTS, **CrashPoint.SET_REACHED_PER, CrashPoint.CACHE_MID_ADMISSION: "admissions",
+              CrashPoint.CACHE_AFTER_WRITE_BACK: "replacements"}
+SET_CACHE_ROWS, SET_REPLACE_EVERY = 300, 4  # 10% of each table's rows, re-placed every 4 batches
 RECOVERY_POINTS = CrashPoint.RECOVERY
 FLUSH_POINT = CrashPoint.DEVICE_FLUSH
 
@@ -90,9 +107,14 @@ class TrialPlan:
     small_ring: bool
     knobs: dict
     background_capture: bool = False  # undo captures on the worker, in forward
+    rank: int | None = None   # --mode ranks: the rank killed (kind "one") or armed (kind "point")
 
     def describe(self) -> str:
-        what = f"killed {self.delay * 1000:.0f} ms into training" if self.kind == "time" else f"killed at {self.crash_at}"
+        after = f"killed {self.delay * 1000:.0f} ms into training"
+        what = {"time": after, "one": f"rank {self.rank} {after}", "both": f"both ranks {after}",
+                "launcher": f"the launcher {after}"}.get(self.kind, f"killed at {self.crash_at}")
+        if self.kind == "point" and self.rank is not None:
+            what = f"rank {self.rank} {what}"
         if self.recover_crash_at:
             what += f", recovery killed at {self.recover_crash_at}"
         extras = [f"dense every {self.dense_every}"] if self.dense_every > 1 else []
@@ -159,53 +181,66 @@ def differences(got: dict, want: dict) -> list[str]:
 class References:
     """Exports of uninterrupted runs of `config` for 0..steps batches, each on a fresh pool, made
     once and kept. Batch 0 is a pool set up for the model with no batch trained: what a run killed
-    before its first commit leaves."""
+    before its first commit leaves. A pool set's capacity pools go to `capacity_folder`."""
 
-    def __init__(self, config: TrainConfig, folder: str) -> None:
-        self.config, self.folder = config, folder
+    def __init__(self, config: TrainConfig, folder: str, capacity_folder: str | None = None) -> None:
+        self.config, self.folder, self.capacity_folder = config, folder, capacity_folder or folder
 
     @functools.lru_cache(maxsize=None)
     def __call__(self, batches: int) -> dict:
-        from ..runtime.runtime import Runtime, export_state
-        from .train import build_model, train
+        from ..runtime.runtime import export_state
+        from .train import build_model, dense_optimizer, make_runtime, train
 
         path = os.path.join(self.folder, f"reference-{batches}.pool")
+        config = self.config
+        if config.capacity_pool is not None:
+            config = dataclasses.replace(config, capacity_pool=os.path.join(self.capacity_folder,
+                                                                            f"reference-{batches}.cap"))
         if batches:
-            train(dataclasses.replace(self.config, steps=batches), pool_path=path, progress=False)
+            train(dataclasses.replace(config, steps=batches), pool_path=path, progress=False)
         else:
-            import torch
-
-            model = build_model(self.config)
-            optimizer = torch.optim.Adam(model.dense_parameters(), lr=self.config.dense_lr)
-            with Runtime(path, model, optimizer, metadata=self.config.run_metadata(),
-                         rows_per_batch=self.config.batch_size * self.config.pooling):
+            model = build_model(config)
+            with make_runtime(config, model, dense_optimizer(config, model.dense_parameters()), path):
                 pass
         state = export_state(path)
-        os.unlink(path)
+        for made in (path, config.capacity_pool):
+            if made is not None:
+                os.unlink(made)
         return state
 
 
-def check_recovery(pool: str, references: References, config: TrainConfig) -> tuple[int | None, list[str]]:
-    """Recover and export a killed run's pool and compare it with the reference of its batch; then
-    resume to config.steps and compare with that reference. Returns (recovered batch, problems)."""
-    from ..runtime.runtime import export_state
+def _resume_in_process(pool: str, config: TrainConfig) -> int | None:
     from .train import train
+
+    return train(config, pool_path=pool, progress=False).progress.recovered_batch
+
+
+def check_recovery(pool: str, references: References, config: TrainConfig, *,
+                   export: Callable[[str], dict | None] | None = None,
+                   resume: Callable[[str, TrainConfig], int | None] = _resume_in_process
+                   ) -> tuple[int | None, list[str]]:
+    """Recover and export a killed run's pool (or run folder: `export`, `resume`) and compare it
+    with the reference of its batch; then resume to config.steps (`resume` returns the batch it
+    recovered to) and compare with that reference. Returns (recovered batch, problems)."""
+    if export is None:
+        from ..runtime.runtime import export_state as export
 
     batch, problems = None, []
     if os.path.exists(pool):  # else the kill came before the pool was published: nothing to recover
         try:
-            recovered = export_state(pool)
+            recovered = export(pool)
         except CxlTrainError as e:
             return None, [f"recovery refused: {e}"]
-        batch = recovered["batch"]
-        problems += [f"after recovery to batch {batch}: {d}" for d in differences(recovered, references(batch))]
+        if recovered is not None:  # None: a run folder killed before any rank committed
+            batch = recovered["batch"]
+            problems += [f"after recovery to batch {batch}: {d}" for d in differences(recovered, references(batch))]
     try:
-        result = train(config, pool_path=pool, progress=False)
+        recovered_batch = resume(pool, config)
     except CxlTrainError as e:
         return batch, problems + [f"resume refused: {e}"]
-    if batch is not None and result.progress.recovered_batch != batch:
-        problems.append(f"resume recovered batch {result.progress.recovered_batch}, export said {batch}")
-    final = export_state(pool)
+    if batch is not None and recovered_batch != batch:
+        problems.append(f"resume recovered batch {recovered_batch}, export said {batch}")
+    final = export(pool)
     problems += [f"after resuming to {config.steps}: {d}" for d in differences(final, references(config.steps))]
     return batch, problems
 
@@ -252,25 +287,46 @@ def _recover_child(pool: str, knob_values: dict, crash_at: str, log: str) -> Non
 # The torture
 # ---------------------------------------------------------------------------------------------
 class Torture:
-    """Runs trials: `Torture(...).run(progress)`; see the module docstring."""
+    """Runs trials: `Torture(...).run(progress)`; see the module docstring. The pool modes (single,
+    set) are this class; RankTorture (crashtest_ranks.py) replaces the hooks that start, kill,
+    export and resume a run, and keeps the loop."""
+
+    mode = "single"
+    plants = faults.PLANTED
 
     def __init__(self, *, trials: int, device: DeviceModel, seed: int, plant: str = "", only: int | None = None,
-                 fail_fast: bool = False, keep_dir: str | None = None, config: TrainConfig = TRIAL_CONFIG) -> None:
-        if trials < 1:
-            raise ConfigError(f"--trials must be at least 1, got {trials}")
-        if plant and plant not in faults.PLANTED:
-            raise ConfigError(f"unknown planted fault {plant!r}; choose one of {', '.join(faults.PLANTED)}")
-        with knobs.override(**device.knobs(0)):
-            KNOBS.validate()
-        self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
-        self.only, self.fail_fast, self.config = only, fail_fast, config
-        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
-        self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
-        self.references = References(config, self.work)
+                 fail_fast: bool = False, keep_dir: str | None = None, config: TrainConfig = TRIAL_CONFIG,
+                 pool_set: bool = False) -> None:
+        self.mode = "set" if pool_set else self.mode
+        self._settle(trials, device, seed, plant, only, fail_fast, keep_dir)
+        self.path = os.path.join(self.work, "trial.pool")
+        self.disk_work = None
+        if pool_set:  # the capacity tier on the real disk, as `train --capacity-pool` is meant to be used
+            self.disk_work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=_disk_dir())
+            config = dataclasses.replace(config, capacity_pool=os.path.join(self.disk_work, "trial.cap"),
+                                         cache_rows=SET_CACHE_ROWS, cache_replace_every=SET_REPLACE_EVERY)
+        self.config = config
+        self.points = SET_POINTS if pool_set else PROTOCOL_POINTS
+        self.references = References(config, self.work, self.disk_work)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(["cxltrain.jobs.train", "cxltrain.jobs.crashtest"])
         self.run_seconds = 0.0      # an uninterrupted child's training time (calibrated)
         self.flushes = 0            # an uninterrupted child's device flushes (calibrated)
+
+    def _settle(self, trials: int, device: DeviceModel, seed: int, plant: str, only: int | None, fail_fast: bool,
+                keep_dir: str | None) -> None:
+        """Check and keep what every mode is given; make the work folder."""
+        if trials < 1:
+            raise ConfigError(f"--trials must be at least 1, got {trials}")
+        if plant and plant not in self.plants:
+            raise ConfigError(f"unknown planted fault {plant!r} for --mode {self.mode}; choose one of "
+                              f"{', '.join(self.plants)}")
+        with knobs.override(**device.knobs(0)):
+            KNOBS.validate()
+        self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
+        self.only, self.fail_fast = only, fail_fast
+        self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
+        self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
 
     # -- plans ---------------------------------------------------------------------------------
     def plan(self, number: int) -> TrialPlan:
@@ -279,24 +335,31 @@ class Torture:
         dense_every = 3 if rng.random() < 0.25 else 1
         small_ring = rng.random() < 0.25
         steps, tables = self.config.steps, self.config.num_tables
-        per = {"tables": steps * tables, "commits": -(-steps // dense_every) + (steps if small_ring else 0)}
+        replacements = steps // self.config.cache_replace_every if self.config.cache_replace_every else 0
+        per = {"tables": steps * tables, "commits": -(-steps // dense_every) + (steps if small_ring else 0),
+               "admissions": 2 * tables * (1 + replacements), "replacements": tables * replacements}
         crash_at, delay, recover_at = None, 0.0, None
         if kind == "time":
             delay = rng.uniform(0.0, self.run_seconds)
         elif kind == "flush":
             crash_at = f"{FLUSH_POINT}:{rng.randint(1, max(1, self.flushes))}"
         else:
-            point = rng.choice(sorted(PROTOCOL_POINTS))
-            crash_at = f"{point}:{rng.randint(1, max(1, per[PROTOCOL_POINTS[point]]))}"
+            point = rng.choice(sorted(self.points))
+            crash_at = f"{point}:{rng.randint(1, max(1, per[self.points[point]]))}"
             if kind == "recovery":
                 recover_at = rng.choice(RECOVERY_POINTS)
         trial_knobs = {**self.device.knobs(rng.randrange(1 << 31)), "threads": 1,
-                       "undo_ring_bytes": SMALL_RING_BYTES if small_ring else 0}
+                       "undo_ring_bytes": (SET_SMALL_RING_BYTES if self.disk_work else SMALL_RING_BYTES) if small_ring else 0,
+                       **({"capacity_crash": 1} if self.disk_work else {})}
         background = rng.random() < 0.25
         return TrialPlan(number, kind, crash_at, delay, recover_at, dense_every, small_ring, trial_knobs, background)
 
     def _config(self, plan: TrialPlan) -> TrainConfig:
         return dataclasses.replace(self.config, dense_every=plan.dense_every, background_capture=plan.background_capture)
+
+    def _files(self) -> list[str]:
+        """The files a trial's run writes: its pool (a set's primary, then its capacity pool)."""
+        return [self.path] + ([self.config.capacity_pool] if self.disk_work else [])
 
     # -- children ------------------------------------------------------------------------------
     def _start_training(self, pool: str, plan: TrialPlan, log: str):
@@ -314,61 +377,80 @@ class Torture:
         # armed at a flush it never reaches, so the child counts its flushes
         plan = TrialPlan(-1, "flush", f"{FLUSH_POINT}:{1 << 62}", 0.0, None, 1, False,
                          {**self.device.knobs(0), "threads": 1, "undo_ring_bytes": 0})
-        proc, conn = self._start_training(pool, plan, os.path.join(self.work, "calibrate.log"))
-        messages = dict(_receive_all(conn))
-        proc.join()
+        config = self.config
+        if self.disk_work:
+            self.config = dataclasses.replace(config, capacity_pool=os.path.join(self.disk_work, "calibrate.cap"))
+        try:
+            proc, conn = self._start_training(pool, plan, os.path.join(self.work, "calibrate.log"))
+            messages = dict(_receive_all(conn))
+            proc.join()
+        finally:
+            calibrated, self.config = self.config, config
         if proc.exitcode != 0 or "done" not in messages:
             raise CxlTrainError(f"crashtest: the uninterrupted calibration run failed (exit {proc.exitcode}); "
                                 f"its log: {_tail(os.path.join(self.work, 'calibrate.log'))}")
         self.run_seconds = time.perf_counter() - messages["ready"]
         self.flushes = messages["done"]
-        os.unlink(pool)
+        _unlink(pool, calibrated.capacity_pool)
 
-    def run_trial(self, number: int) -> TrialResult:
-        plan = self.plan(number)
-        started = time.perf_counter()
-        pool = os.path.join(self.work, "trial.pool")
-        log = os.path.join(self.work, "trial.log")
-        for leftover in (pool, pool + ".creating", log):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-        proc, conn = self._start_training(pool, plan, log)
+    def _run_killed(self, plan: TrialPlan, log: str) -> tuple[bool, str | None]:
+        """Start the trial's training and kill it as planned: (killed, why the run failed or None)."""
+        proc, conn = self._start_training(self.path, plan, log)
         if plan.kind == "time":
             if conn.poll(60):
                 conn.recv()  # ready: the pool is open and the first batch is next
             time.sleep(plan.delay)
             proc.kill()
         proc.join()
-        killed = proc.exitcode == -9
         if proc.exitcode not in (0, -9):
-            return TrialResult(plan, False, None, [f"the training child failed (exit {proc.exitcode}): {_tail(log)}"],
-                               time.perf_counter() - started)
-        kept = os.path.join(self.work, "killed.pool")
-        if os.path.exists(pool):
-            shutil.copyfile(pool, kept)
-        if plan.recover_crash_at and os.path.exists(pool):
-            rec = self._context.Process(target=_recover_child, args=(pool, plan.knobs, plan.recover_crash_at, log),
-                                        daemon=True)
-            rec.start()
-            rec.join()
-        batch, problems = check_recovery(pool, self.references, self._config(plan))
+            return False, f"the training child failed (exit {proc.exitcode}): {_tail(log)}"
+        return proc.exitcode == -9, None
+
+    def _recover_killed(self, plan: TrialPlan, log: str) -> None:
+        """Recover the killed run in a child that dies at plan.recover_crash_at."""
+        rec = self._context.Process(target=_recover_child, args=(self.path, plan.knobs, plan.recover_crash_at, log),
+                                    daemon=True)
+        rec.start()
+        rec.join()
+
+    def _check(self, plan: TrialPlan) -> tuple[int | None, list[str]]:
+        return check_recovery(self.path, self.references, self._config(plan))
+
+    def run_trial(self, number: int) -> TrialResult:
+        plan = self.plan(number)
+        started = time.perf_counter()
+        log = os.path.join(self.work, "trial.log")
+        kept = [os.path.join(self.work, f"killed-{i}") for i in range(len(self._files()))]
+        _unlink(*self._files(), *(p + ".creating" for p in self._files()), log, *kept)
+        killed, failure = self._run_killed(plan, log)
+        if failure:
+            return TrialResult(plan, False, None, [failure], time.perf_counter() - started)
+        for path, copy in zip(self._files(), kept):
+            _copy(path, copy)
+        if plan.recover_crash_at and os.path.exists(self.path):
+            self._recover_killed(plan, log)
+        batch, problems = self._check(plan)
         result = TrialResult(plan, killed, batch, problems, time.perf_counter() - started)
         if problems:
-            self._keep(plan, kept if os.path.exists(kept) else None, log)
+            self._keep(plan, kept, log)
         return result
 
-    def _keep(self, plan: TrialPlan, killed_pool: str | None, log: str) -> None:
+    def _keep(self, plan: TrialPlan, kept: list[str], log: str) -> None:
         os.makedirs(self.keep_dir, exist_ok=True)
-        if killed_pool:
-            shutil.copyfile(killed_pool, os.path.join(self.keep_dir, f"trial-{plan.number}.pool"))
-        if os.path.exists(log):
-            shutil.copyfile(log, os.path.join(self.keep_dir, f"trial-{plan.number}.log"))
+        for path, copy in zip(self._files(), kept):
+            _copy(copy, os.path.join(self.keep_dir, f"trial-{plan.number}.{os.path.basename(path).split('.')[-1]}"))
+        _copy(log, os.path.join(self.keep_dir, f"trial-{plan.number}.log"))
+
+    def _command_options(self) -> list[str]:
+        """`cxltrain crashtest` options that repeat this torture's mode, device model and plant."""
+        return ((["--mode", self.mode] if self.mode != "single" else []) + self.device.cli_args()
+                + (["--plant", self.plant] if self.plant else []))
 
     def replay_commands(self, plan: TrialPlan) -> list[str]:
         """Shell commands that replay a trial: crashtest itself, and the raw `cxltrain train` run."""
         kept = os.path.join(self.keep_dir, f"trial-{plan.number}.pool")
         again = ["cxltrain", "crashtest", "--trials", "1", "--trial", str(plan.number), "--seed", str(self.seed),
-                 *self.device.cli_args(), *(["--plant", self.plant] if self.plant else [])]
+                 *self._command_options()]
         env = {f"CXLTRAIN_{k.upper()}": str(v) for k, v in plan.knobs.items()}
         if plan.crash_at:
             env[faults.CRASH_ENV] = plan.crash_at
@@ -379,21 +461,29 @@ class Torture:
                  str(c.batch_size), "--num-tables", str(c.num_tables), "--rows", str(c.rows), "--dim", str(c.dim),
                  "--seed", str(c.seed), "--dense-every", str(c.dense_every), "--no-progress"]
         train += ["--background-capture"] if c.background_capture else []
+        if self.disk_work:
+            train += ["--capacity-pool", "REPLAY.cap", "--cache-rows", str(c.cache_rows),
+                      "--cache-replace-every", str(c.cache_replace_every)]
         lines = [shlex.join(again)]
         if plan.kind != "time":
             lines.append(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(train)
                          + " ; cxltrain export REPLAY.pool REPLAY.pt")
         if os.path.exists(kept):
-            lines.append(f"cxltrain recover {shlex.quote(kept)}   # the pool as the kill left it")
+            lines.append(f"cxltrain recover {shlex.quote(kept)}   # the pool as the kill left it"
+                         + ("; a set's capacity pool beside it: trial-K.cap" if self.disk_work else ""))
         return lines
 
     def run(self, on_trial: Callable[[TrialResult], None] = lambda r: None) -> list[TrialResult]:
-        """Calibrate, then run the trials (or only --trial K); stops early with fail_fast."""
+        """Calibrate, then run the trials (or only --trial K); stops early with fail_fast, or at
+        Ctrl-C with the trials done so far."""
         self.calibrate()
         numbers = [self.only] if self.only is not None else range(self.trials)
         results = []
         for number in numbers:
-            result = self.run_trial(number)
+            try:
+                result = self.run_trial(number)
+            except KeyboardInterrupt:
+                break
             results.append(result)
             on_trial(result)
             if self.fail_fast and not result.exact:
@@ -401,7 +491,31 @@ class Torture:
         return results
 
     def close(self) -> None:
-        shutil.rmtree(self.work, ignore_errors=True)
+        for folder in (self.work, self.disk_work):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _disk_dir() -> str:
+    """A folder on a real disk for capacity pools (/var/tmp survives reboots, so it is not tmpfs)."""
+    return "/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()
+
+
+def _unlink(*paths: str | None) -> None:
+    """Remove each file or folder (a run folder) that exists."""
+    for path in paths:
+        if path and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif path and os.path.exists(path):
+            os.unlink(path)
+
+
+def _copy(source: str, target: str) -> None:
+    """Copy a file or folder, if it exists."""
+    if os.path.isdir(source):
+        shutil.copytree(source, target)
+    elif os.path.exists(source):
+        shutil.copyfile(source, target)
 
 
 def _receive_all(conn) -> list[tuple[str, object]]:

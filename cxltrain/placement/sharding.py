@@ -25,6 +25,24 @@ from ..errors import ConfigError
 from .table import DATA_PARALLEL, ROW_WISE, TABLE_WISE, TablePlacement
 
 KINDS = (TABLE_WISE, ROW_WISE, DATA_PARALLEL)
+
+
+def _placement_problem(t: TablePlacement, world_size: int) -> str:
+    """What makes table placement `t` impossible on `world_size` ranks ("" when nothing does)."""
+    if t.kind not in KINDS:
+        return f"unknown kind {t.kind!r}"
+    if t.rows < 1 or not t.ranks or len(set(t.ranks)) != len(t.ranks) or not all(0 <= r < world_size for r in t.ranks):
+        return f"{t.rows} rows on ranks {list(t.ranks)} of {world_size}"
+    if t.kind == TABLE_WISE and len(t.ranks) != 1:
+        return f"table-wise on {len(t.ranks)} ranks"
+    if t.kind == DATA_PARALLEL and sorted(t.ranks) != list(range(world_size)):
+        return f"data-parallel on ranks {list(t.ranks)}, not every rank"
+    if t.kind == ROW_WISE and (len(t.bounds) != len(t.ranks) + 1 or t.bounds[0] != 0 or t.bounds[-1] != t.rows
+                               or any(a >= b for a, b in zip(t.bounds, t.bounds[1:]))):
+        return f"row-wise bounds {list(t.bounds)} do not split {t.rows} rows over {len(t.ranks)} ranks"
+    if t.kind != ROW_WISE and t.bounds:
+        return f"{t.kind} with row bounds"
+    return ""
 AUTO = "auto"
 SMALL_TABLE_ROWS = 1024
 
@@ -53,9 +71,14 @@ class ShardingPlan:
             tables = tuple(TablePlacement(str(t["name"]), int(t["rows"]), kind=str(t["kind"]),
                                           ranks=tuple(int(r) for r in t["ranks"]),
                                           bounds=tuple(int(b) for b in t["bounds"])) for t in data["tables"])
-            return cls(int(data["world_size"]), tables)
+            plan = cls(int(data["world_size"]), tables)
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"not a sharding plan ({e!r})") from None
+        for table in plan.tables:  # a stored plan is read before any pool is: it must hold together
+            problem = _placement_problem(table, plan.world_size)
+            if problem:
+                raise ConfigError(f"not a sharding plan (table {table.name!r}: {problem})")
+        return plan
 
     def describe(self) -> str:
         """One line per table, as the run prints it."""

@@ -14,7 +14,7 @@ import json
 import os
 import uuid
 
-from ..errors import RecoveryError
+from ..errors import ConfigError, RecoveryError
 from ..placement.sharding import ShardingPlan
 
 FORMAT = "cxltrain-dist/1"
@@ -43,7 +43,12 @@ def read(directory: str) -> dict:
     keys = {"format", "run", "world_size", "plan", "settings", "state"}
     if not isinstance(data, dict) or set(data) != keys or data["format"] != FORMAT:
         raise RecoveryError(f"{path}: not a {FORMAT} manifest")
-    ShardingPlan.from_json(data["plan"])
+    try:
+        plan = ShardingPlan.from_json(data["plan"])
+    except ConfigError as e:
+        raise RecoveryError(f"{path}: {e}") from None
+    if plan.world_size != data["world_size"]:
+        raise RecoveryError(f"{path}: its plan is for {plan.world_size} rank(s), the manifest says {data['world_size']!r}")
     return data
 
 
