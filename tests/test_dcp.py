@@ -182,6 +182,11 @@ def test_a_run_folder_round_trips_through_dcp(pool, tmp_path, small_chunks):
         assert_same_export(export_dir(again), reference)
         assert cli_main(["import", out, single]) == 0
         assert_same_export(export_state(single), reference)
+        # --format torchrec on a run folder is TorchRec's layout too, as on a pool
+        assert cli_main(["export", run, str(tmp_path / "tr.pt"), "--format", "torchrec"]) == 0
+        assert cli_main(["export", pool, str(tmp_path / "tr-pool.pt"), "--format", "torchrec"]) == 0
+        assert_same_tensors(torch.load(tmp_path / "tr.pt", weights_only=True),
+                            torch.load(tmp_path / "tr-pool.pt", weights_only=True))
 
 
 def train_run(run: str, steps: int) -> None:

@@ -101,19 +101,11 @@ def _run_export(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.access(folder, os.W_OK | os.X_OK):  # before recovery writes to the pool
         raise CxlTrainError(f"{args.out}: cannot write into {folder}")
-    save = _save_dcp if args.format == "dcp" else _save_export
+    save = {"dcp": _save_dcp, "torchrec": _save_torchrec}.get(args.format, _save_export)
     if run_dir.is_run_dir(args.path):
         return dist_cli.run_export(args.path, args.out, save, args.json)
     with open_export(args.path) as state:  # the tables are read from the pool as they are written
-        if args.format == "dcp":
-            _save_dcp(state, args.out)
-        elif args.format == "torchrec":
-            from ..runtime.interop import to_torchrec
-
-            state = {"batch": state["batch"], "model": to_torchrec(state)}
-            _save_export(state["model"], args.out)
-        else:
-            _save_export(state, args.out)
+        save(state, args.out)
     tensors = len(state["model"])
     print(f"exported {args.path} at batch {state['batch']} to {args.out} ({tensors} model tensors)")
     if args.json:
@@ -126,6 +118,13 @@ def _save_dcp(state: dict, out: str) -> None:
     from ..runtime import dcp
 
     dcp.save(dcp.to_dcp(state), out)
+
+
+def _save_torchrec(state: dict, out: str) -> None:
+    """Our export as a TorchRec-style flat state dict (runtime/interop.py), saved as _save_export does."""
+    from ..runtime.interop import to_torchrec
+
+    _save_export(to_torchrec(state), out)
 
 
 def _save_export(state: dict, out: str) -> None:
