@@ -28,6 +28,7 @@ from ..errors import CxlTrainError
 from ..placement.sharding import ShardingPlan
 from ..placement.table import DATA_PARALLEL, TABLE_WISE, TablePlacement
 from . import manifest as run_dir
+from .attempt import agree_on_attempt
 from .recovery_point import AgreedMinimum
 from .runtime import Runtime, persistent_tables
 
@@ -63,13 +64,14 @@ def join_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
-        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
-        # gloo may read a dead rank's address from the attempt before
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         _launcher_store = store
         if store.check([FAILED_KEY]):
             raise CxlTrainError(f"{store.get(FAILED_KEY).decode()} (an earlier attempt's error: not retried)")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
+        # gloo may read a dead rank's address from the attempt before (attempt.py: why not
+        # TORCHELASTIC_RESTART_COUNT)
+        attempt = agree_on_attempt(store, rank, world_size, timeout_s)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
                                 world_size=world_size, timeout=timeout)
     else:  # one rank in this process: no rendezvous, no port
