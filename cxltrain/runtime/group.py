@@ -89,26 +89,39 @@ def refuse_together(error: str | None, world_size: int) -> None:
 
 
 def open_run_dir(directory: str, plan: ShardingPlan, settings: dict, rank: int, world_size: int) -> tuple[dict, bool]:
-    """(the manifest, whether the pools are to be made): checked on every rank, written by rank 0."""
+    """(the manifest, whether the pools are to be made). Each rank checks the copy in its own folder
+    (hosts that share no file system keep one each, beside their ranks' pools); the copies must
+    name one run, and one marked created makes the run created on every rank. A fresh run's
+    manifest is rank 0's; the first rank of each host writes its host's copy (manifest.keeps_copy)."""
     error, found = None, None
     try:
         if run_dir.is_run_dir(directory):
             found = run_dir.read(directory)
-            run_dir.check(directory, found, world_size, plan, settings)
+            run_dir.check(directory, found, world_size, plan, settings, ranks=(rank,))
         elif os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
             error = f"{directory}: exists and is not a distributed run's directory (no {run_dir.MANIFEST})"
     except CxlTrainError as e:
         error = str(e)
-    refuse_together(error, world_size)
-    fresh = found is None or found["state"] == run_dir.CREATING
-    if found is None and rank == 0:
-        run_dir.write(directory, run_dir.new(world_size, plan, settings))
+    every: list = [None] * world_size
+    dist.all_gather_object(every, (error, found))
+    copies = [m for _, m in every if m is not None]
+    if len({m["run"] for m in copies}) > 1 and not any(e for e, _ in every):
+        error = f"{directory}: the ranks' manifests name different runs; every host's copy must be the same run's"
+    refuse_together(error or next((e for e, _ in every if e), None), world_size)
+    agreed = ([m for m in copies if m["state"] == run_dir.CREATED] + copies + [None])[0]
+    if agreed is None:
+        made = [run_dir.new(world_size, plan, settings) if rank == 0 else None]
+        dist.broadcast_object_list(made, src=0)
+        agreed = made[0]
+    if found != agreed and run_dir.keeps_copy():
+        run_dir.write(directory, agreed)
     dist.barrier()
+    fresh = agreed["state"] == run_dir.CREATING
     if fresh:  # a start that died while making the pools: none holds a commit, make them again
         for leftover in (run_dir.pool_path(directory, rank), run_dir.pool_path(directory, rank) + ".creating"):
             if os.path.exists(leftover):
                 os.unlink(leftover)
-    return run_dir.read(directory), fresh
+    return agreed, fresh
 
 
 def plan_of(tables: dict, world_size: int) -> ShardingPlan:
