@@ -28,6 +28,7 @@ from ..errors import CxlTrainError
 from ..placement.sharding import ShardingPlan
 from ..placement.table import DATA_PARALLEL, TABLE_WISE, TablePlacement
 from . import manifest as run_dir
+from .attempt import agree_on_attempt
 from .recovery_point import AgreedMinimum
 from .runtime import Runtime, persistent_tables
 
@@ -63,13 +64,14 @@ def join_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
-        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
-        # gloo may read a dead rank's address from the attempt before
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         _launcher_store = store
         if store.check([FAILED_KEY]):
             raise CxlTrainError(f"{store.get(FAILED_KEY).decode()} (an earlier attempt's error: not retried)")
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        # torchrun's store outlives a restart: keys of this attempt under a prefix of its own, or
+        # gloo may read a dead rank's address from the attempt before (attempt.py: why not
+        # TORCHELASTIC_RESTART_COUNT)
+        attempt = agree_on_attempt(store, rank, world_size, timeout_s)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"cxltrain/attempt-{attempt}", store), rank=rank,
                                 world_size=world_size, timeout=timeout)
     else:  # one rank in this process: no rendezvous, no port
@@ -87,26 +89,39 @@ def refuse_together(error: str | None, world_size: int) -> None:
 
 
 def open_run_dir(directory: str, plan: ShardingPlan, settings: dict, rank: int, world_size: int) -> tuple[dict, bool]:
-    """(the manifest, whether the pools are to be made): checked on every rank, written by rank 0."""
+    """(the manifest, whether the pools are to be made). Each rank checks the copy in its own folder
+    (hosts that share no file system keep one each, beside their ranks' pools); the copies must
+    name one run, and one marked created makes the run created on every rank. A fresh run's
+    manifest is rank 0's; the first rank of each host writes its host's copy (manifest.keeps_copy)."""
     error, found = None, None
     try:
         if run_dir.is_run_dir(directory):
             found = run_dir.read(directory)
-            run_dir.check(directory, found, world_size, plan, settings)
+            run_dir.check(directory, found, world_size, plan, settings, ranks=(rank,))
         elif os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
             error = f"{directory}: exists and is not a distributed run's directory (no {run_dir.MANIFEST})"
     except CxlTrainError as e:
         error = str(e)
-    refuse_together(error, world_size)
-    fresh = found is None or found["state"] == run_dir.CREATING
-    if found is None and rank == 0:
-        run_dir.write(directory, run_dir.new(world_size, plan, settings))
+    every: list = [None] * world_size
+    dist.all_gather_object(every, (error, found))
+    copies = [m for _, m in every if m is not None]
+    if len({m["run"] for m in copies}) > 1 and not any(e for e, _ in every):
+        error = f"{directory}: the ranks' manifests name different runs; every host's copy must be the same run's"
+    refuse_together(error or next((e for e, _ in every if e), None), world_size)
+    agreed = ([m for m in copies if m["state"] == run_dir.CREATED] + copies + [None])[0]
+    if agreed is None:
+        made = [run_dir.new(world_size, plan, settings) if rank == 0 else None]
+        dist.broadcast_object_list(made, src=0)
+        agreed = made[0]
+    if found != agreed and run_dir.keeps_copy():
+        run_dir.write(directory, agreed)
     dist.barrier()
+    fresh = agreed["state"] == run_dir.CREATING
     if fresh:  # a start that died while making the pools: none holds a commit, make them again
         for leftover in (run_dir.pool_path(directory, rank), run_dir.pool_path(directory, rank) + ".creating"):
             if os.path.exists(leftover):
                 os.unlink(leftover)
-    return run_dir.read(directory), fresh
+    return agreed, fresh
 
 
 def plan_of(tables: dict, world_size: int) -> ShardingPlan:

@@ -3,8 +3,9 @@
     DIR/manifest.json   {"format", "run" (a UUID), "world_size", "plan", "settings", "state"}
     DIR/rank-<r>.pool   rank r's shards, undo ring and dense slots (an ordinary cxltrain pool)
 
-The manifest is written by rank 0 before any pool ("creating"), and marked "created" once every
-rank's pool holds its first commit; a start that finds "creating" makes the pools again. It is
+The manifest is rank 0's, written before any pool ("creating"), and marked "created" once every
+rank's pool holds its first commit; a start that finds "creating" makes the pools again. Hosts that
+share no file system keep a copy each, beside their own ranks' pools (`keeps_copy`). It is
 replaced whole (a temporary file renamed over it, synced), never edited in place. Torch-free.
 """
 
@@ -24,6 +25,12 @@ CREATING, CREATED = "creating", "created"
 
 def pool_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}.pool")
+
+
+def keeps_copy() -> bool:
+    """Whether this process writes the manifest's copy of its host: the first rank of each torchrun
+    agent (LOCAL_RANK 0), or a process outside torchrun. Hosts may share no file system."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 def is_run_dir(path: str) -> bool:
@@ -74,9 +81,11 @@ def write(directory: str, manifest: dict) -> None:
         os.close(fd)
 
 
-def check(directory: str, manifest: dict, world_size: int, plan: ShardingPlan | None, settings: dict | None) -> None:
+def check(directory: str, manifest: dict, world_size: int, plan: ShardingPlan | None, settings: dict | None,
+          ranks: tuple[int, ...] | None = None) -> None:
     """Refuse (RecoveryError, one line) a start that does not fit the directory: another world
-    size, another plan or other settings, or a rank pool missing or extra. Reads only."""
+    size, another plan or other settings, or a rank pool missing or extra. ranks: the ranks whose
+    pools must be here (default every rank's; a host of several keeps only its own). Reads only."""
     if manifest["world_size"] != world_size:
         raise RecoveryError(f"{directory}: was written by {manifest['world_size']} rank(s), this start has "
                             f"{world_size}; restart with --nproc-per-node {manifest['world_size']} (or re-shard: "
@@ -90,7 +99,7 @@ def check(directory: str, manifest: dict, world_size: int, plan: ShardingPlan | 
         raise RecoveryError(f"{directory}: was written by a run with other settings ({', '.join(differ[:3])}); "
                             "resume with the same settings, or use another directory")
     if manifest["state"] == CREATED:
-        missing = [r for r in range(world_size) if not os.path.exists(pool_path(directory, r))]
+        missing = [r for r in (range(world_size) if ranks is None else ranks) if not os.path.exists(pool_path(directory, r))]
         if missing:
             raise RecoveryError(f"{pool_path(directory, missing[0])}: rank {missing[0]}'s pool is missing; the "
                                 "run cannot be recovered without every rank's pool")

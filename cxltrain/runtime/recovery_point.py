@@ -80,12 +80,12 @@ class AgreedMinimum:
 
     def opened(self, rt) -> None:
         """Every rank is at G; on a fresh run, every pool holds its first commit: from now on a
-        restart recovers (rank 0 marks the manifest so)."""
+        restart recovers (every host's copy of the manifest says so)."""
         self.all_at(rt, rt.start_batch)
         if self.fresh:
             dist.barrier()
-            if self.rank == 0:
-                self.manifest = {**self.manifest, "state": run_dir.CREATED}
+            self.manifest = {**self.manifest, "state": run_dir.CREATED}
+            if run_dir.keeps_copy():  # every host's copy: hosts may share no file system
                 run_dir.write(self.directory, self.manifest)
             self.fresh = False
 
