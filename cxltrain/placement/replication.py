@@ -60,6 +60,14 @@ class Links:
     all_reduce: float
 
 
+# The links a run's choice weighs: gloo's all-reduce here is made of all-to-alls on the same group
+# (models/exchange.py Comm.ordered_all_reduce), so one speed divides both and the choice rests on
+# bytes alone; two runs of the same data choose the same rows, whatever the noise of a measure
+# (a measured ratio would make runs with the same seed differ in their rounding). A transport whose
+# all-reduce is its own collective (NCCL's ring) would weigh its measured Links.
+SAME_TRANSPORT = Links(1.0, 1.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The replicated rows and what the cost model expects of them, per global batch."""
