@@ -181,18 +181,15 @@ class _Exchange(torch.autograd.Function):
                    for o in range(comm.world_size)]
         received = [m.view(-1, hi - lo, dim) if m.numel() else m for m in comm.all_to_all(pieces, receive)]
         cursor = [0] * comm.world_size
-        out = []
-        for t, table in enumerate(plan.tables):
-            if table.kind == DATA_PARALLEL:
-                out.append(held[t][lo:hi].clone())
-                continue
+
+        def from_holders(t: int, table) -> torch.Tensor:
             total = None
             for o in table.ranks:  # rank order: the row-wise sum is the same on every run
                 part = received[o][cursor[o]]
                 cursor[o] += 1
                 total = part.clone() if total is None else total + part
-            out.append(total)
-        return tuple(out)
+            return total
+        return slice_embeddings(plan, held, lo, hi, from_holders)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -212,6 +209,13 @@ class _Exchange(torch.autograd.Function):
         for i in range(len(held)):
             out.append(torch.cat([m.view(len(held), -1, dim)[i] for m in received]))
         return (None, *out)
+
+
+def slice_embeddings(plan: ShardingPlan, held: dict, lo: int, hi: int, from_holders) -> tuple[torch.Tensor, ...]:
+    """Every table's embeddings of the slice [lo, hi), in table order: a data-parallel table's own
+    lookup (held[t] [B, D]), the others' from_holders(t, table) [B_r, D]."""
+    return tuple(held[t][lo:hi].clone() if table.kind == DATA_PARALLEL else from_holders(t, table)
+                 for t, table in enumerate(plan.tables))
 
 
 def timeout(seconds: float) -> datetime.timedelta:

@@ -27,7 +27,7 @@ from ..data.batch import Batch
 from ..errors import NonFiniteError
 from ..faults import CrashPoint, crash_point
 from ..placement.sharding import DATA_PARALLEL, ShardingPlan
-from .exchange import Comm, SparseExchange, _bags_for, chunk_bounds, sum_in_rank_order
+from .exchange import Comm, SparseExchange, _bags_for, chunk_bounds, slice_embeddings, sum_in_rank_order
 from .sharded import RankModel
 
 
@@ -207,19 +207,16 @@ class _ColdExchange(torch.autograd.Function):
                              if plan.tables[t].kind != DATA_PARALLEL) for o in range(comm.world_size)]
         received = comm.all_to_all(pieces, receive)
         cursor = [0] * comm.world_size
-        out = []
-        for t, table in enumerate(plan.tables):
-            if table.kind == DATA_PARALLEL:
-                out.append(held[t][lo:hi].clone())
-                continue
+
+        def from_holders(t: int, table) -> torch.Tensor:
             total = torch.zeros(hi - lo, dim)
             for o in table.ranks:  # rank order: a row-wise table's partial sums add up the same on every run
                 bags = exchange.sent[t, o]
                 part = received[o][cursor[o] : cursor[o] + bags.numel() * dim].view(-1, dim)
                 cursor[o] += bags.numel() * dim
                 total.index_add_(0, bags, part)
-            out.append(total)
-        return tuple(out)
+            return total
+        return slice_embeddings(plan, held, lo, hi, from_holders)
 
     @staticmethod
     def backward(ctx, *grads):
