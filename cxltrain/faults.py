@@ -59,6 +59,7 @@ class CrashPoint:
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/recovery_point.py: committed here, not at peers
     DIST_BEFORE_AGREEMENT = "dist:before-agreement"        # runtime/recovery_point.py: step done, G not agreed
     DIST_RECOVER_BEFORE_ROOT = "dist:recover-before-root"  # runtime/group_recovery.py: rolled back to G, no root yet
+    DIST_REPLICAS_REDUCED = "dist:replicas-reduced"        # models/replicated.py: hot rows' gradient summed, none updated
 
     REACHED_PER = {
         UNDO_BETWEEN_PAYLOAD_AND_HEADER: "tables",

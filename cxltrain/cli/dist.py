@@ -23,6 +23,11 @@ def add_train_options(p) -> None:
     p.add_argument("--sharding", default="auto", metavar="KIND[,KIND...]",
                    help="distributed runs: auto (default), table-wise, row-wise or data-parallel, for every table or "
                         "one per table")
+    p.add_argument("--replicate-hot", default="auto", metavar="auto|off|FRACTION",
+                   help="distributed runs: copy the most looked-up rows of the sharded tables on every rank, so their "
+                        "lookups stay local: auto (default: the rows a cost model over the data's profile and the "
+                        "measured links says pay), off, or that fraction of each table's rows "
+                        "(docs/distributed.md)")
     p.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
                    help="distributed runs: seconds a collective may wait for a peer before the rank gives up "
                         "(default 60)")
@@ -61,8 +66,10 @@ def run_train(args, argv: list[str]) -> int:
         _launch_checks(args, 1)  # one rank runs in this process: no launcher, no port
     elif threading.current_thread() is threading.main_thread():
         end_blocked_rank_on_sigterm(EXIT_TERMINATED)  # the agent's SIGTERM must end a blocked rank soon
+    from ..placement.replication import parse_setting
+
     result = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, replicate_hot=parse_setting(args.replicate_hot))
     progress, group = result.progress, result.group
     if group.rank == 0:
         if progress.steps:
@@ -70,6 +77,10 @@ def run_train(args, argv: list[str]) -> int:
                   f"in {result.timings.seconds:.1f} s ({result.timings.seconds * 1000 / progress.steps:.1f} ms a "
                   f"step, {group.bytes_sent_per_batch / 1024:.1f} KiB sent per batch by rank 0); "
                   f"loss {result.quality.first_loss:.4f} -> {result.quality.final_loss:.4f}")
+            if group.bytes_exchanged_per_batch is not None and group.predicted_bytes_per_batch is not None:
+                print(f"exchanged {group.bytes_exchanged_per_batch / 1024:,.1f} KiB per timed batch by every rank "
+                      f"(the cost model predicted {group.predicted_bytes_per_batch / 1024:,.1f} KiB); "
+                      f"{group.replicated_rows:,} row(s) replicated")
         print(f"every rank's pool is committed at batch {progress.batch} ({args.pool})")
         if args.json:
             print(json.dumps(result.to_json()))
@@ -90,8 +101,11 @@ def _launch_checks(args, n: int) -> None:
 
     if n < 1 or args.max_restarts < 0:
         raise ConfigError("--nproc-per-node must be >= 1 and --max-restarts >= 0")
+    from ..placement.replication import parse_setting
+
     config = config_of(args)
     check_config(config, n)
+    parse_setting(args.replicate_hot)  # refused here, in one line, before any rank starts
     check_memory(config, n)  # before any rank builds its model or makes its pool
     if run_dir.is_run_dir(args.pool):
         run_dir.check(args.pool, run_dir.read(args.pool), n, plan_for(config, n, args.sharding),

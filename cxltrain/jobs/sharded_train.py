@@ -25,7 +25,9 @@ from ..errors import CxlTrainError, NonFiniteError
 from ..faults import PlantedDist, planted
 from ..knobs import KNOBS
 from ..models.exchange import Comm, SparseExchange, local_slice
+from ..models.replicated import Replicas, ReplicatedExchange
 from ..models.sharded import RankModel
+from ..placement.replication import OFF
 from ..placement.sharding import ShardingPlan
 from ..runtime.group import DEFAULT_TIMEOUT_S, PeerLost, end_without_restart, join_group, open_run_dir, peer_lost
 from ..runtime.recovery_point import AgreedMinimum
@@ -33,6 +35,7 @@ from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .data_source import training_data
 from .lifeline import RANK_ERROR_ENV, end_with_launcher, mark_launcher
+from .replication import Replication
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import GroupFacts, TrainResult, dense_optimizer, run_steps
 
@@ -62,15 +65,16 @@ def start_run_dir(directory: str, config: TrainConfig, sharding: str, rank: int,
 
 
 def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-             progress: bool = True) -> TrainResult:
+             progress: bool = True, replicate_hot: str | float = "auto") -> TrainResult:
     """Train this rank (RANK, WORLD_SIZE and the rendezvous from torchrun's environment); returns
-    what this rank did and measured (its `group` says which rank it is)."""
+    what this rank did and measured (its `group` says which rank it is). replicate_hot: "auto",
+    "off" or a fraction of each sharded table's rows (placement/replication.py)."""
     end_with_launcher()
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
     join_group(timeout_s)
     try:
-        return _run(config, directory, sharding, rank, world_size, progress)
+        return _run(config, directory, sharding, rank, world_size, progress, replicate_hot)
     except Exception as e:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if peer_lost(e):
@@ -85,7 +89,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
 
 
 def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int,
-         progress: bool) -> TrainResult:
+         progress: bool, replicate_hot: str | float) -> TrainResult:
     torch.set_num_threads(KNOBS.threads)
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
@@ -104,8 +108,15 @@ def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_si
                      f"(this rank was at {recovered.target}, {recovered.records_restored} undo records rolled back)"
                      if recovered else "training from batch 0")
             print(f"{world_size} rank(s): {where}", flush=True)
-        step = ShardedStep(plan, model, dense_opt, rt, comm, config.batch_size, directory, point)
-        result = run_steps(config, step, training_data(config), rt, progress and rank == 0)
+        data = training_data(config)
+        replication = None
+        if replicate_hot != OFF:  # off: the exchange as it always was, no profile, no probe
+            replication = Replication(replicate_hot, plan, config, data.train, Replicas(plan, model, comm))
+            replication.refresh(rt.start_batch)
+            if rank == 0:
+                print(replication.describe(), flush=True)
+        step = ShardedStep(plan, model, dense_opt, rt, comm, config.batch_size, directory, point, replication)
+        result = run_steps(config, step, data, rt, progress and rank == 0)
     # the group's recovery: from every rank being here to every rank at G, agreement included
     result.progress.recovery_seconds = recovery_seconds if recovered else 0.0
     return result
@@ -139,13 +150,17 @@ class ShardedStep:
     DistributedDataParallel, each rank updating its own shards."""
 
     def __init__(self, plan: ShardingPlan, model: RankModel, dense_opt, rt: Runtime, comm: Comm, batch_size: int,
-                 directory: str, point: AgreedMinimum) -> None:
+                 directory: str, point: AgreedMinimum, replication: Replication | None = None) -> None:
         self.model, self.dense_opt, self.rt, self.comm, self.directory = model, dense_opt, rt, comm, directory
         self.dense = model.dense
         if comm.world_size > 1:
             self.dense = torch.nn.parallel.DistributedDataParallel(model.dense)
             self.dense.register_comm_hook(None, _ordered_mean_hook(comm.world_size))
-        self.exchange = SparseExchange(plan, model, comm, batch_size)
+        self.plain = SparseExchange(plan, model, comm, batch_size)
+        self.replication = replication
+        self.replicated = None if replication is None else ReplicatedExchange(plan, model, comm, batch_size,
+                                                                              replication.replicas)
+        self.predicted = 0.0  # the cost model's bytes for the timed batches, summed
         self.point = point  # how the group agrees on G; the exchange carries the ranks' targets
         self.first = rt.start_batch
         self.timed_bytes: int | None = None  # what this rank had sent when the timed batches began
@@ -164,8 +179,15 @@ class ShardedStep:
         """(logits [B_r], labels [B_r], loss) of this rank's slice of batch `b`, its updates done."""
         rt, comm = self.rt, self.comm
         local = local_slice(batch, comm.world_size, comm.rank)
+        replication = self.replication
+        if replication is not None:
+            replication.refresh(b)  # collective: a new profile every REPROFILE_EVERY batches
+            if self.timed_bytes is not None:
+                self.predicted += replication.choice.predicted_bytes
+        # no replicated row: the plain exchange, the same bits and bytes as without replication
+        exchange = self.replicated if replication is not None and replication.replicas.count else self.plain
         # G agreed through the exchange's id header: no collective of its own
-        embedded = self.point.agree_on_g(rt, lambda target: self.exchange.forward(local, target))
+        embedded = self.point.agree_on_g(rt, lambda target: exchange.forward(local, target))
         if planted(PlantedDist.ERROR_IN_STEP) and b == self.first + 1 and comm.rank == comm.world_size - 1:
             raise RuntimeError(f"planted error in the step of batch {b}")
         logits = self.dense(local.dense, embedded)
@@ -173,6 +195,8 @@ class ShardedStep:
         if not bool(torch.isfinite(loss)):
             raise NonFiniteError(f"rank {comm.rank}, batch {b}: the loss is {loss.item()}; stopped before its backward")
         loss.backward()
+        if exchange is self.replicated:
+            exchange.replicas.apply_gradients()  # collective: summed in rank order, then every copy and owner
         self.dense_opt.step()
         self.dense_opt.zero_grad(set_to_none=True)
         return logits, local.labels, loss
@@ -190,10 +214,14 @@ class ShardedStep:
         sent = torch.tensor([float(comm.bytes_sent - (self.timed_bytes or 0))])
         dist.all_reduce(sent)  # what every rank sent to the others, in the timed batches
         steps = self.rt.batch - self.first
+        timed = self.timed_bytes is not None and timed_steps > 0
+        replication = self.replication
         return GroupFacts(rank=comm.rank, world_size=comm.world_size, dir=self.directory,
-                          bytes_exchanged_per_batch=float(sent[0]) / timed_steps
-                          if self.timed_bytes is not None and timed_steps > 0 else None,
-                          bytes_sent_per_batch=comm.bytes_sent / steps if steps else 0.0)
+                          bytes_exchanged_per_batch=float(sent[0]) / timed_steps if timed else None,
+                          bytes_sent_per_batch=comm.bytes_sent / steps if steps else 0.0,
+                          replicated_rows=0 if replication is None else replication.replicas.count,
+                          predicted_bytes_per_batch=self.predicted / timed_steps
+                          if timed and replication is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------

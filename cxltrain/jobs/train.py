@@ -132,6 +132,8 @@ class GroupFacts:
     dir: str                           # the run's directory (one pool per rank, the manifest)
     bytes_exchanged_per_batch: float | None  # every rank's sends to the others, timed batches (None: none timed)
     bytes_sent_per_batch: float        # this rank's sends to the others, every batch
+    replicated_rows: int = 0           # hot rows copied on every rank at the end (docs/distributed.md)
+    predicted_bytes_per_batch: float | None = None  # the cost model's bytes_exchanged_per_batch (None: off)
 
 
 @dataclasses.dataclass

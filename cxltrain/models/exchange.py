@@ -48,6 +48,38 @@ class Comm:
         self.bytes_sent += sum(p.numel() for r, p in enumerate(pieces) if r != self.rank) * send.element_size()
         return list(out.split(receive))
 
+    def ordered_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of x [H, D] (float), the same bits on every rank and every run:
+        rank c sums the c-th chunk of rows (chunk_bounds) from every rank in rank order (a
+        reduce-scatter as an all-to-all: sum_in_rank_order), then sends its sum to every rank
+        (gather_chunks). A ring all-reduce would add each element in an order that depends on its
+        position. The replicated step (replicated.py) sends the first half inside its backward."""
+        if self.world_size == 1:
+            return x.clone()
+        bounds = chunk_bounds(x.shape[0], self.world_size)
+        mine = (bounds[self.rank + 1] - bounds[self.rank]) * x.shape[1]
+        parts = self.all_to_all([x[bounds[c] : bounds[c + 1]].reshape(-1) for c in range(self.world_size)],
+                                [mine] * self.world_size)
+        return self.gather_chunks(sum_in_rank_order(parts), x.shape[0], x.shape[1])
+
+    def gather_chunks(self, chunk: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+        """Every rank's chunk (rank c: rows chunk_bounds[c:c+2] of [rows, dim]) on every rank."""
+        bounds = chunk_bounds(rows, self.world_size)
+        sizes = [(bounds[c + 1] - bounds[c]) * dim for c in range(self.world_size)]
+        return torch.cat(self.all_to_all([chunk.reshape(-1)] * self.world_size, sizes)).view(rows, dim)
+
+
+def chunk_bounds(rows: int, world_size: int) -> list[int]:
+    """Row c of the result starts rank c's chunk of a [rows, D] reduction; the last entry is rows."""
+    return [rows * c // world_size for c in range(world_size + 1)]
+
+
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
 
 def slice_of(batch_size: int, world_size: int, rank: int) -> tuple[int, int]:
     """Samples [lo, hi) of a global batch that `rank` trains on (equal slices)."""
@@ -76,6 +108,7 @@ class SparseExchange:
         self.plan, self.model, self.comm = plan, model, comm
         self.slices = [slice_of(batch_size, comm.world_size, r) for r in range(comm.world_size)]
         self.dim = model.dense.embedding_dim
+        self.lengths_seen: dict[int, list[torch.Tensor]] = {}
 
     def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], list[int]]:
         comm, plan = self.comm, self.plan
@@ -108,6 +141,7 @@ class SparseExchange:
                 ids.append(message[cursors[source] + n : cursors[source] + n + count])
                 lengths.append(bag_lengths)
                 cursors[source] += n + count
+            self.lengths_seen[t] = lengths  # per source [B_r]: which bags held ids of t (replicated.py)
             all_lengths = torch.cat(lengths)
             offsets = torch.cumsum(all_lengths, 0) - all_lengths
             pooled.append(self.model.shard(t)(torch.cat(ids), offsets))
@@ -147,18 +181,15 @@ class _Exchange(torch.autograd.Function):
                    for o in range(comm.world_size)]
         received = [m.view(-1, hi - lo, dim) if m.numel() else m for m in comm.all_to_all(pieces, receive)]
         cursor = [0] * comm.world_size
-        out = []
-        for t, table in enumerate(plan.tables):
-            if table.kind == DATA_PARALLEL:
-                out.append(held[t][lo:hi].clone())
-                continue
+
+        def from_holders(t: int, table) -> torch.Tensor:
             total = None
             for o in table.ranks:  # rank order: the row-wise sum is the same on every run
                 part = received[o][cursor[o]]
                 cursor[o] += 1
                 total = part.clone() if total is None else total + part
-            out.append(total)
-        return tuple(out)
+            return total
+        return slice_embeddings(plan, held, lo, hi, from_holders)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -178,6 +209,13 @@ class _Exchange(torch.autograd.Function):
         for i in range(len(held)):
             out.append(torch.cat([m.view(len(held), -1, dim)[i] for m in received]))
         return (None, *out)
+
+
+def slice_embeddings(plan: ShardingPlan, held: dict, lo: int, hi: int, from_holders) -> tuple[torch.Tensor, ...]:
+    """Every table's embeddings of the slice [lo, hi), in table order: a data-parallel table's own
+    lookup (held[t] [B, D]), the others' from_holders(t, table) [B_r, D]."""
+    return tuple(held[t][lo:hi].clone() if table.kind == DATA_PARALLEL else from_holders(t, table)
+                 for t, table in enumerate(plan.tables))
 
 
 def timeout(seconds: float) -> datetime.timedelta:

@@ -1,0 +1,254 @@
+"""The step's exchange with hot rows replicated on every rank (docs/distributed.md, "Replicated hot
+rows"; the rows: placement/replication.py).
+
+Every rank holds a copy of the chosen rows of each sharded table (`Replicas`: weights and optimizer
+state, volatile). A lookup of one of them is served from the copy on the rank that makes it; only the
+other ids go to their holders, and only the bags holding one of those get a pooled row back and send
+a gradient (exchange.py's messages otherwise: every bag's length, then the ids). In backward the
+copies' gradients are summed over the ranks in a fixed order (Comm.ordered_all_reduce's two halves:
+the reduce-scatter rides in the exchange's gradient all-to-all, the all-gather follows), and every
+rank applies the same fused update to its copies; the owner applies it to its rows too, through its table
+as any update, so the row is undo-logged and committed once, by the owner. The copies are never
+durable: they are rebuilt from the owners' rows at every start (after the group's recovery) and
+whenever the chosen rows change.
+
+Shape letters: B samples of the global batch, B_r of this rank's slice, D dims, H_t replicated rows
+of table t.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..data.batch import Batch
+from ..errors import NonFiniteError
+from ..faults import CrashPoint, crash_point
+from ..placement.sharding import DATA_PARALLEL, ShardingPlan
+from .exchange import Comm, SparseExchange, _bags_for, chunk_bounds, slice_embeddings, sum_in_rank_order
+from .sharded import RankModel
+
+
+class Replicas:
+    """This rank's copies of the replicated rows: per table, ids [H_t] (sorted, global), rows
+    [H_t, D] and optimizer state [H_t, K] (None for SGD)."""
+
+    def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm) -> None:
+        self.plan, self.model, self.comm = plan, model, comm
+        self.dim = model.dense.embedding_dim
+        self.optimizer = next(iter(model.shards)).optimizer
+        empty = torch.empty(0, dtype=torch.int64)
+        self.ids = [empty] * len(plan.tables)
+        self.rows: list[torch.Tensor] = [torch.empty(0, self.dim)] * len(plan.tables)
+        self.state: list[torch.Tensor | None] = [None] * len(plan.tables)
+        # this step's lookups of the copies, per table: (copy row [M], bag of the slice [M]), None: none
+        self.lookups: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(plan.tables)
+        self.reduced: torch.Tensor | None = None  # this rank's chunk of the step's summed gradient
+
+    @property
+    def count(self) -> int:
+        return sum(ids.numel() for ids in self.ids)
+
+    def rebuild(self, hot) -> None:
+        """Collective: copies of rows `hot[t]` (np or torch ids, any order) of every table, each
+        taken from its owner's rows as they are now (one broadcast per owner and table)."""
+        k = self.optimizer.state_columns
+        for t, table in enumerate(self.plan.tables):
+            ids = torch.as_tensor(np.sort(np.asarray(hot[t], dtype=np.int64)))
+            rows, state = torch.empty(ids.numel(), self.dim), torch.empty(ids.numel(), k) if k else None
+            for owner in table.ranks if table.kind != DATA_PARALLEL else ():
+                lo, hi = table.rows_of(owner)
+                at = torch.nonzero((ids >= lo) & (ids < hi)).view(-1)
+                if not at.numel():
+                    continue
+                values = torch.empty(at.numel(), self.dim + k)
+                if owner == self.comm.rank:
+                    weights, table_state = self.model.shard(t).storage()
+                    local = ids[at] - lo
+                    values[:, : self.dim] = weights[local, : self.dim]
+                    if k:
+                        values[:, self.dim :] = table_state[local]
+                dist.broadcast(values, src=owner, group=self.comm.group)
+                rows[at] = values[:, : self.dim]
+                if k:
+                    state[at] = values[:, self.dim :]
+            self.ids[t], self.rows[t], self.state[t] = ids, rows, state
+
+    def look_up(self, t: int, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       torch.Tensor | None]:
+        """Table t's bags (values [N], offsets [B_r]) split: (the ids not replicated, their offsets
+        [B_r], the pooled copies [B_r, D] of the replicated ones, or None when t has none)."""
+        ids = self.ids[t]
+        if not ids.numel():
+            return values, offsets, None
+        hot = torch.isin(values, ids)
+        ends = torch.cat([offsets, torch.tensor([values.numel()])])
+        counted = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(hot.to(torch.int64), 0)])
+        hot_lengths = counted[ends[1:]] - counted[ends[:-1]]
+        cold_lengths = ends[1:] - ends[:-1] - hot_lengths
+        positions = torch.searchsorted(ids, values[hot])
+        self.lookups[t] = positions, torch.repeat_interleave(torch.arange(offsets.numel()), hot_lengths)
+        # no autograd here: the exchange's backward takes the gradient of these bags (gradient)
+        pooled = F.embedding_bag(positions, self.rows[t], torch.cumsum(hot_lengths, 0) - hot_lengths, mode="sum")
+        return values[~hot], torch.cumsum(cold_lengths, 0) - cold_lengths, pooled
+
+    def gradient(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The copies' gradient [H, D] (every replicated table's rows, in table order) from this
+        slice's bag gradients grads[t] [B_r, D]: each lookup's bag gradient added to its row, in
+        lookup order."""
+        parts = []
+        for t, ids in enumerate(self.ids):
+            if ids.numel():
+                grad = torch.zeros(ids.numel(), self.dim)
+                if self.lookups[t] is not None:
+                    positions, bags = self.lookups[t]
+                    grad.index_add_(0, positions, grads[t][bags])
+                parts.append(grad)
+        self.lookups = [None] * len(self.plan.tables)
+        return torch.cat(parts) if parts else torch.empty(0, self.dim)
+
+    def apply_gradients(self) -> None:
+        """Collective, after backward: the copies' gradient summed over the ranks (this rank's
+        chunk, `reduced`, was summed in the exchange's backward) gathered on every rank; the rows
+        that got one updated on every rank, and by their owner in its table (undo-logged there)."""
+        tables = [t for t in range(len(self.plan.tables)) if self.ids[t].numel()]
+        if not tables:
+            return
+        total = self.comm.gather_chunks(self.reduced, self.count, self.dim)
+        self.reduced = None
+        if not bool(torch.isfinite(total).all()):  # the same sum on every rank: every rank stops here
+            raise NonFiniteError("the replicated rows' gradient is not finite (NaN or inf); stopped before "
+                                 "updating them, and the batch is not committed")
+        crash_point(CrashPoint.DIST_REPLICAS_REDUCED)
+        at = 0
+        for t in tables:
+            grad = total[at : at + self.ids[t].numel()]
+            at += self.ids[t].numel()
+            touched = torch.nonzero(grad.abs().sum(1) > 0).view(-1)  # the rows a lookup reached
+            if not touched.numel():
+                continue
+            grad = grad[touched].contiguous()
+            self._update_owned(t, self.ids[t][touched], grad)
+            # the same fused rule as the owner's table: the copy keeps its row's bits
+            self.optimizer.update(self.rows[t], self.state[t], touched, grad, torch.arange(touched.numel()))
+
+    def _update_owned(self, t: int, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        """The owner's update of its replicated rows `ids` [U] with their summed gradient [U, D]:
+        a lookup of each row as a bag of its own, then its backward, so the table's checkpointer
+        logs the rows before the fused update stores into them (U1, at the table's update) and
+        commits them with the batch."""
+        lo, hi = self.plan.rows_of(t, self.comm.rank)
+        mine = (ids >= lo) & (ids < hi)
+        if not bool(mine.any()):
+            return
+        shard = self.model.shard(t)
+        with torch.enable_grad():
+            pooled = shard(ids[mine] - lo, torch.arange(int(mine.sum())))
+            pooled.backward(grad[mine])
+
+
+class ReplicatedExchange(SparseExchange):
+    """SparseExchange with `replicas` looked up where the lookups are (module docstring)."""
+
+    def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm, batch_size: int,
+                 replicas: Replicas) -> None:
+        super().__init__(plan, model, comm, batch_size)
+        self.replicas = replicas
+        self.sent: dict[tuple[int, int], torch.Tensor] = {}  # (table, holder): the slice's bags it serves
+
+    def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], list[int]]:
+        comm, plan = self.comm, self.plan
+        split = [self.replicas.look_up(t, v, o) if plan.tables[t].kind != DATA_PARALLEL else (v, o, None)
+                 for t, (v, o) in enumerate(zip(local.values, local.offsets))]
+        messages = []
+        for owner in range(comm.world_size):
+            parts = []
+            for t in range(len(plan.tables)):
+                if owner in plan.owners(t):
+                    lengths, ids = _bags_for(plan, t, owner, split[t][0], split[t][1])
+                    self.sent[t, owner] = torch.nonzero(lengths).view(-1)
+                    parts += [lengths, ids]
+            messages.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64))
+        header = torch.tensor([[m.numel(), target] for m in messages], dtype=torch.int64)
+        received_header = torch.cat(comm.all_to_all(list(header), [2] * comm.world_size)).view(-1, 2)
+        targets = received_header[:, 1].tolist()
+        pooled = self._look_up(comm.all_to_all(messages, received_header[:, 0].tolist()))
+        cold = _ColdExchange.apply(self, *pooled)
+        return [c if hot is None else c + hot for c, (_, _, hot) in zip(cold, split)], targets
+
+    def served(self, t: int, source: int) -> torch.Tensor:
+        """The bags of `source`'s slice that sent this rank ids of held table t."""
+        return torch.nonzero(self.lengths_seen[t][source]).view(-1)
+
+
+class _ColdExchange(torch.autograd.Function):
+    """pooled (held tables, [B, D] each) -> the not-replicated part of every table's embeddings
+    for this rank's slice ([B_r, D] each): a holder sends back the rows of the bags that sent it
+    ids (a data-parallel table: none, every rank looked it up); backward sends the gradients of
+    those bags (all of a data-parallel table's) to the holders, and this rank's replicated rows'
+    gradient, a chunk to each rank (the first half of Comm.ordered_all_reduce), each chunk summed by
+    its rank in rank order."""
+
+    @staticmethod
+    def forward(ctx, exchange: ReplicatedExchange, *pooled: torch.Tensor):
+        ctx.exchange = exchange
+        plan, comm, dim = exchange.plan, exchange.comm, exchange.dim
+        held = dict(zip(exchange.model.table_index, pooled))
+        lo, hi = exchange.slices[comm.rank]
+        sharded = [t for t in exchange.model.table_index if plan.tables[t].kind != DATA_PARALLEL]
+        pieces = []
+        for r in range(comm.world_size):
+            a, b = exchange.slices[r]
+            parts = [held[t][a:b][exchange.served(t, r)].reshape(-1) for t in sharded]
+            pieces.append(torch.cat(parts) if parts else torch.empty(0))
+        receive = [dim * sum(exchange.sent[t, o].numel() for t in plan.held_by(o)
+                             if plan.tables[t].kind != DATA_PARALLEL) for o in range(comm.world_size)]
+        received = comm.all_to_all(pieces, receive)
+        cursor = [0] * comm.world_size
+
+        def from_holders(t: int, table) -> torch.Tensor:
+            total = torch.zeros(hi - lo, dim)
+            for o in table.ranks:  # rank order: a row-wise table's partial sums add up the same on every run
+                bags = exchange.sent[t, o]
+                part = received[o][cursor[o] : cursor[o] + bags.numel() * dim].view(-1, dim)
+                cursor[o] += bags.numel() * dim
+                total.index_add_(0, bags, part)
+            return total
+        return slice_embeddings(plan, held, lo, hi, from_holders)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        exchange = ctx.exchange
+        plan, comm, dim = exchange.plan, exchange.comm, exchange.dim
+        lo, hi = exchange.slices[comm.rank]
+        scale = 1.0 / comm.world_size
+        grads = [torch.zeros(hi - lo, dim) if g is None else g * scale for g in grads]
+        replicas = exchange.replicas
+        hot = replicas.gradient(grads)  # [H, D], already times 1/W
+        bounds = chunk_bounds(hot.shape[0], comm.world_size)
+        pieces = []
+        for o in range(comm.world_size):
+            parts = [(grads[t] if plan.tables[t].kind == DATA_PARALLEL else grads[t][exchange.sent[t, o]]).reshape(-1)
+                     for t in plan.held_by(o)]
+            pieces.append(torch.cat([*parts, hot[bounds[o] : bounds[o + 1]].reshape(-1)]))
+        held = exchange.model.table_index
+        rows = {(t, s): (exchange.slices[s][1] - exchange.slices[s][0] if plan.tables[t].kind == DATA_PARALLEL
+                         else exchange.served(t, s).numel()) for t in held for s in range(comm.world_size)}
+        chunk = (bounds[comm.rank + 1] - bounds[comm.rank]) * dim
+        received = comm.all_to_all(pieces, [dim * sum(rows[t, s] for t in held) + chunk
+                                            for s in range(comm.world_size)])
+        replicas.reduced = sum_in_rank_order([message[message.numel() - chunk :] for message in received])
+        out = [torch.zeros(exchange.slices[-1][1], dim) for _ in held]
+        for s, message in enumerate(received):
+            a, b = exchange.slices[s]
+            at = 0
+            for i, t in enumerate(held):
+                part = message[at : at + rows[t, s] * dim].view(-1, dim)
+                at += rows[t, s] * dim
+                if plan.tables[t].kind == DATA_PARALLEL:
+                    out[i][a:b] = part
+                else:
+                    out[i][a + exchange.served(t, s)] = part
+        return (None, *out)

@@ -1,0 +1,106 @@
+"""Replicated hot rows in a distributed run (docs/distributed.md, "Replicated hot rows"): 2 ranks,
+the same small model as tests/test_dist.py. A replicated run and an unreplicated one are made once
+(in two halves each: the second half is a resume, whose replicas are rebuilt from their owners);
+the replicated one sends fewer bytes, exactly those the cost model's counting gives for the batches
+it trained, trains to the same losses within rounding, and a rank of it killed at a named point
+(between the replicas' gradient sum and any update; between the ranks' commits) ends, after
+torchrun's restart, bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, CrashPoint
+from cxltrain.jobs.config import TrainConfig
+from cxltrain.jobs.data_source import training_data
+from cxltrain.jobs.reshard import export_dir
+from cxltrain.jobs.sharded_settings import plan_for
+from cxltrain.jobs.train import WARMUP_STEPS
+from cxltrain.placement import replication as rep
+from helpers import assert_same_export, cxltrain, shm_tempdir
+
+STEPS, HALF = 8, 4
+SHARDING = "table-wise,row-wise,data-parallel"
+CONFIG = TrainConfig(batch_size=96, num_tables=3, rows=2000, dim=16)
+CHILD_TIMEOUT = 240
+# rounding: a replicated row's gradient is summed per rank, then over the ranks, where the
+# exchange sums every lookup's in one pass; after 8 batches the weights agree to this
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def train(run, steps: int, setting: str, env=None) -> dict:
+    done = cxltrain("train", "--nproc-per-node", 2, "--pool", run, "--steps", steps, "--batch-size", 96,
+                    "--num-tables", 3, "--rows", 2000, "--dim", 16, "--sharding", SHARDING, "--no-progress",
+                    "--dist-timeout", 30, "--replicate-hot", setting, "--json", env=env, timeout=CHILD_TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {"out": done.stdout, "json": json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """{setting: (the first half's result, the second's, the export at the end)}."""
+    with shm_tempdir("cxltrain-replicate-") as folder:
+        made = {}
+        for setting in ("auto", "off"):
+            run = Path(folder) / setting
+            made[setting] = (train(run, HALF, setting), train(run, STEPS, setting), export_dir(str(run)))
+        yield made
+
+
+def trained_lookups(first: int, stop: int) -> list:
+    source = training_data(CONFIG).train
+    return [[(v.numpy(), o.numpy()) for v, o in zip(b.values, b.offsets)]
+            for b in (source.batch(i) for i in range(first, stop))]
+
+
+def test_replicated_run_sends_fewer_bytes_exactly_as_counted(runs):
+    """Every timed batch's bytes, measured, equal exchange_bytes over the same batches (off: today's
+    exchange; auto: the rows the run chose, chosen again here from its profile)."""
+    auto, off = runs["auto"][1]["json"]["group"], runs["off"][1]["json"]["group"]
+    assert off["replicated_rows"] == 0 and off["predicted_bytes_per_batch"] is None
+    assert auto["replicated_rows"] > 0 and auto["bytes_exchanged_per_batch"] < off["bytes_exchanged_per_batch"]
+    plan = plan_for(CONFIG, 2, SHARDING)
+    choice = rep.choose_replicas(plan, trained_lookups(0, rep.PROFILE_BATCHES), batch_size=96, dim=16,
+                                 links=rep.SAME_TRANSPORT)
+    assert choice.rows == auto["replicated_rows"]
+    timed = trained_lookups(HALF, STEPS)  # the resumed half: fewer batches than the warm-up, all timed
+    assert STEPS - HALF <= WARMUP_STEPS
+    for group, hot in ((auto, choice.hot), (off, None)):
+        counted = np.mean([sum(rep.exchange_bytes(plan, batch, 96, 16, hot)) for batch in timed])
+        assert group["bytes_exchanged_per_batch"] == counted
+    assert math.isclose(auto["predicted_bytes_per_batch"], auto["bytes_exchanged_per_batch"], rel_tol=0.1)
+    assert "the cost model predicted" in runs["auto"][1]["out"]
+
+
+def test_its_losses_and_weights_match_the_unreplicated_run_within_rounding(runs):
+    for half in (0, 1):
+        a, b = runs["auto"][half]["json"], runs["off"][half]["json"]
+        for key in ("first_loss", "final_loss"):
+            assert a[key] == pytest.approx(b[key], rel=RTOL), (half, key)
+    auto, off = runs["auto"][2], runs["off"][2]
+    assert auto["batch"] == off["batch"] == STEPS
+    differ = 0
+    for key, value in auto["model"].items():
+        torch.testing.assert_close(value, off["model"][key], rtol=RTOL, atol=ATOL, msg=key)
+        differ += not torch.equal(value, off["model"][key])
+    assert differ  # the replicated rows' sums are rounded apart: the runs are not the same bits
+
+
+@pytest.mark.parametrize("crash", [f"{CrashPoint.DIST_REPLICAS_REDUCED}:3",
+                                   pytest.param(f"{CrashPoint.COMMIT_BEFORE_ROOT}:5", marks=pytest.mark.slow)])
+def test_a_rank_killed_mid_run_recovers_bit_identical(runs, shm_dir, crash):
+    """Rank 1 SIGKILLed (under the power-loss model) after the replicas' gradients were summed and
+    before any row took them, or between the ranks' commits; torchrun restarts the group, the
+    owners' rows roll back to G, every replica is rebuilt from them: the export at the end equals
+    the uninterrupted replicated run's, bit for bit."""
+    env = {CRASH_ENV: crash, CRASH_RANK_ENV: "1", "CXLTRAIN_POWER_LOSS": "1"}
+    killed = train(shm_dir / "run", STEPS, "auto", env=env)
+    assert "recovered every rank to batch" in killed["out"], killed["out"]
+    assert_same_export(export_dir(str(shm_dir / "run")), runs["auto"][2])
