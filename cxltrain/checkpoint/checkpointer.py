@@ -334,7 +334,7 @@ class Checkpointer(BatchGuard):
             # The dense state as it is at this boundary, copied once, straight from the live tensors
             # into the slot the durable root does not name, before b+1 can change them, checksummed
             # as it goes; the worker makes the slot valid (seal) after persisting the rows.
-            slot = dense.free_slot(self.pool)
+            slot = dense.free_slot(self.pool, self.agreed)
             written = slot, *dense.write_payload(self.pool, slot, done,
                                                  self._layouts.lay_out(self.dense_state.capture(done)))
             self.stats.dense_bytes += written[1]
