@@ -67,12 +67,22 @@ def run(job: dict) -> DistPaired | None:
                                       block_steps=block_steps, settle=dist.barrier)
             timed = blocks * block_steps + warmup  # the bytes counted from the first step on
             exchanged = [_exchanged(step, timed) for _, step in opened]
+            durable_mb = _durable_mb(durable.stats)
     finally:
         dist.destroy_process_group()
     if rank != 0:
         return None
     return DistPaired(ranks=world_size, timing=paired_timing(off, durable), off_bytes_per_batch=exchanged[0],
-                      durable_bytes_per_batch=exchanged[1], stats=durable.stats)
+                      durable_bytes_per_batch=exchanged[1], stats=durable.stats, durable_mb=durable_mb)
+
+
+def _durable_mb(stats: dict) -> list[list[float]]:
+    """Collective: each rank's [dense snapshot, table rows + undo records] MB made durable a batch."""
+    per_batch = max(stats["batches"], 1) * 1e6
+    mine = [stats["dense_bytes"] / per_batch, (stats["row_bytes"] + stats["undo_bytes"]) / per_batch]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _exchanged(step: ShardedStep, steps: int) -> float:
