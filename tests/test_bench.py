@@ -235,8 +235,13 @@ def test_the_dist_bench_prints_each_overhead_with_its_interval_beside_one_proces
     timing = PairedTiming(base_ms=10.0, method_ms=10.4, ratio=1.04, median_block_ratio=1.04, block_ratios=[1.04] * 10,
                           blocks=10, block_steps=5, ratio_low=1.01, ratio_high=1.07)
     rows = [DistRow(r, DistSteps(12.5, 2048.0), DistSteps(10.0, 2048.0), strict_overhead=0.25, overhead_low=0.2,
-                    overhead_high=0.3, blocks=10, block_steps=5) for r in (2, 4)]
+                    overhead_high=0.3, blocks=10, block_steps=5, durable_mb=[[1.9, 0.61]] * r,
+                    phase_ms=[[0.5, 1.25, 0.2]] * r) for r in (2, 4)]
     text = dist_bench.format_text(DistResults(["--steps", "12"], 2, rows, DistRecovery(4, 0.5), single=timing))
+    assert ("2 rank(s), MB made durable a batch by each rank: dense snapshot 1.90 / 1.90, table rows and undo "
+            "records 0.61 / 0.61\n") in text, text
+    assert ("2 rank(s), ms a batch on each rank: undo capture 0.50 / 0.50, batch end 1.25 / 1.25, commit (worker) "
+            "0.20 / 0.20\n") in text, text
     assert "    2            12.5         10.0       25%                  2.0         +20.0% to +30.0%\n" in text, text
     assert "+20.0% to +30.0% (more ranks than cores)" in text, text
     assert "one process, the same model: 10.4 / 10.0 ms/step, overhead 4% (+1.0% to +7.0%)" in text
@@ -256,3 +261,9 @@ def test_the_dist_side_by_side_runs_take_turns_and_commit_every_durable_batch(sh
     assert paired.durable_bytes_per_batch == paired.off_bytes_per_batch == 0.0  # one rank sends nobody anything
     row = dist_bench._row(paired)
     assert row.strict_overhead == pytest.approx(paired.timing.ratio - 1) and row.blocks == 10
+    # one rank's slice is the whole dense state: every snapshot's bytes, per batch
+    assert row.durable_mb == [[pytest.approx(paired.stats["dense_bytes"] / paired.stats["batches"] / 1e6),
+                               pytest.approx((paired.stats["row_bytes"] + paired.stats["undo_bytes"])
+                                             / paired.stats["batches"] / 1e6)]]
+    assert row.phase_ms == [[pytest.approx(1000 * paired.stats[k] / paired.stats["batches"])
+                             for k in ("training_capture_seconds", "training_boundary_seconds", "commit_seconds")]]

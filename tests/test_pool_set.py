@@ -26,7 +26,7 @@ from cxltrain.jobs.train import build_model, build_source, train, train_step
 from cxltrain.pool.handle import Pool
 from cxltrain.pool.info import inspect
 from cxltrain.runtime.group import join_group
-from cxltrain.runtime.group_recovery import roll_back_rank, snapshot_payload
+from cxltrain.runtime.group_recovery import roll_back_rank
 from cxltrain.runtime.recovery_point import AgreedMinimum
 from cxltrain.runtime.runtime import Runtime, export_state
 from helpers import assert_same_export, bare_set, cxltrain, tier_folders
@@ -259,18 +259,18 @@ def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:
 
 
 def test_a_rank_rolled_back_to_g_syncs_its_capacity_pools_before_the_root(folders, monkeypatch):
-    """The group's roll-back (a rank ahead of G takes G's dense state from another) is the one
+    """The group's roll-back (a rank ahead of G takes its own dense slice of G) is the one
     roll-back: the restored cold rows are synced in the capacity pool before the root names G."""
-    behind, ahead = _rank_pool(*folders, "behind", steps=1), _rank_pool(*folders, "ahead", steps=3)
+    behind, ahead = _rank_pool(*folders, "behind", steps=1), _rank_pool(*folders, "ahead", steps=2)
     before = export_state(ahead)
     events = []
     monkeypatch.setattr(Pool, "drain_members", lambda pool, real=Pool.drain_members: (events.append("sync"),
                                                                                          real(pool))[1])
     monkeypatch.setattr(Pool, "commit", lambda pool, real=Pool.commit, **kw: (events.append("root"),
                                                                                 real(pool, **kw))[1])
-    target, restored = roll_back_rank(ahead, 1, snapshot_payload(behind))
+    target, restored = roll_back_rank(ahead, 1)
     monkeypatch.undo()
-    assert (target, restored) == (3, 4)  # two tables, batches 1 and 2
+    assert (target, restored) == (2, 2)  # two tables, batch 1
     assert "sync" in events and events.index("sync") < events.index("root"), events
     after, reference = export_state(ahead), export_state(behind)
     assert after["batch"] == 1

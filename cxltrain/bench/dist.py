@@ -90,7 +90,7 @@ def _row(paired: DistPaired) -> DistRow:
                    DistSteps(t.base_ms, paired.off_bytes_per_batch), strict_overhead=t.ratio - 1,
                    overhead_low=None if t.ratio_low is None else t.ratio_low - 1,
                    overhead_high=None if t.ratio_high is None else t.ratio_high - 1,
-                   blocks=t.blocks, block_steps=t.block_steps)
+                   blocks=t.blocks, block_steps=t.block_steps, durable_mb=paired.durable_mb, phase_ms=paired.phase_ms)
 
 
 def _train(folder: str, ranks: int, options: list[str], env: dict | None = None, restarts: int = 0) -> dict:
@@ -140,6 +140,15 @@ def format_text(results: DistResults) -> str:
         lines.append(f"{row.ranks:>5} {row.undo.ms_per_step:>15.1f} {row.off.ms_per_step:>12.1f} "
                      f"{row.strict_overhead:>9.0%} {'-' if exchanged is None else f'{exchanged / 1024:.1f}':>20} "
                      f"{spread:>24}{crowded}")
+    for row in results.runs:
+        if row.durable_mb:
+            lines.append(f"{row.ranks} rank(s), MB made durable a batch by each rank: dense snapshot "
+                         f"{' / '.join(f'{d:.2f}' for d, _ in row.durable_mb)}, table rows and undo records "
+                         f"{' / '.join(f'{t:.2f}' for _, t in row.durable_mb)}")
+        if row.phase_ms:
+            lines.append(f"{row.ranks} rank(s), ms a batch on each rank: undo capture "
+                         + ", batch end ".join(" / ".join(f"{ms[i]:.2f}" for ms in row.phase_ms) for i in range(2))
+                         + ", commit (worker) " + " / ".join(f"{ms[2]:.2f}" for ms in row.phase_ms))
     single = results.single
     if single is not None:
         lines.append(f"one process, the same model: {single.method_ms:.1f} / {single.base_ms:.1f} ms/step, overhead "

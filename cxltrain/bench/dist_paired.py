@@ -67,12 +67,26 @@ def run(job: dict) -> DistPaired | None:
                                       block_steps=block_steps, settle=dist.barrier)
             timed = blocks * block_steps + warmup  # the bytes counted from the first step on
             exchanged = [_exchanged(step, timed) for _, step in opened]
+            durable_mb, phase_ms = _per_rank(durable.stats)
     finally:
         dist.destroy_process_group()
     if rank != 0:
         return None
     return DistPaired(ranks=world_size, timing=paired_timing(off, durable), off_bytes_per_batch=exchanged[0],
-                      durable_bytes_per_batch=exchanged[1], stats=durable.stats)
+                      durable_bytes_per_batch=exchanged[1], stats=durable.stats, durable_mb=durable_mb,
+                      phase_ms=phase_ms)
+
+
+def _per_rank(stats: dict) -> tuple[list[list[float]], list[list[float]]]:
+    """Collective: each rank's [dense snapshot, table rows + undo records] MB made durable a batch,
+    and its [undo capture in backward, batch end, commit on the worker] ms a batch."""
+    batches = max(stats["batches"], 1)
+    mine = ([stats["dense_bytes"] / batches / 1e6, (stats["row_bytes"] + stats["undo_bytes"]) / batches / 1e6],
+            [1000 * stats[k] / batches for k in ("training_capture_seconds", "training_boundary_seconds",
+                                                 "commit_seconds")])
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [mb for mb, _ in every], [ms for _, ms in every]
 
 
 def _exchanged(step: ShardedStep, steps: int) -> float:

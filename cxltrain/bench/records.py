@@ -195,6 +195,8 @@ class DistRow(Record):
     overhead_high: float | None = optional()
     blocks: int | None = optional()             # blocks of each run, taking turns (dist_paired.py)
     block_steps: int | None = optional()
+    durable_mb: list[list[float]] | None = optional()  # per rank: [dense snapshot, table rows + undo] MB a batch
+    phase_ms: list[list[float]] | None = optional()    # per rank: [undo capture, batch end, commit] ms a batch
 
 
 @dataclasses.dataclass
@@ -207,6 +209,8 @@ class DistPaired(Record):
     off_bytes_per_batch: float
     durable_bytes_per_batch: float
     stats: dict | None                          # the durable run's CheckpointStats.to_json(), rank 0's
+    durable_mb: list[list[float]] | None = optional()  # per rank: [dense snapshot, table rows + undo] MB a batch
+    phase_ms: list[list[float]] | None = optional()    # per rank: [undo capture, batch end, commit] ms a batch
 
     @classmethod
     def from_json(cls, fields: dict) -> DistPaired:

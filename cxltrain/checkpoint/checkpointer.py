@@ -67,7 +67,8 @@ write-back and refill), U1h in kernels/rows.c and U1i in ordering.Ordering.fused
 capture: each chunk's record durable, payload first, before its rows are stored), U1j in
 tables/renorm.py (max_norm's renorm in forward: the rows' record before its stores), U2a in
 Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
-(distributed runs) in ordering.Ordering.keep_from, U4 in Checkpointer._capture.
+(distributed runs) in ordering.Ordering.keep_from, U3c (a rank's dense slices) in dense.free_slot, U4 in
+Checkpointer._capture.
 """
 
 from __future__ import annotations
@@ -334,7 +335,7 @@ class Checkpointer(BatchGuard):
             # The dense state as it is at this boundary, copied once, straight from the live tensors
             # into the slot the durable root does not name, before b+1 can change them, checksummed
             # as it goes; the worker makes the slot valid (seal) after persisting the rows.
-            slot = dense.free_slot(self.pool)
+            slot = dense.free_slot(self.pool, self.agreed)
             written = slot, *dense.write_payload(self.pool, slot, done,
                                                  self._layouts.lay_out(self.dense_state.capture(done)))
             self.stats.dense_bytes += written[1]

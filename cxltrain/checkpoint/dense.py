@@ -11,6 +11,9 @@ A snapshot is a tree (encoded by codec.py, no pickle) of:
     "metadata"    the caller's JSON-like description of the run (e.g. the training config)
     "threads"     torch's CPU thread count: reductions, hence bits, may depend on it
 
+A rank of a group snapshots only its slice of "model" and of the optimizers' per-parameter state
+(dense_slices.py), in a pool of three slots (format.INCOMPAT_DENSE_SLICES); one process, all of it.
+
 A slot is written payload first, header last, both persisted; the root that names the slot is
 written after that (U2), so a slot a root names always holds the snapshot the root describes.
 """
@@ -26,7 +29,7 @@ from ..errors import CheckpointError, PoolCorruptError, RecoveryError
 from ..kernels import native
 from ..pool.format import checksum_more
 from ..pool.handle import Pool
-from . import codec, layout, slots
+from . import codec, dense_slices, layout, slots
 from .seam import dense_only
 
 
@@ -34,19 +37,21 @@ class DenseState:
     """The dense part of a training run: what a snapshot captures and recovery puts back."""
 
     def __init__(self, model: torch.nn.Module, optimizers: list, schedulers: list, table_paths: dict[str, str],
-                 metadata: dict | None) -> None:
+                 metadata: dict | None, slice_of: tuple[int, int] | None = None) -> None:
         self.model, self.optimizers, self.schedulers = model, optimizers, schedulers
         self.table_paths = table_paths
         self.metadata = metadata if metadata is not None else {}
+        self.slice_of = slice_of  # (rank, world size): a group rank's snapshots hold its slice only
 
     def capture(self, batch: int) -> dict:
         with dense_only():
             model = self.model.state_dict()  # with _metadata (module versions); the tables left out
-        return {"batch": batch, "model": model,
+        tree = {"batch": batch, "model": model,
                 "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [s.state_dict() for s in self.schedulers],
                 "rng": codec.capture_rng(), "tables": dict(self.table_paths), "metadata": self.metadata,
                 "threads": torch.get_num_threads()}
+        return tree if self.slice_of is None else dense_slices.slice_of(tree, *self.slice_of)
 
     def check(self, tree: dict, where: str) -> None:
         """Raise RecoveryError unless the snapshot fits the live model, optimizers and schedulers."""
@@ -90,9 +95,38 @@ class DenseState:
                           "need not end bit-identical to an uninterrupted one", stacklevel=2)
 
 
-def free_slot(pool: Pool) -> int:
-    """The dense slot (1 or 2) the durable root does not name: the one a new snapshot may overwrite."""
-    return 2 if pool.root.dense_slot == 1 else 1
+def free_slot(pool: Pool, agreed: int | None = None) -> int:
+    """The dense slot a new snapshot may overwrite: in one process's pool, the one of two the durable
+    root does not name; in a group rank's (three slots), one no recovery can still need, given the
+    group's last agreed recovery point G (`agreed`; None before any)."""
+    if layout.SLICE_REGION not in pool.regions:
+        return 2 if pool.root.dense_slot == 1 else 1
+    held = slots.held_batches(pool)
+    root = pool.root
+    # ORDERING U3c: a rank keeps its slices of every batch the group may still recover to, since no
+    # other rank holds them: the one its root names, those above G, and the newest at or below G.
+    # A slice above the root's batch is of a future a roll-back abandoned: never needed.
+    live = {s: b for s, b in held.items() if b is not None and b <= root.batches_done}
+    keep = {root.dense_slot}
+    if agreed is not None:
+        keep |= {s for s, b in live.items() if b > agreed}
+        at_or_below = [(b, s) for s, b in live.items() if b <= agreed]
+        if at_or_below:
+            keep.add(max(at_or_below)[1])
+    free = [s for s in held if s not in keep]
+    if not free:
+        raise CheckpointError(f"{pool.path}: every dense slot holds a slice the group may still recover to (batches "
+                              f"{sorted(b for b in live.values())}, agreed batch {agreed}): the ranks' commits are "
+                              "further apart than a group's pool keeps")
+    return min(free, key=lambda s: -1 if s not in live else live[s])  # an empty or abandoned slot, else the oldest
+
+
+def drop_abandoned_slices(pool: Pool) -> None:
+    """After a roll-back's root is durable: invalidate the dense slots holding slices of batches past
+    it (of the future the roll-back abandoned), so that only one slot ever holds a batch's slice."""
+    for slot, batch in slots.held_batches(pool).items():
+        if batch is not None and batch > pool.root.batches_done:
+            pool.device.copy_persist(slot_region(pool, slot).offset, bytes(layout.DENSE_HEADER.size))
 
 
 slot_region = slots.slot_region

@@ -61,6 +61,8 @@ from ..pool.format import align_up, checksum_more, checksum_seed, is_sealed, sea
 
 RING_REGION = "cxltrain.undo"
 DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 and 2
+# root.dense_slot 3: a group rank's pool (INCOMPAT_DENSE_SLICES) keeps its dense slices in three slots
+SLICE_REGION = "cxltrain.dense.C"
 RECORD_ALIGN = 64
 
 UNDO_MAGIC = 0x4F444E55   # b"UNDO" little-endian

@@ -12,12 +12,29 @@ from ..pool.handle import Pool
 from . import layout
 
 
+def slot_names(pool: Pool) -> tuple[str, ...]:
+    """The dense slots' regions, slot 1 first: two, or three in a group rank's pool (its slices)."""
+    return layout.DENSE_REGIONS + ((layout.SLICE_REGION,) if layout.SLICE_REGION in pool.regions else ())
+
+
 def slot_region(pool: Pool, slot: int):
-    return pool.region(layout.DENSE_REGIONS[slot - 1])
+    return pool.region(slot_names(pool)[slot - 1])
 
 
 def where(pool: Pool, slot: int) -> str:
-    return f"{pool.path}: dense slot {'AB'[slot - 1] if slot in (1, 2) else slot}"
+    return f"{pool.path}: dense slot {'ABC'[slot - 1] if slot in (1, 2, 3) else slot}"
+
+
+def held_batches(pool: Pool) -> dict[int, int | None]:
+    """{slot: the batch its valid header names, or None}: what each dense slot holds, headers only
+    (a valid header vouches for its payload: the slot's ordering)."""
+    held = {}
+    for slot, name in enumerate(slot_names(pool), 1):
+        region = pool.region(name)
+        raw = pool.device.array[region.offset : region.offset + layout.DENSE_HEADER.size].tobytes()
+        header = layout.unpack_dense_header(raw, pool.superblock.uuid, slot)
+        held[slot] = None if header is None else header[0]
+    return held
 
 
 def checked_payload(pool: Pool, slot: int, batch: int) -> np.ndarray:
@@ -25,7 +42,8 @@ def checked_payload(pool: Pool, slot: int, batch: int) -> np.ndarray:
     batch, bounds and payload checksum. By the slot's ordering (payload durable before its header) a
     valid header vouches for the payload, so a mismatch is media corruption, refused."""
     here = where(pool, slot)
-    if slot not in (1, 2) or layout.DENSE_REGIONS[slot - 1] not in pool.regions:
+    names = slot_names(pool)
+    if slot not in range(1, len(names) + 1) or names[slot - 1] not in pool.regions:
         raise PoolCorruptError(f"{here}: the root names a dense slot the pool does not have")
     region = slot_region(pool, slot)
     array = pool.device.array

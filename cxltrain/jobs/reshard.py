@@ -7,7 +7,7 @@ Export recovers the directory to its agreed batch G first (recovery.recover_dir)
 tables from the pools that hold them (a row-wise table's shards in rank order, a data-parallel
 table from rank 0). `cxltrain export` streams them (streamed_export_dir): read a chunk at a time as
 the file is written, never a whole table in memory.
-The dense state and the optimizers' come from rank 0's snapshot (replicated on every rank).
+The dense state and the optimizers' are put together from every rank's slice of G.
 
 Import re-shards: it plans the tables for the new world size, and writes every rank's pool as a
 start would, but with the imported rows, optimizer state and dense state, committed at the
@@ -24,12 +24,12 @@ import zipfile
 import numpy as np
 import torch
 
-from ..checkpoint import dense, first_commit
+from ..checkpoint import first_commit
 from ..errors import ConfigError
 from ..placement.sharding import DATA_PARALLEL, ShardingPlan
 from ..pool.handle import Pool, publish
 from ..runtime import manifest as run_dir
-from ..runtime.group_recovery import recover_dir
+from ..runtime.group_recovery import recover_dir, whole_dense_of_dir
 from ..runtime.interop import DLRM_COLLECTION
 from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.run_check import refuse_damaged_run_dir
@@ -73,8 +73,7 @@ def streamed_export_dir(directory: str) -> dict:
     done = recover_dir(directory)
     m = run_dir.read(directory)
     plan = ShardingPlan.from_json(m["plan"])
-    with Pool.open(run_dir.pool_path(directory, 0), writable=False) as pool:
-        snapshot = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)
+    snapshot = whole_dense_of_dir(directory, m["world_size"])  # every rank's slice of G
     model = {k[len(DENSE_PREFIX):]: v for k, v in snapshot["model"].items() if k.startswith(DENSE_PREFIX)}
     for t, table in enumerate(plan.tables):
         weight_region, state_region = region_names(table.name)
@@ -168,7 +167,7 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
         raise ConfigError(f"the dense or optimizer state does not fit this model ({str(e).splitlines()[0][:160]})") \
             from None
     path = run_dir.pool_path(directory, rank)
-    pool = Pool.create(path + ".creating", rt.pool_bytes())
+    pool = Pool.create(path + ".creating", rt.pool_bytes(), incompat=rt.pool_incompat)
     try:
         pool.add_regions(rt.new_pool_regions())
         for t, shard in zip(model.table_index, model.shards):

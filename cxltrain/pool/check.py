@@ -80,10 +80,10 @@ def _check_superblock_bounds(sb: Superblock, sb_size: int, entry_size: int, rese
         raise PoolCorruptError(f"pool is truncated: superblock says {sb.pool_size} bytes, file has {file_size}")
 
 
-def new_superblock(size: int, dir_capacity: int, region_align: int, row_align: int) -> Superblock:
+def new_superblock(size: int, dir_capacity: int, region_align: int, row_align: int, incompat: int = 0) -> Superblock:
     """The superblock of a new pool, held to the same bounds `open` checks (as a ConfigError)."""
     data_off = fmt.data_offset(max(dir_capacity, 1), max(region_align, 1))
-    sb = Superblock(fmt.FORMAT_VERSION, 0, 0, uuidlib.uuid4().bytes, size, time.time_ns(), fmt.ROOT_OFFSETS,
+    sb = Superblock(fmt.FORMAT_VERSION, incompat, 0, uuidlib.uuid4().bytes, size, time.time_ns(), fmt.ROOT_OFFSETS,
                     fmt.DIR_OFFSET, dir_capacity, data_off, region_align, row_align)
     if size < data_off:
         raise ConfigError(f"pool size {size} is too small: the metadata alone takes {data_off} bytes")
@@ -115,7 +115,7 @@ def read_root_slot(read: Reader, sb: Superblock, slot: int) -> SlotStatus:
                f"unknown flags {root.flags:#x}" if root.flags & ~fmt.ROOT_KNOWN_FLAGS else
                f"dir_count {root.dir_count} exceeds capacity {sb.dir_capacity}" if root.dir_count > sb.dir_capacity else
                f"batch {root.batches_done} is below -1" if root.batches_done < -1 else
-               f"dense slot {root.dense_slot} is not 0, 1 or 2" if root.dense_slot > 2 else
+               f"dense slot {root.dense_slot} is not 0, 1, 2 or 3" if root.dense_slot > 3 else
                f"dense batch {root.dense_batch} is negative" if root.dense_batch < 0 else "")
     if problem:
         return SlotStatus(slot, "corrupt", None, problem)

@@ -43,7 +43,10 @@ ROOT_OFFSETS = (4096, 8192)
 DIR_OFFSET = 12288
 
 # Incompatible feature bits: a pool with a bit this build does not know is refused.
-KNOWN_INCOMPAT_FEATURES = 0
+# A group rank's pool whose dense slots hold its slice of the replicated dense state (not all of it),
+# in three slots (docs/distributed.md): a build that would read a slice as the whole refuses it.
+INCOMPAT_DENSE_SLICES = 0x1
+KNOWN_INCOMPAT_FEATURES = INCOMPAT_DENSE_SLICES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +123,7 @@ ROOT = struct.Struct(
     "Q"    # ring_generation: undo records of any other generation are never live
     "Q"    # ring_start: byte offset, in the undo ring, of the oldest live record
     "Q"    # ring_start_seq: the sequence number the record at ring_start must carry
-    "I"    # dense_slot: 0 = no dense snapshot, 1 = slot A, 2 = slot B
+    "I"    # dense_slot: 0 = no dense snapshot, 1 = slot A, 2 = slot B, 3 = slot C (INCOMPAT_DENSE_SLICES)
     "I"    # zero
     "q"    # dense_batch: batches the named dense snapshot has seen
     "184s" # reserved, zero
@@ -135,7 +138,8 @@ ROOT_RESERVED_OFFSET = 64  # where the reserved bytes start (tests pin the layou
 # written before this flag existed included) must have them equal.
 ROOT_RELAXED = 1
 ROOT_KNOWN_FLAGS = ROOT_RELAXED
-SLOT_NAMES = ("A", "B")  # what the two root slots (and the two dense snapshot slots) are called
+SLOT_NAMES = ("A", "B")  # what the two root slots (and the first two dense snapshot slots) are called
+DENSE_SLOT_NAMES = ("A", "B", "C")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,8 +159,8 @@ class Root:
 
     @property
     def dense_slot_name(self) -> str | None:
-        """The dense snapshot slot this root names ("A" or "B"), None when it names none."""
-        return SLOT_NAMES[self.dense_slot - 1] if self.dense_slot else None
+        """The dense snapshot slot this root names ("A", "B" or "C"), None when it names none."""
+        return DENSE_SLOT_NAMES[self.dense_slot - 1] if self.dense_slot else None
 
     def pack(self, uuid: bytes, slot: int) -> bytes:
         body = ROOT.pack(self.seq, self.dir_count, self.flags, self.batches_done, self.ring_generation,

@@ -96,16 +96,18 @@ class Pool:
     # -- opening ----------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str, size: int | None = None, *, backend: str | None = None,
-               dir_capacity: int | None = None, region_align: int | None = None, mapper=None) -> "Pool":
+               dir_capacity: int | None = None, region_align: int | None = None, mapper=None,
+               incompat: int = 0) -> "Pool":
         """Create a new pool at `path`: a new file of `size` bytes, or a DAX character device
-        (all of it when size is None) that holds no cxltrain pool yet.
+        (all of it when size is None) that holds no cxltrain pool yet. incompat: its feature bits
+        (format.INCOMPAT_*), which a build that does not know one refuses.
 
         The superblock is written last: a crash during creation leaves a file that is refused as
         "not a cxltrain pool", never one that looks valid and is not.
         """
         layout = (dir_capacity or KNOBS.dir_capacity, region_align or KNOBS.region_align, KNOBS.row_align)
         # a file's size is known: refuse a bad layout before the file exists (a device's, once opened)
-        sb = new_superblock(size, *layout) if size is not None else None
+        sb = new_superblock(size, *layout, incompat) if size is not None else None
         target = open_target(path, size)
         lock_fd = -1
         try:
@@ -114,7 +116,7 @@ class Pool:
             lock_fd = lock_pool(path, writable=True)
             if target.existing and int.from_bytes(os.pread(target.fd, 8, 0), "little") == fmt.MAGIC:
                 raise PoolError(f"{path}: already holds a cxltrain pool")
-            sb = sb or new_superblock(target.size, *layout)
+            sb = sb or new_superblock(target.size, *layout, incompat)
             device = (mapper(path, target.fd, target.size) if mapper is not None
                       else map_device(path, target.fd, target.size, writable=True, backend=backend))
             pool = cls(path, target.fd, lock_fd, device, sb, Root(seq=0, dir_count=0, batches_done=-1), [])

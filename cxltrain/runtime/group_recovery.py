@@ -2,11 +2,13 @@
 
 Each rank's pool is at its own durable target T_r (its root), and its undo ring keeps the records
 of every batch at or above the agreed target its last commit knew (its snapshot's metadata
-"agreed": U3b). G = min T_r. A rank with T_r = G recovers as a single process does; a rank
-with T_r > G restores its records of batches >= G too, and takes the dense state at G from the
-lowest rank whose own snapshot is at G (the dense state is replicated: DDP keeps it identical on
-every rank) — written into its free dense slot before the root that names it. A rank whose ring
-no longer reaches G (G below what it kept) makes every rank refuse, before anything is written.
+"agreed": U3b); its dense slots keep its slices of the dense state of those batches (U3c,
+dense.free_slot): each rank's snapshot holds only its slice (checkpoint/dense_slices.py).
+G = min T_r. A rank with T_r = G recovers as a single process does; a rank with T_r > G restores
+its records of batches >= G too, and its root names its own slot holding its slice of G. A rank
+whose ring or dense slots no longer reach G makes every rank refuse, before anything is written.
+The whole dense state is put together afterwards from every rank's slice of G
+(AgreedMinimum.whole_dense online, whole_dense_of_dir offline).
 
 Online (`recover_group`, every rank of a starting run, over the process group) and offline
 (`recover_dir`, one process over the whole directory, for `cxltrain recover DIR` and export) run
@@ -20,14 +22,12 @@ import dataclasses
 import os
 import time
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
-from ..checkpoint import dense, has_checkpoint, layout, recover, roll_back, verify
-from ..checkpoint.codec import decode
+from ..checkpoint import dense, dense_slices, has_checkpoint, recover, roll_back, slots, verify
 from ..errors import CxlTrainError, RecoveryError
 from ..faults import CrashPoint
+from ..pool.format import INCOMPAT_DENSE_SLICES
 from ..pool.handle import Pool
 from . import manifest as run_dir
 
@@ -40,6 +40,7 @@ class RankState:
     target: int | None      # the root's batch (None: no pool, or no committed checkpoint)
     kept_from: int          # its ring keeps undo records of batches >= min(target, kept_from)
     error: str | None = None
+    slices: tuple[int, ...] | None = None  # the batches of its dense slices (None: not read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,13 @@ def inspect_rank(directory: str, rank: int, run_id: str) -> RankState:
             if meta.get("run") != run_id or meta.get("rank") != rank:
                 return RankState(rank, None, 0, f"{path}: is not rank {rank}'s pool of this run (it belongs to "
                                                 f"run {meta.get('run')} rank {meta.get('rank')})")
-            return RankState(rank, pool.root.batches_done, int(meta.get("agreed", 0)))
+            if not pool.superblock.incompat & INCOMPAT_DENSE_SLICES:
+                return RankState(rank, None, 0, f"{path}: holds the whole dense state, as a cxltrain before dense "
+                                                "slices wrote a rank's pool; recover, export or resume it with that "
+                                                "version")
+            held = tuple(sorted(b for b in slots.held_batches(pool).values()
+                                if b is not None and b <= pool.root.batches_done))
+            return RankState(rank, pool.root.batches_done, int(meta.get("agreed", 0)), slices=held)
     except CxlTrainError as e:
         return RankState(rank, None, 0, str(e))
 
@@ -88,40 +95,49 @@ def agree(states: list[RankState], directory: str) -> int | None:
             raise RecoveryError(f"rank {s.rank} cannot reach batch {g}: its pool is at batch {s.target} and keeps "
                                 f"undo records from batch {min(s.target, s.kept_from)} on; the ranks' pools "
                                 "cannot be reconciled")
+        if s.slices is not None and g not in s.slices:
+            raise RecoveryError(f"rank {s.rank} cannot reach batch {g}: its pool holds its dense slices of batches "
+                                f"{', '.join(map(str, s.slices))} only; the ranks' pools cannot be reconciled")
     return g
 
 
-def snapshot_payload(path: str) -> np.ndarray:
-    """The encoded dense snapshot the root of the pool at `path` names (checked), as bytes."""
-    with Pool.open(path, writable=False) as pool:
-        dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)  # the checks
-        region = dense.slot_region(pool, pool.root.dense_slot)
-        header = layout.unpack_dense_header(
-            pool.device.array[region.offset : region.offset + layout.DENSE_HEADER.size].tobytes(),
-            pool.superblock.uuid, pool.root.dense_slot)
-        start = region.offset + layout.DENSE_HEADER.size
-        return np.array(pool.device.array[start : start + header[1]])
-
-
-def roll_back_rank(path: str, g: int, payload: np.ndarray | None) -> tuple[int, int]:
-    """Bring the pool at `path` to batch g; returns (its target before, records restored).
-    payload: the dense snapshot at g (snapshot_payload of a rank at g), needed when the pool is past g."""
+def roll_back_rank(path: str, g: int) -> tuple[int, int]:
+    """Bring the pool at `path` to batch g, its root naming its own dense slice of g; returns (its
+    target before, records restored). Slices of batches past g are dropped once the root is durable."""
     with Pool.open(path) as pool:
         target = pool.root.batches_done
         if target == g:
             report, _ = recover(pool)
-            return target, report.records_restored
-        live, own = verify(pool)  # every check before the first write
-        tree = decode(payload)
-        if not isinstance(tree, dict) or tree.get("batch") != g:
-            raise RecoveryError(f"{path}: the dense state sent for batch {g} is not of batch {g}")
-        # where this rank's tables sit, and its own run description (with the ring's agreed target at g)
-        tree["tables"] = own["tables"]
-        tree["metadata"] = {**own["metadata"], "agreed": tree["metadata"].get("agreed", 0)}
-        slot = dense.free_slot(pool)
-        dense.write_snapshot(pool, slot, g, tree)  # the slot no root names: a crash here changes nothing
-        rollback, _ = roll_back(pool, g, live, dense_slot=slot, before_root=CrashPoint.DIST_RECOVER_BEFORE_ROOT)
-        return target, len(rollback)
+            restored = report.records_restored
+        else:
+            live, _ = verify(pool, decode=False)  # every check before the first write
+            slot = next((s for s, b in slots.held_batches(pool).items() if b == g), None)
+            if slot is None:
+                raise RecoveryError(f"{path}: holds no dense slice of batch {g}, the batch the ranks agreed on")
+            dense.read_snapshot(pool, slot, g)  # its checksum and shape
+            rollback, _ = roll_back(pool, g, live, dense_slot=slot, before_root=CrashPoint.DIST_RECOVER_BEFORE_ROOT)
+            restored = len(rollback)
+        dense.drop_abandoned_slices(pool)  # after the root naming g: a crash before it recovers again
+        return target, restored
+
+
+def whole_dense_of_dir(directory: str, world_size: int, own: int = 0, have: dict | None = None) -> dict:
+    """The whole dense snapshot of a run directory whose ranks are all at one batch: every rank's
+    slice (the one its root names), merged; the rest is rank `own`'s (`have`: its slice, already
+    read). RecoveryError (one line) for a slice missing or of another batch."""
+    trees = []
+    for r in range(world_size):
+        path = run_dir.pool_path(directory, r)
+        if r == own and have is not None:
+            trees.append(have)
+            continue
+        if not os.path.exists(path):
+            raise RecoveryError(f"{path}: is missing: rank {r}'s slice of the dense state is in it")
+        with Pool.open(path, writable=False) as pool:
+            if not has_checkpoint(pool):
+                raise RecoveryError(f"{path}: holds no dense slice: the dense state cannot be put together")
+            trees.append(dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch))
+    return dense_slices.merge(trees, own, directory)
 
 
 def recover_group(directory: str, rank: int, world_size: int, run_id: str, group=None) -> RankRecovery | None:
@@ -133,20 +149,7 @@ def recover_group(directory: str, rank: int, world_size: int, run_id: str, group
     g = agree(states, directory)
     if g is None:
         return None
-    payload = None
-    if any(s.target > g for s in states):
-        source = min(s.rank for s in states if s.target == g)
-        size = torch.zeros(1, dtype=torch.int64)
-        data = None
-        if rank == source:
-            data = torch.from_numpy(snapshot_payload(run_dir.pool_path(directory, rank)))
-            size[0] = data.numel()
-        dist.broadcast(size, source, group=group)
-        if data is None:
-            data = torch.empty(int(size[0]), dtype=torch.uint8)
-        dist.broadcast(data, source, group=group)
-        payload = data.numpy()
-    target, restored = roll_back_rank(run_dir.pool_path(directory, rank), g, payload if state.target > g else None)
+    target, restored = roll_back_rank(run_dir.pool_path(directory, rank), g)
     dist.barrier(group=group)
     return RankRecovery(rank, target, g, restored, time.perf_counter() - started)
 
@@ -160,13 +163,9 @@ def recover_dir(directory: str) -> list[RankRecovery]:
     g = agree(states, directory)
     if g is None:
         raise RecoveryError(f"{directory}: holds no committed checkpoint to recover")
-    payload = None
-    if any(s.target > g for s in states):
-        source = min(s.rank for s in states if s.target == g)
-        payload = snapshot_payload(run_dir.pool_path(directory, source))
     done = []
     for s in states:
         started = time.perf_counter()
-        target, restored = roll_back_rank(run_dir.pool_path(directory, s.rank), g, payload if s.target > g else None)
+        target, restored = roll_back_rank(run_dir.pool_path(directory, s.rank), g)
         done.append(RankRecovery(s.rank, target, g, restored, time.perf_counter() - started))
     return done

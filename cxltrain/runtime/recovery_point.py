@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import codec, dense_slices, slots
 from ..faults import CrashPoint, PlantedDist, crash_point, planted
 from . import manifest as run_dir
 from .group_recovery import RankRecovery, recover_group
@@ -30,6 +31,11 @@ class OwnBatch:
     """One process: the recovery point is the batch its own durable root names."""
 
     lag_batches = 0  # batches a commit's records outlive it by, beyond the process's own commits
+    dense_slice = None  # its snapshots hold the whole dense state
+
+    def whole_dense(self, pool, snapshot: dict) -> dict:
+        """The dense state to restore: the pool's snapshot is all of it."""
+        return snapshot
 
     def snapshot_metadata(self, metadata: dict | None) -> tuple[dict | None, dict | None]:
         """(metadata a resumed pool's must equal, metadata stored with every snapshot)."""
@@ -63,15 +69,26 @@ class AgreedMinimum:
         self.directory, self.rank, self.world_size = directory, rank, world_size
         self.manifest, self.fresh, self.agree_each_batch = manifest, fresh, agree_each_batch
         self.recovered: RankRecovery | None = None
+        self.dense_slice = (rank, world_size)  # its snapshots hold its slice (checkpoint/dense_slices.py)
+
+    def whole_dense(self, pool, snapshot: dict) -> dict:
+        """The dense state to restore: every rank's slice of the batch all are at (G), gathered by one
+        collective (under the group's timeout) and merged; `snapshot` is this rank's."""
+        raw = slots.checked_payload(pool, pool.root.dense_slot, pool.root.dense_batch).tobytes()
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, raw)
+        trees = [snapshot if r == self.rank else codec.decode(b) for r, b in enumerate(every)]
+        return dense_slices.merge(trees, self.rank, pool.path)
 
     @property
     def pool_path(self) -> str:
         return run_dir.pool_path(self.directory, self.rank)
 
     def snapshot_metadata(self, metadata: dict | None) -> tuple[dict | None, dict]:
-        """The manifest checks the run's settings; the snapshots name the run and the rank, and
-        carry the last agreed G (which moves: no equality check on resume)."""
-        return None, {"run": self.manifest["run"], "rank": self.rank, "agreed": 0}
+        """The manifest checks the run's settings; the snapshots name the run, the rank and how many
+        slices the dense state is cut into, and carry the last agreed G (which moves: no equality
+        check on resume)."""
+        return None, {"run": self.manifest["run"], "rank": self.rank, "agreed": 0, "slices": self.world_size}
 
     def before_open(self) -> None:
         """Every rank agrees on G and rolls its pool back to it, before any rank opens its own."""

@@ -56,11 +56,12 @@ from ..errors import ConfigError, CxlTrainError, PoolError, RecoveryError
 from ..knobs import KNOBS
 from ..modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
 from ..placement import planner
-from ..pool.format import RegionKind, pool_size_for
+from ..pool.format import INCOMPAT_DENSE_SLICES, RegionKind, pool_size_for
 from ..pool.handle import Pool, RegionSpec, publish, remove_stale
 from ..tables import cache as hot_cache
 from ..tables.bag import PersistentEmbeddingBag, name_unnamed, pool_holds, refuse_optimized_tables, region_names
 from . import tiers as tiering
+from .group_recovery import whole_dense_of_dir
 from .recovery_point import AgreedMinimum, OwnBatch
 from .streamed_save import Streamed
 
@@ -203,7 +204,8 @@ class Runtime:
                        dense_slot_bytes or _default_slot_bytes(model))
         self.pool: Pool | None = None
         self._state = dense.DenseState(model, self.optimizers, self.schedulers,
-                                       {path: t.name for path, t in self.tables.items()}, stored_metadata)
+                                       {path: t.name for path, t in self.tables.items()}, stored_metadata,
+                                       self.recovery_point.dense_slice)
         self._reset()
 
     def _checked_hot_rows(self, hot_rows: dict) -> dict:
@@ -248,7 +250,8 @@ class Runtime:
             remove_stale(building)  # its errors are about that file: they name it
             self.tiers.check_new()
         try:
-            pool = (Pool.create(building, self.pool_bytes(), backend=self.backend) if created
+            pool = (Pool.create(building, self.pool_bytes(), backend=self.backend, incompat=self.pool_incompat)
+                    if created
                     else Pool.open(self.path, backend=self.backend))
             if created:
                 self.tiers.create_members(pool, self._table_specs(fast=False))
@@ -311,8 +314,14 @@ class Runtime:
 
     def _specs(self) -> list[RegionSpec]:
         _, ring_bytes, slot_bytes = self._sizes
+        slot_names = layout.DENSE_REGIONS + ((layout.SLICE_REGION,) if self.recovery_point.dense_slice else ())
         return [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (ring_bytes,)),
-                *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in layout.DENSE_REGIONS)]
+                *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in slot_names)]
+
+    @property
+    def pool_incompat(self) -> int:
+        """The feature bits of a pool this Runtime creates: a group rank's holds dense slices."""
+        return INCOMPAT_DENSE_SLICES if self.recovery_point.dense_slice else 0
 
     def ring_bytes(self) -> int:
         """The undo ring a new pool gets: room for the records of the largest batch this Runtime's
@@ -417,7 +426,8 @@ class Runtime:
 
     def _resume(self, pool: Pool) -> None:
         started = time.perf_counter()
-        snapshot = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)
+        own = dense.read_snapshot(pool, pool.root.dense_slot, pool.root.dense_batch)
+        snapshot = self.recovery_point.whole_dense(pool, own)  # a group rank's: every rank's slice, gathered
         stored = snapshot["metadata"]
         if self.metadata is not None:
             differ = sorted(k for k in set(stored) | set(self.metadata)
@@ -429,7 +439,7 @@ class Runtime:
         self._state.check(snapshot, pool.path)  # a snapshot of another model is refused before recovery writes
         for table in self.tables.values():
             table.attach(pool, initialize=False)
-        report, _ = recover(pool, snapshot)
+        report, _ = recover(pool, own)
         # the rate a group was built with: an LR scheduler keeps it as initial_lr and moves lr itself
         built_lrs = [[group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]
                      for optimizer in self.optimizers]
@@ -648,7 +658,7 @@ def open_export(path: str) -> Iterator[dict]:
     with Pool.open(path, writable=False) as pool:
         rollback, snapshot = _records_to_roll_back(pool)
         if not rollback:
-            yield _exported(pool, pool.root.batches_done, snapshot)
+            yield _exported(pool, pool.root.batches_done, _whole_dense(pool, snapshot))
             return
     if not os.access(path, os.W_OK):
         raise RecoveryError(f"{path}: {rollback} undo record(s) must be rolled back in place before it can be "
@@ -656,7 +666,16 @@ def open_export(path: str) -> Iterator[dict]:
                             "a user who may write it)")
     with Pool.open(path) as pool:
         report, snapshot = recover(pool)
-        yield _exported(pool, report.batch, snapshot)
+        yield _exported(pool, report.batch, _whole_dense(pool, snapshot))
+
+
+def _whole_dense(pool: Pool, snapshot: dict) -> dict:
+    """The pool's dense snapshot whole: a group rank's pool holds only its slice, the others' are in
+    the other rank pools of its directory (each at the same batch: `cxltrain recover DIR` first)."""
+    if not pool.superblock.incompat & INCOMPAT_DENSE_SLICES:
+        return snapshot
+    meta = snapshot["metadata"]
+    return whole_dense_of_dir(os.path.dirname(pool.path), meta["slices"], own=meta["rank"], have=snapshot)
 
 
 def materialized(state):
