@@ -88,7 +88,7 @@ class TierRow(Record):
     ratio: float                           # ms per step / the baseline's
     read_bytes_per_batch: float            # from block storage: the capacity tier
     written_bytes_per_batch: float
-    pages_prefetched_per_batch: float      # cold rows' pages read ahead (0 without a capacity pool)
+    pages_prefetched_per_batch: float      # cold rows' pages the prefetcher saw: read ahead, or held already (0 without a capacity pool)
     hit_rate: float | None = None          # the hot-row cache's share of the lookups (None: no cache)
 
 
@@ -104,7 +104,8 @@ class TiersResult(Record):
 
 
 def _io_counters(rt) -> dict[str, float]:
-    counters = {"pages": float(rt.prefetcher.pages_read) if rt.prefetcher is not None else 0.0,
+    prefetcher = rt.prefetcher
+    counters = {"pages": float(prefetcher.pages_read + prefetcher.pages_resident) if prefetcher is not None else 0.0,
                 "hits": float(sum(s.hits for s in rt.cache_stats.values())),
                 "lookups": float(sum(s.lookups for s in rt.cache_stats.values()))}
     counters.update((name, float(value)) for name, value in storage_io().items())
