@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cxltrain import knobs
+from cxltrain.checkpoint.stats import summary_line
 from cxltrain.errors import CxlTrainError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
@@ -203,6 +204,17 @@ def test_a_stealing_set_killed_between_write_backs_is_redone_bit_exactly(folders
     kill (batch 2 committed, or batch 3 half-updated); the crash model has lost every cold row's page
     write, and recovery redoes the committed batches from their redo records."""
     assert_same_export(killed_and_resumed(*folders, point, write_back_every=8), reference)
+
+
+def test_a_stealing_run_counts_its_last_write_back(folders):
+    """Written back at batch 4 (every 4) and by the run's last commit at 6, which the block's exit
+    makes after the timed batches: both counted in the summary, and named in its line."""
+    primary, capacity = os.path.join(folders[0], "counted.pool"), os.path.join(folders[1], "counted.cap")
+    result = train(dataclasses.replace(CONFIG, steps=6, capacity_pool=capacity, write_back_every=4),
+                   pool_path=primary, progress=False)
+    stats = result.checkpoint.stats
+    assert stats["write_backs"] == 2 and stats["commits"] == 7, stats
+    assert summary_line(stats).endswith(", 2 capacity write-backs")
 
 
 # every 2 batches: the commit naming batch 2 writes back (its 2nd sync: the 1st is the new set's)
