@@ -30,6 +30,7 @@ from cxltrain.runtime.group import join_group
 from cxltrain.runtime.group_recovery import roll_back_rank, snapshot_payload
 from cxltrain.runtime.recovery_point import AgreedMinimum
 from cxltrain.runtime.runtime import Runtime, export_state
+from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import assert_same_export, bare_set, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
@@ -204,6 +205,17 @@ def test_a_stealing_set_killed_between_write_backs_is_redone_bit_exactly(folders
     kill (batch 2 committed, or batch 3 half-updated); the crash model has lost every cold row's page
     write, and recovery redoes the committed batches from their redo records."""
     assert_same_export(killed_and_resumed(*folders, point, write_back_every=8), reference)
+
+
+def test_a_new_set_s_ring_has_room_for_each_capacity_table_s_redo_record(tmp_path):
+    """A cold row's redo record (its new values) sits in the ring beside its undo record."""
+    def ring(capacity_tables) -> int:
+        tables = {name: PersistentEmbeddingBag(1_000_000, 64, name=name) for name in ("a", "b")}
+        return Runtime(str(tmp_path / "p.pool"), torch.nn.ModuleDict(tables), [], rows_per_batch=100_000,
+                       capacity_pool=str(tmp_path / "p.cap"), capacity_tables=capacity_tables).ring_bytes()
+
+    one_pool = ring([])
+    assert ring(["a"]) == one_pool * 3 // 2 and ring(["a", "b"]) == 2 * one_pool
 
 
 def test_a_stealing_run_counts_its_last_write_back(folders):

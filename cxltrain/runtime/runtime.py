@@ -319,8 +319,11 @@ class Runtime:
         tables can make (each table: at most rows_per_batch rows, at most the table, twice for a
         max_norm table: its renorm's record in forward, its update's in backward; a cached
         table's slots twice more, for the admission's record and the hits' in the first batch, and
-        its evicted rows once more when it re-places), times the batches a commit keeps: up to
-        dense_every (at most 4) and the one in flight, and in a group those G trails by. The
+        its evicted rows once more when it re-places; a capacity table's updated rows once more,
+        for their redo record, which a set that steals writes each batch and keeps until the next
+        write-back: counted for every set, since a resumed run may steal), times the batches a
+        commit keeps: up to dense_every (at most 4) and the one in flight, and in a group those G
+        trails by (a stealing set writes back early when the ring is half full). The
         `undo_ring_bytes` knob, when set, decides instead; without rows_per_batch, 64 MiB."""
         if KNOBS.undo_ring_bytes:
             return KNOBS.undo_ring_bytes
@@ -331,6 +334,7 @@ class Runtime:
             columns = table.optimizer.state_columns
             spec = table.region_specs()[0]
             records = 1 if table.max_norm is None else 2
+            records += not self.tiers.is_fast(table)  # its redo record (docs/tiers.md, Steal, no force)
             largest += records * record_bytes(min(table.num_embeddings, self._rows_per_batch),
                                               spec.row_stride(KNOBS.row_align), columns * 4)
             if table.name in self._hot:
