@@ -7,10 +7,12 @@ turns in blocks of a few steps (cxltrain.bench.paired.paired_runs), so the load 
 on all of them alike:
 
     fast          all tables in the fast tier (one pool: the baseline)
-    capacity      every table in the capacity pool on the disk, no cache, every batch durable
+    capacity      every table in the capacity pool on the disk, no cache, every batch durable (with
+                  the default write-back interval, as cache-2%)
     capacity-off  the same with checkpoint off: what per-batch durability costs on the tiered set
     cache-2%      every table in the capacity pool, its hottest 2% of rows in the hot-row cache
-    cache-10%     the same with 10% of the rows cached (cache.py), every batch durable
+    cache-10%     the same with 10% of the rows cached (cache.py), every batch durable, the capacity
+                  pages synced at every commit
     steal-10%     the same, the capacity pages written back every STEAL_EVERY batches, the cold rows
                   durable by redo records in the fast tier in between (docs/tiers.md "Steal, no force")
 
