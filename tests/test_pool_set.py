@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cxltrain import knobs
+from cxltrain.checkpoint.stats import summary_line
 from cxltrain.errors import CxlTrainError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
@@ -29,6 +30,7 @@ from cxltrain.runtime.group import join_group
 from cxltrain.runtime.group_recovery import roll_back_rank
 from cxltrain.runtime.recovery_point import AgreedMinimum
 from cxltrain.runtime.runtime import Runtime, export_state
+from cxltrain.tables.bag import PersistentEmbeddingBag
 from helpers import assert_same_export, bare_set, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
@@ -203,6 +205,28 @@ def test_a_stealing_set_killed_between_write_backs_is_redone_bit_exactly(folders
     kill (batch 2 committed, or batch 3 half-updated); the crash model has lost every cold row's page
     write, and recovery redoes the committed batches from their redo records."""
     assert_same_export(killed_and_resumed(*folders, point, write_back_every=8), reference)
+
+
+def test_a_new_set_s_ring_has_room_for_each_capacity_table_s_redo_record(tmp_path):
+    """A cold row's redo record (its new values) sits in the ring beside its undo record."""
+    def ring(capacity_tables) -> int:
+        tables = {name: PersistentEmbeddingBag(1_000_000, 64, name=name) for name in ("a", "b")}
+        return Runtime(str(tmp_path / "p.pool"), torch.nn.ModuleDict(tables), [], rows_per_batch=100_000,
+                       capacity_pool=str(tmp_path / "p.cap"), capacity_tables=capacity_tables).ring_bytes()
+
+    one_pool = ring([])
+    assert ring(["a"]) == one_pool * 3 // 2 and ring(["a", "b"]) == 2 * one_pool
+
+
+def test_a_stealing_run_counts_its_last_write_back(folders):
+    """Written back at batch 4 (every 4) and by the run's last commit at 6, which the block's exit
+    makes after the timed batches: both counted in the summary, and named in its line."""
+    primary, capacity = os.path.join(folders[0], "counted.pool"), os.path.join(folders[1], "counted.cap")
+    result = train(dataclasses.replace(CONFIG, steps=6, capacity_pool=capacity, write_back_every=4),
+                   pool_path=primary, progress=False)
+    stats = result.checkpoint.stats
+    assert stats["write_backs"] == 2 and stats["commits"] == 7, stats
+    assert summary_line(stats).endswith(", 2 capacity write-backs")
 
 
 # every 2 batches: the commit naming batch 2 writes back (its 2nd sync: the 1st is the new set's)

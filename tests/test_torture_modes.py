@@ -51,8 +51,10 @@ def set_trial(set_references):
             if set_references:
                 torture.references = set_references[0]
             set_references[:] = [torture.references]
+            # synced at every commit (forcing): a stealing set's redo records would cover a skipped sync
             torture.plan = lambda n: TrialPlan(n, "point", AFTER_ROOT, 0.0, None, 1, False,
-                                               {**torture.device.knobs(0), "threads": 1, "capacity_crash": 1})
+                                               {**torture.device.knobs(0), "threads": 1, "capacity_crash": 1,
+                                                "write_back_every": 1})
             return torture.run_trial(0)
 
     yield run

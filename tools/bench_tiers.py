@@ -7,10 +7,12 @@ turns in blocks of a few steps (cxltrain.bench.paired.paired_runs), so the load 
 on all of them alike:
 
     fast          all tables in the fast tier (one pool: the baseline)
-    capacity      every table in the capacity pool on the disk, no cache, every batch durable
+    capacity      every table in the capacity pool on the disk, no cache, every batch durable (with
+                  the default write-back interval, as cache-2%)
     capacity-off  the same with checkpoint off: what per-batch durability costs on the tiered set
     cache-2%      every table in the capacity pool, its hottest 2% of rows in the hot-row cache
-    cache-10%     the same with 10% of the rows cached (cache.py), every batch durable
+    cache-10%     the same with 10% of the rows cached (cache.py), every batch durable, the capacity
+                  pages synced at every commit
     steal-10%     the same, the capacity pages written back every STEAL_EVERY batches, the cold rows
                   durable by redo records in the fast tier in between (docs/tiers.md "Steal, no force")
 
@@ -88,7 +90,7 @@ class TierRow(Record):
     ratio: float                           # ms per step / the baseline's
     read_bytes_per_batch: float            # from block storage: the capacity tier
     written_bytes_per_batch: float
-    pages_prefetched_per_batch: float      # cold rows' pages read ahead (0 without a capacity pool)
+    pages_prefetched_per_batch: float      # cold rows' pages the prefetcher saw: read ahead, or held already (0 without a capacity pool)
     hit_rate: float | None = None          # the hot-row cache's share of the lookups (None: no cache)
 
 
@@ -104,7 +106,8 @@ class TiersResult(Record):
 
 
 def _io_counters(rt) -> dict[str, float]:
-    counters = {"pages": float(rt.prefetcher.pages_read) if rt.prefetcher is not None else 0.0,
+    prefetcher = rt.prefetcher
+    counters = {"pages": float(prefetcher.pages_read + prefetcher.pages_resident) if prefetcher is not None else 0.0,
                 "hits": float(sum(s.hits for s in rt.cache_stats.values())),
                 "lookups": float(sum(s.lookups for s in rt.cache_stats.values()))}
     counters.update((name, float(value)) for name, value in storage_io().items())

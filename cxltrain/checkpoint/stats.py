@@ -60,4 +60,10 @@ def summary_line(stats: dict) -> str:
     return (f"checkpoint: training thread waited {stats['wait_ms_per_batch']:.2f} ms/batch, "
             f"{stats['bytes_persisted_per_batch'] / 2**20:.2f} MiB persisted/batch, commit lag "
             f"{stats['commit_lag_mean']:.2f} batches (max {stats['commit_lag_max']}), {stats['commits']} commits, "
-            f"{stats['snapshots']} dense snapshots")
+            f"{stats['snapshots']} dense snapshots" + _write_backs(stats))
+
+
+def _write_backs(stats: dict) -> str:
+    """A stealing pool set's write-backs (commits that synced the capacity pools), when it deferred any."""
+    every = stats.get("write_backs", 0)
+    return f", {every} capacity write-backs" if every and every < stats["commits"] else ""

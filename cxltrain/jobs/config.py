@@ -155,7 +155,7 @@ class TrainConfig:
     write_back_every: int | None = option(None, "--write-back-every",
                                           "with --capacity-pool: write the capacity pages back and sync them every "
                                           "N batches; commits in between make the cold rows durable by redo records "
-                                          "in the fast tier (docs/tiers.md; 1: sync at every commit)",
+                                          "in the fast tier (docs/tiers.md; default 16, the knob's; 1: sync at every commit)",
                                           kind="positive", metavar="N")
     cache_replace_every: int = option(0, "--cache-replace-every",
                                       "re-place the hot-row caches every N batches from the lookups counted since "

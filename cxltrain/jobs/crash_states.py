@@ -230,7 +230,10 @@ def _enumerate(work: str, pool_set: bool, before: int, plant: str, seed: int, ex
 
     primary = os.path.join(work, "enumerated.pool")
     capacity = os.path.join(work, "enumerated.cap") if pool_set else None
-    config = dataclasses.replace(config, capacity_pool=capacity, fast_bytes=0 if pool_set else None)
+    # a set's enumerated commit syncs its capacity pool (forcing): a stealing set's run would end
+    # with one more commit, its write-back, than the two recorded
+    config = dataclasses.replace(config, capacity_pool=capacity, fast_bytes=0 if pool_set else None,
+                                 write_back_every=1 if pool_set else config.write_back_every)
     seen: dict = {}
 
     def record(rt) -> None:

@@ -240,6 +240,11 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
         if on_ready is not None:
             on_ready(rt)
         result = run_steps(config, LocalStep(model, rt.optimizers), data, rt, progress, stop)
+    if result is not None and rt.stats is not None:
+        # the block's exit made the run's last commit (on a stealing set, its last write-back):
+        # counted with the rest; the timings stay the timed batches'
+        final = rt.stats
+        result.checkpoint.stats.update(commits=final.commits, snapshots=final.snapshots, write_backs=final.write_backs)
     if result is None:  # after the block: its normal exit has committed the batches done
         raise TrainingStopped(f"stopped by SIGTERM at a batch boundary; {rt.path} is committed at batch "
                               f"{rt.batch} (run the same command to resume)")

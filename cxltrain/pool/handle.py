@@ -92,6 +92,7 @@ class Pool:
         self._closed = False
         self._failed: str | None = None  # set when a commit failed part-way: the handle refuses all use
         self.members: list[Pool] = []  # a pool set's capacity pools, opened with it (pool_set.py)
+        self._set_regions_cache: tuple[tuple, dict[str, Region]] | None = None
 
     # -- opening ----------------------------------------------------------------------------
     @classmethod
@@ -198,9 +199,14 @@ class Pool:
             raise PoolError(f"{self.path}: no region named {name!r}") from None
 
     def _set_regions(self) -> dict[str, Region]:
-        return {r.name: dataclasses.replace(r, index=pool_set.set_index(k, r.index))
+        # kept while the members and their region counts stay: the hot path asks for these every batch
+        key = tuple((id(member), len(member._regions)) for member in self.members)
+        if self._set_regions_cache is None or self._set_regions_cache[0] != key:
+            self._set_regions_cache = key, {
+                r.name: dataclasses.replace(r, index=pool_set.set_index(k, r.index))
                 for k, member in enumerate(self.members) for r in member._regions.values()
                 if r.name != pool_set.MEMBER_REGION}
+        return self._set_regions_cache[1]
 
     def device_for(self, region: Region) -> Device:
         """The device that holds `region` (a region of this pool, or of a member of its set)."""

@@ -125,7 +125,8 @@ class Runtime:
             docs/tiers.md), filled by the first batch. An existing set keeps its cache: hot rows given
             for it must be as many as it caches, per table, or it is refused.
         write_back_every: a pool set's capacity pages written back every this many batches, its cold
-            rows durable by redo records in between (docs/tiers.md); None: the write_back_every knob.
+            rows durable by redo records in between (docs/tiers.md); None: the write_back_every knob
+            (1 for a rank of a group).
         cache_replace_every: re-place the hot-row caches every this many batches from the lookups
             counted since (cache.HotRowCache.replace; 0: the hot list stays). Not stored: a run may
             change it; where rows are cached never changes a value.
@@ -182,8 +183,8 @@ class Runtime:
         self.checkpoint_options = CheckpointOptions(dense_every=dense_every, mode=mode, pipeline=self.pipeline,
                                                     background_capture=self.background_capture,
                                                     fused_capture=bool(fused_capture),
-                                                    write_back_every=(KNOBS.write_back_every if write_back_every is None
-                                                                      else write_back_every),
+                                                    write_back_every=_write_back_every(write_back_every,
+                                                                                       recovery_point),
                                                     **({"undo_chunk_rows": KNOBS.undo_chunk_rows}
                                                        if KNOBS.undo_chunk_rows else {}))
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
@@ -328,8 +329,11 @@ class Runtime:
         tables can make (each table: at most rows_per_batch rows, at most the table, twice for a
         max_norm table: its renorm's record in forward, its update's in backward; a cached
         table's slots twice more, for the admission's record and the hits' in the first batch, and
-        its evicted rows once more when it re-places), times the batches a commit keeps: up to
-        dense_every (at most 4) and the one in flight, and in a group those G trails by. The
+        its evicted rows once more when it re-places; a capacity table's updated rows once more,
+        for their redo record, which a set that steals writes each batch and keeps until the next
+        write-back: counted for every set, since a resumed run may steal), times the batches a
+        commit keeps: up to dense_every (at most 4) and the one in flight, and in a group those G
+        trails by (a stealing set writes back early when the ring is half full). The
         `undo_ring_bytes` knob, when set, decides instead; without rows_per_batch, 64 MiB."""
         if KNOBS.undo_ring_bytes:
             return KNOBS.undo_ring_bytes
@@ -340,6 +344,7 @@ class Runtime:
             columns = table.optimizer.state_columns
             spec = table.region_specs()[0]
             records = 1 if table.max_norm is None else 2
+            records += not self.tiers.is_fast(table)  # its redo record (docs/tiers.md, Steal, no force)
             largest += records * record_bytes(min(table.num_embeddings, self._rows_per_batch),
                                               spec.row_stride(KNOBS.row_align), columns * 4)
             if table.name in self._hot:
@@ -595,6 +600,15 @@ class Runtime:
                 self.prefetcher.close()
                 self.prefetcher = None
             pool.close()
+
+
+def _write_back_every(asked: int | None, recovery_point) -> int:
+    """The write-back interval a Runtime's set gets: the one asked for, else the knob's (which
+    steals), except for a rank of a group: its roll-back to the agreed target (group_recovery.py)
+    is built and tested on sets that sync at every commit."""
+    if asked is not None:
+        return asked
+    return 1 if isinstance(recovery_point, AgreedMinimum) else KNOBS.write_back_every
 
 
 def persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
