@@ -66,11 +66,17 @@ MODES = ("single", "set", "ranks")
 # the registry's, so a point added there is tortured here.
 PROTOCOL_POINTS = dict(CrashPoint.REACHED_PER)
 # a pool set reaches the set's points too, and its cache's: admission fills each table's slots in
-# two halves (at the start and at each re-placement), a re-placement writes each table's evicted rows back
+# two halves (at the start and at each re-placement), a re-placement writes each table's evicted rows back;
+# the capacity write-back's points are reached at most once a commit (every commit when forcing)
 SET_POINTS = {**PROTOCOL_POINTS, **CrashPoint.SET_REACHED_PER, CrashPoint.CACHE_MID_ADMISSION: "admissions",
-              CrashPoint.CACHE_AFTER_WRITE_BACK: "replacements"}
+              CrashPoint.CACHE_AFTER_WRITE_BACK: "replacements", CrashPoint.CAPACITY_MID_WRITE_BACK: "commits",
+              CrashPoint.CAPACITY_BEFORE_SYNC: "commits", CrashPoint.COMMIT_AFTER_WRITE_BACK: "commits"}
 SET_CACHE_ROWS, SET_REPLACE_EVERY = 300, 4  # 10% of each table's rows, re-placed every 4 batches
+# A set trial forces (writes the capacity pages back at every commit) or steals with a write-back
+# every 3 batches, so that a 10-batch run reaches several write-backs and redo records live between them.
+SET_WRITE_BACK_EVERY = (1, 3)
 RECOVERY_POINTS = CrashPoint.RECOVERY
+SET_RECOVERY_POINTS = (*CrashPoint.RECOVERY, CrashPoint.RECOVER_MID_REDO)
 FLUSH_POINT = CrashPoint.DEVICE_FLUSH
 
 
@@ -347,11 +353,13 @@ class Torture:
             point = rng.choice(sorted(self.points))
             crash_at = f"{point}:{rng.randint(1, max(1, per[self.points[point]]))}"
             if kind == "recovery":
-                recover_at = rng.choice(RECOVERY_POINTS)
+                recover_at = rng.choice(SET_RECOVERY_POINTS if self.disk_work else RECOVERY_POINTS)
         trial_knobs = {**self.device.knobs(rng.randrange(1 << 31)), "threads": 1,
                        "undo_ring_bytes": (SET_SMALL_RING_BYTES if self.disk_work else SMALL_RING_BYTES) if small_ring else 0,
                        **({"capacity_crash": 1} if self.disk_work else {})}
         background = rng.random() < 0.25
+        if self.disk_work:  # drawn last: a single pool's plans stay what their seeds gave before
+            trial_knobs["write_back_every"] = rng.choice(SET_WRITE_BACK_EVERY)
         return TrialPlan(number, kind, crash_at, delay, recover_at, dense_every, small_ring, trial_knobs, background)
 
     def _config(self, plan: TrialPlan) -> TrainConfig:
