@@ -260,6 +260,7 @@ class Runtime:
                     pool.add_regions(self._table_specs(fast=True) + self._cache_specs())
                 if self.plan is not None and self.tiers.capacity_path:
                     planner.store_plan(pool, self.plan)
+                self.recovery_point.created(pool)
             else:
                 self.tiers.check_open(pool)
                 self._check_plan(pool)
@@ -375,6 +376,7 @@ class Runtime:
         sizes += [spec.nbytes(KNOBS.row_align) for spec in self._cache_specs()]
         if self.plan is not None and self.tiers.capacity_path:
             sizes.append(planner.PLAN_BYTES)
+        sizes += self.recovery_point.extra_bytes()
         return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align)
 
     def _setup(self, pool: Pool) -> None:
