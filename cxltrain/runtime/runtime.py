@@ -45,6 +45,7 @@ from ..checkpoint import (
     has_checkpoint,
     layout,
     pending,
+    pending_words,
     recover,
     verify,
 )
@@ -641,10 +642,12 @@ def _default_slot_bytes(model: nn.Module) -> int:
 # recover_pool and check_checkpoint (re-exported above) are checkpoint/offline.py's: they need no torch.
 
 
-def _records_to_roll_back(pool: Pool) -> tuple[int, dict]:
-    """(live undo records recovery would restore, the checked dense snapshot); writes nothing."""
+def _records_to_roll_back(pool: Pool) -> tuple[str | None, dict]:
+    """(the live records recovery would write back, in words, or None for none; the checked dense
+    snapshot); writes nothing."""
     live, snapshot = verify(pool)
-    return pending(live, pool.root.batches_done), snapshot
+    target = pool.root.batches_done
+    return (pending_words(live, target) if pending(live, target) else None), snapshot
 
 
 def export_state(path: str) -> dict:
@@ -669,7 +672,8 @@ def open_export(path: str) -> Iterator[dict]:
     chunk whatever the tables' size. The pool stays open inside the block.
 
     A pool with nothing to roll back is read, never written (read-only access is enough); one with
-    undo records to roll back is recovered in place first, which needs write access.
+    undo records to roll back (or a set's redo records to apply) is recovered in place first, which
+    needs write access.
     """
     with Pool.open(path, writable=False) as pool:
         rollback, snapshot = _records_to_roll_back(pool)
@@ -677,7 +681,7 @@ def open_export(path: str) -> Iterator[dict]:
             yield _exported(pool, pool.root.batches_done, _whole_dense(pool, snapshot))
             return
     if not os.access(path, os.W_OK):
-        raise RecoveryError(f"{path}: {rollback} undo record(s) must be rolled back in place before it can be "
+        raise RecoveryError(f"{path}: {rollback} in place before it can be "
                             "exported, which needs write access to the pool (run `cxltrain recover` on it as "
                             "a user who may write it)")
     with Pool.open(path) as pool:
