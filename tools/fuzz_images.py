@@ -1,6 +1,7 @@
 """Damaged images through every command that reads them, counted (docs/testing.md):
 
     python tools/fuzz_images.py N [--seed S] [--json]
+    python tools/fuzz_images.py N --seed S --image K      # replay image K of that run
 
 A lab instrument, not a `cxltrain` command: it measures how the commands meet damage (users never
 need it for their own pools), and it drives the command line in this process as any caller of
@@ -24,7 +25,8 @@ Counted per image:
              state is not, bit for bit, an uninterrupted run's of the batch it names; or `train`
              succeeds where `export` refused; or a refused command changed the files or left output
   rows       `export` succeeds and differs only where the damage hit table rows (weights, optimizer
-             state, a cache's slots and its row map): no checksum covers rows by design
+             state, a cache's slots and its row map; a truncation, those past the cut, which read
+             as zeros once the file is extended again): no checksum covers rows by design
              (docs/testing.md), so these are counted apart, not as silent
   several    a refusal of `pool info`, `recover`, `export` or `train` longer than one line
 
