@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 
+from cxltrain.errors import PoolCorruptError
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import train as train_here
 from cxltrain.pool.info import inspect
-from cxltrain.pool.shard_format import SHARD_REGION
+from cxltrain.pool.shard_format import SHARD_BYTES, SHARD_REGION, pack_shard, shard_json
 from cxltrain.runtime import manifest as run_dir
 from cxltrain.runtime import shard_record
 from helpers import cxltrain, shm_tempdir
@@ -135,3 +136,16 @@ def test_an_older_run_folder_is_still_read(run):
         assert done.returncode == 0 and "batch 6" in done.stdout, done
     finally:
         open(manifest_path, "w").write(saved)
+
+
+def test_a_record_of_a_shard_reads_back_and_a_damaged_or_foreign_one_is_refused():
+    record = {"run": "r", "rank": 1, "world_size": 2, "tables": [{"name": "t1", "kind": "row-wise", "rows": [5, 9]}]}
+    uuid = bytes(range(16))
+    raw = pack_shard(record, uuid)
+    assert len(raw) == SHARD_BYTES and shard_json(raw, uuid) == record
+    damaged = bytearray(raw)
+    damaged[30] ^= 1
+    with pytest.raises(PoolCorruptError, match="record of its own shard .* is damaged"):
+        shard_json(bytes(damaged), uuid)
+    with pytest.raises(PoolCorruptError, match="is damaged"):
+        shard_json(raw, bytes(16))  # another pool's
