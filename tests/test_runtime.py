@@ -205,8 +205,8 @@ def test_export_needs_write_access_only_to_roll_back(shm_dir, monkeypatch):
         train_steps(path, 6, fail_at=3)  # batch 3 uncommitted: its undo records are live
     before = path.read_bytes()
     monkeypatch.setattr(runtime.os, "access", lambda *args: False)  # as a user who may only read it
-    with pytest.raises(RecoveryError, match="must be rolled back in place before it can be exported, which needs "
-                                            "write access"):
+    with pytest.raises(RecoveryError, match=r"undo record\(s\) to roll back in place before it can be exported, "
+                                            "which needs write access"):
         export_state(str(path))
     assert path.read_bytes() == before
     monkeypatch.undo()

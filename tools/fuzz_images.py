@@ -1,6 +1,7 @@
 """Damaged images through every command that reads them, counted (docs/testing.md):
 
     python tools/fuzz_images.py N [--seed S] [--json]
+    python tools/fuzz_images.py N --seed S --image K      # replay image K of that run
 
 A lab instrument, not a `cxltrain` command: it measures how the commands meet damage (users never
 need it for their own pools), and it drives the command line in this process as any caller of
@@ -24,7 +25,8 @@ Counted per image:
              state is not, bit for bit, an uninterrupted run's of the batch it names; or `train`
              succeeds where `export` refused; or a refused command changed the files or left output
   rows       `export` succeeds and differs only where the damage hit table rows (weights, optimizer
-             state, a cache's slots and its row map): no checksum covers rows by design
+             state, a cache's slots and its row map; a truncation, those past the cut, which read
+             as zeros once the file is extended again): no checksum covers rows by design
              (docs/testing.md), so these are counted apart, not as silent
   several    a refusal of `pool info`, `recover`, `export` or `train` longer than one line
 
@@ -181,14 +183,14 @@ def damage(seed: Seed, rng: random.Random) -> tuple[dict, list[str], set[str]]:
     files = {name: bytearray(data) for name, data in seed.files.items()}
     done, tables = [], set()
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
-        what, table = _one_damage(seed, files, rng)
+        what, hit = _one_damage(seed, files, rng)
         done.append(what)
-        tables |= {table} if table else set()
+        tables |= hit if isinstance(hit, set) else {hit} - {None}
     return {k: (None if v is None else bytes(v)) for k, v in files.items()}, done, tables
 
 
-def _one_damage(seed: Seed, files: dict, rng: random.Random) -> tuple[str, str | None]:
-    """One damage: (what was done, the table whose rows it hit, or None)."""
+def _one_damage(seed: Seed, files: dict, rng: random.Random) -> tuple[str, str | set[str] | None]:
+    """One damage: (what was done, the table (or tables) whose rows it hit, or None)."""
     pools = [n for n in seed.spans if files.get(n) is not None]
     roll = rng.random()
     if seed.name == "run" and roll < 0.35:
@@ -209,7 +211,10 @@ def _one_damage(seed: Seed, files: dict, rng: random.Random) -> tuple[str, str |
     if kind == "truncate":
         cut = rng.randrange(0, len(data)) if data else 0
         del data[cut:]
-        return f"{name} truncated to {cut} bytes", None
+        # the rows past the cut read as zeros if the file is extended again (a later damage): row
+        # damage, as garbage over them is (docs/testing.md); what else it cut is checksummed
+        lost = {s[0].split(".")[0] for s in seed.spans[name] if s[3] and s[2] > cut}
+        return f"{name} truncated to {cut} bytes", lost
     if kind == "extend":
         data += bytes(rng.randint(1, 1 << 16))
         return f"{name} extended", None  # nothing read changes: any refusal is the commands' own choice
@@ -434,8 +439,8 @@ class Fuzzer:
             return "silent", f"train refused ({err.strip()}) and changed the files"
         return None
 
-    def run(self, images: int, on_image=lambda: None) -> Tally:
-        """Check images 0..images-1; Ctrl-C (SIGINT) stops after the image in hand (the commands
+    def run(self, images: int | list[int], on_image=lambda: None) -> Tally:
+        """Check images 0..images-1 (or those numbered in a list: a replay); Ctrl-C (SIGINT) stops after the image in hand (the commands
         would take it for their own interruption, a refusal)."""
         import signal
 
@@ -445,7 +450,7 @@ class Fuzzer:
             started = time.perf_counter()
             self.make_seeds()
             self.seed_seconds = time.perf_counter() - started
-            for number in range(images):
+            for number in range(images) if isinstance(images, int) else images:
                 if stopped:
                     break
                 self.check(number)
@@ -471,28 +476,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("images", type=int, metavar="N")
     p.add_argument("--seed", type=int, default=None, help="the images' plan (default: random, printed)")
     p.add_argument("--json", action="store_true", help="a JSON summary as the last line")
+    p.add_argument("--image", type=int, action="append", metavar="K",
+                   help="replay only image K of the plan (N and --seed as in the run that found it); repeatable")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
-    print(f"fuzz_images: seed {seed}, {args.images} damaged images", flush=True)
+    asked = args.image or args.images
+    print(f"fuzz_images: seed {seed}, " + (f"images {', '.join(map(str, args.image))} replayed" if args.image
+                                          else f"{args.images} damaged images"), flush=True)
     fuzzer = Fuzzer(seed)
-    bar = tqdm(total=args.images, desc="fuzz", unit="image", file=sys.stderr, dynamic_ncols=True, mininterval=30)
+    total = len(args.image) if args.image else args.images
+    bar = tqdm(total=total, desc="fuzz", unit="image", file=sys.stderr, dynamic_ncols=True, mininterval=30)
     started = time.perf_counter()
     try:
-        tally = fuzzer.run(args.images, lambda: bar.update(1))
+        tally = fuzzer.run(asked, lambda: bar.update(1))
     finally:
         bar.close()
         fuzzer.close()
     seconds = time.perf_counter() - started
     checked = seconds - fuzzer.seed_seconds
-    print(f"{tally.images}/{args.images} images in {seconds:.0f} s ({tally.images / max(checked, 1e-9):.1f} images/s "
+    print(f"{tally.images}/{total} images in {seconds:.0f} s ({tally.images / max(checked, 1e-9):.1f} images/s "
           f"after {fuzzer.seed_seconds:.0f} s making the seeds): {tally.tracebacks} tracebacks, {tally.silent} "
           f"silent acceptances; export refused {tally.refused}, exact {tally.exact}, differing only in "
           f"unchecksummed table rows {tally.rows}; refusals longer than one line {tally.several}")
     for image, seed_name, damage_done, what in tally.findings[:10]:
         print(f"  image {image} ({seed_name}: {damage_done}): {what}")
     if args.json:
-        print(json.dumps({"seed": seed, "asked": args.images, "seconds": round(seconds, 1), **tally.to_json()}))
-    return 0 if not (tally.tracebacks or tally.silent or tally.several) and tally.images == args.images else 1
+        print(json.dumps({"seed": seed, "asked": total, "seconds": round(seconds, 1), **tally.to_json()}))
+    return 0 if not (tally.tracebacks or tally.silent or tally.several) and tally.images == total else 1
 
 
 if __name__ == "__main__":

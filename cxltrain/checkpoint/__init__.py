@@ -29,7 +29,7 @@ _EXPORTS = {
     "Checkpointer": "checkpointer", "CheckpointOptions": "options",
     "BatchGuard": "guard", "GuardState": "guard", "NoCheckpoint": "guard",
     "RecoveryReport": "recovery", "has_checkpoint": "recovery", "recover": "recovery", "roll_back": "recovery",
-    "verify": "recovery", "pending": "recovery",
+    "verify": "recovery", "pending": "recovery", "pending_words": "recovery",
     "LoggedTable": "seam", "TableGuard": "seam",
     "CheckpointStats": "stats",
     "first_commit": "new_pool",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from ..pool.handle import Pool
-from .recovery import RecoveryReport, has_checkpoint, pending, recover, verify
+from .recovery import RecoveryReport, has_checkpoint, pending_words, recover, verify
 
 
 def recover_pool(path: str) -> RecoveryReport:
@@ -33,8 +33,7 @@ def check_checkpoint(path: str) -> str | None:
         if not has_checkpoint(pool):
             return None
         live, _ = verify(pool, decode=False)
-        rollback = pending(live, pool.root.batches_done)
-        return f"checkpoint at batch {pool.root.batches_done}, {rollback} undo record(s) to roll back"
+        return f"checkpoint at batch {pool.root.batches_done}, {pending_words(live, pool.root.batches_done)}"
 
 
 def process_seconds() -> float | None:

@@ -121,6 +121,14 @@ def pending(live: list[ring.ScannedRecord], target: int) -> int:
     return len(to_redo(live, target)) + len(to_undo(live, target))
 
 
+def pending_words(live: list[ring.ScannedRecord], target: int) -> str:
+    """What recovery to `target` writes back, in words: "U undo record(s) to roll back", then
+    " and R redo record(s) to apply" where a pool set's ring holds committed cold rows' records."""
+    redo = len(to_redo(live, target))
+    return f"{len(to_undo(live, target))} undo record(s) to roll back" + (
+        f" and {redo} redo record(s) to apply" if redo else "")
+
+
 def roll_back(pool: Pool, target: int, live: list[ring.ScannedRecord], *, dense_slot: int | None = None,
               before_root: CrashPoint = CrashPoint.RECOVER_BEFORE_ROOT) -> tuple[list[ring.ScannedRecord], int]:
     """The one roll-back of every recovery (one process, a group's rank, `cxltrain recover`): restore

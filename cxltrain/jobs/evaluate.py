@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..checkpoint import pending, verify
+from ..checkpoint import pending, pending_words, verify
 from ..checkpoint.seam import dense_only
 from ..data.files import open_criteo
 from ..errors import ConfigError
@@ -25,9 +25,8 @@ def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) ->
     last `batches` batches, or with None on the batches its run never trained on (held_out)."""
     with Pool.open(pool_path, writable=False) as pool:
         live, snapshot = verify(pool)
-        rollback = pending(live, pool.root.batches_done)
-        if rollback:
-            raise ConfigError(f"{pool_path}: {rollback} undo record(s) to roll back first; run `cxltrain recover "
+        if pending(live, pool.root.batches_done):
+            raise ConfigError(f"{pool_path}: {pending_words(live, pool.root.batches_done)} first; run `cxltrain recover "
                               f"{pool_path}` (eval opens a pool read-only and never writes it)")
         config = _config_of(pool_path, snapshot.get("metadata"))
         model = build_model(config)

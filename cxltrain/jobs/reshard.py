@@ -170,6 +170,7 @@ def _write_rank(state, config: TrainConfig, plan: ShardingPlan, directory: str, 
     pool = Pool.create(path + ".creating", rt.pool_bytes(), incompat=rt.pool_incompat)
     try:
         pool.add_regions(rt.new_pool_regions())
+        point.created(pool)  # its record of its own shard, as a trained run's rank pools hold
         for t, shard in zip(model.table_index, model.shards):
             shard.attach(pool, initialize=False)
             lo, hi = plan.rows_of(t, rank)

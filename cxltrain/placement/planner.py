@@ -20,14 +20,12 @@ set is created; a restart reads it back and never plans again (store_plan, store
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 
 from ..errors import ConfigError
-from ..pool import format as fmt
 from ..pool.format import RegionKind
-from ..pool.plan_format import PLAN_BYTES, PLAN_HEADER, PLAN_MAGIC, PLAN_REGION, PLAN_VERSION, plan_json
+from ..pool.plan_format import PLAN_BYTES, PLAN_REGION, pack_plan_json, plan_json
 from .table import CAPACITY, FAST, TablePlacement
 
 PAGE_BYTES = 4096                          # what a capacity-tier read of one cold row costs at least
@@ -212,13 +210,7 @@ def miss_reads_per_batch(plan: Plan) -> float:
 
 # -- in the pool set ----------------------------------------------------------------------------
 def pack_plan(plan: Plan, uuid: bytes) -> bytes:
-    body = json.dumps(plan.to_json(), sort_keys=True).encode()
-    room = PLAN_BYTES - PLAN_HEADER.size - fmt.CHECKSUM_FIELD.size
-    if len(body) > room:
-        raise ConfigError(f"the plan takes {len(body):,} bytes, more than the {room:,} its region holds "
-                          "(too many tables)")
-    raw = PLAN_HEADER.pack(PLAN_MAGIC, PLAN_VERSION, len(body), 0) + body
-    return fmt.seal(raw + bytes(room - len(body)) + bytes(fmt.CHECKSUM_FIELD.size), uuid)
+    return pack_plan_json(plan.to_json(), uuid)
 
 
 def unpack_plan(raw: bytes, uuid: bytes, where: str) -> Plan:

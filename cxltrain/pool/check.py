@@ -19,6 +19,7 @@ from . import cache_format
 from . import format as fmt
 from .format import SLOT_NAMES, DType, Region, RegionKind, Root, Superblock
 from .plan_format import PLAN_REGION, plan_json
+from .shard_format import SHARD_REGION, shard_json
 
 Reader = Callable[[int, int], bytes]  # (offset, length) -> the bytes there
 
@@ -178,10 +179,13 @@ def check_regions_disjoint(regions: list[Region]) -> None:
 
 def check_set_regions(regions: dict[str, Region], read: Callable[[Region], bytes], uuid: bytes) -> None:
     """Refuse (PoolCorruptError) a pool set whose primary holds a damaged placement plan or a
-    hot-row cache map naming a row outside its table or a row twice. regions: every region of the
+    hot-row cache map naming a row outside its table or a row twice, and a rank pool whose record
+    of its own shard is damaged. regions: every region of the
     set by name (primary and capacity pools); read: the bytes of one; uuid: the primary's."""
     if PLAN_REGION in regions:
         plan_json(read(regions[PLAN_REGION]), uuid, "the set")
+    if SHARD_REGION in regions:  # a rank pool's (runtime/shard_record.py compares it with the manifest)
+        shard_json(read(regions[SHARD_REGION]), uuid)
     for name in regions:
         table = cache_format.table_of(name)
         if table is None:

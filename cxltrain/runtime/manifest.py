@@ -1,7 +1,8 @@
 """A distributed run's directory: one pool per rank and a manifest, checked at every start.
 
     DIR/manifest.json   {"format", "run" (a UUID), "world_size", "plan", "settings", "state"}
-    DIR/rank-<r>.pool   rank r's shards, undo ring and dense slots (an ordinary cxltrain pool)
+    DIR/rank-<r>.pool   rank r's shards, undo ring and dense slots (an ordinary cxltrain pool),
+                        and its record of its own shard (shard_record.py)
 
 The manifest is rank 0's, written before any pool ("creating"), and marked "created" once every
 rank's pool holds its first commit; a start that finds "creating" makes the pools again. Hosts that
@@ -18,7 +19,10 @@ import uuid
 from ..errors import ConfigError, RecoveryError
 from ..placement.sharding import ShardingPlan
 
-FORMAT = "cxltrain-dist/1"
+# /2: every rank pool records its own shard at creation (shard_record.py); /1 folders are still
+# read, their rank pools checked by shape and snapshot only
+FORMAT = "cxltrain-dist/2"
+READABLE = ("cxltrain-dist/1", FORMAT)
 MANIFEST = "manifest.json"
 CREATING, CREATED = "creating", "created"
 
@@ -48,7 +52,7 @@ def read(directory: str) -> dict:
     except (OSError, ValueError) as e:
         raise RecoveryError(f"{path}: unreadable ({e})") from None
     keys = {"format", "run", "world_size", "plan", "settings", "state"}
-    if not isinstance(data, dict) or set(data) != keys or data["format"] != FORMAT:
+    if not isinstance(data, dict) or set(data) != keys or data["format"] not in READABLE:
         raise RecoveryError(f"{path}: not a {FORMAT} manifest")
     try:
         plan = ShardingPlan.from_json(data["plan"])

@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from ..checkpoint import codec, dense_slices, slots
 from ..faults import CrashPoint, PlantedDist, crash_point, planted
+from ..pool.shard_format import SHARD_BYTES
 from . import manifest as run_dir
+from . import shard_record
 from .group_recovery import RankRecovery, recover_group
 
 
@@ -43,6 +45,13 @@ class OwnBatch:
 
     def before_open(self) -> None:
         """Nothing to agree on: the Runtime recovers its pool alone."""
+
+    def extra_bytes(self) -> list[int]:
+        """The regions `created` adds to a new pool, in bytes."""
+        return []
+
+    def created(self, pool) -> None:
+        """A new pool: nothing of its own to record."""
 
     def opened(self, rt) -> None:
         """Nothing to tell anyone."""
@@ -89,6 +98,14 @@ class AgreedMinimum:
         slices the dense state is cut into, and carry the last agreed G (which moves: no equality
         check on resume)."""
         return None, {"run": self.manifest["run"], "rank": self.rank, "agreed": 0, "slices": self.world_size}
+
+    def extra_bytes(self) -> list[int]:
+        return [SHARD_BYTES]
+
+    def created(self, pool) -> None:
+        """The new rank pool records its own shard, durably, before its first commit (the root that
+        makes the region live), so no rank pool of this run is ever without it."""
+        shard_record.write(pool, self.manifest, self.rank)
 
     def before_open(self) -> None:
         """Every rank agrees on G and rolls its pool back to it, before any rank opens its own."""

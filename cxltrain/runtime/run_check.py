@@ -1,7 +1,8 @@
 """Checking a distributed run's directory whole, without writing (`pool check|info DIR`, and
 `recover`/`export DIR` before they use it): the manifest, every rank pool on its own, and the
 manifest against each rank pool — the tables the plan gives the rank are the regions it holds,
-with the plan's rows, and the pool's dense snapshot names this run and this rank. A rank pool
+with the plan's rows, the pool's own record of its shard is the manifest's (shard_record.py), and
+the pool's dense snapshot names this run and this rank. A rank pool
 swapped, copied in from another run or out of reach of the others is refused here, not used.
 
     check_run_dir("/dev/shm/run").problems      # [] when the directory is whole
@@ -18,6 +19,7 @@ from ..pool.format import Region
 from ..pool.info import inspect
 from ..tables.bag import region_names
 from . import manifest as run_dir
+from . import shard_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,7 @@ def check_run_dir(directory: str) -> RunCheck:
         problems.extend(f"{path}: {p}" for p in report.problems)
         if report.ok:
             problems.extend(f"{path}: {p}" for p in _plan_problems(plan, rank, report.regions))
+            problems.extend(f"{path}: {p}" for p in shard_record.problems(path, report, m, rank))
         checked = checked and not report.in_use  # a writer's snapshot changes under us
     if problems or not checked:
         return RunCheck(problems, None)

@@ -45,6 +45,7 @@ from ..checkpoint import (
     has_checkpoint,
     layout,
     pending,
+    pending_words,
     recover,
     verify,
 )
@@ -260,6 +261,7 @@ class Runtime:
                     pool.add_regions(self._table_specs(fast=True) + self._cache_specs())
                 if self.plan is not None and self.tiers.capacity_path:
                     planner.store_plan(pool, self.plan)
+                self.recovery_point.created(pool)
             else:
                 self.tiers.check_open(pool)
                 self._check_plan(pool)
@@ -375,6 +377,7 @@ class Runtime:
         sizes += [spec.nbytes(KNOBS.row_align) for spec in self._cache_specs()]
         if self.plan is not None and self.tiers.capacity_path:
             sizes.append(planner.PLAN_BYTES)
+        sizes += self.recovery_point.extra_bytes()
         return pool_size_for(sizes, KNOBS.dir_capacity, KNOBS.region_align)
 
     def _setup(self, pool: Pool) -> None:
@@ -639,10 +642,12 @@ def _default_slot_bytes(model: nn.Module) -> int:
 # recover_pool and check_checkpoint (re-exported above) are checkpoint/offline.py's: they need no torch.
 
 
-def _records_to_roll_back(pool: Pool) -> tuple[int, dict]:
-    """(live undo records recovery would restore, the checked dense snapshot); writes nothing."""
+def _records_to_roll_back(pool: Pool) -> tuple[str | None, dict]:
+    """(the live records recovery would write back, in words, or None for none; the checked dense
+    snapshot); writes nothing."""
     live, snapshot = verify(pool)
-    return pending(live, pool.root.batches_done), snapshot
+    target = pool.root.batches_done
+    return (pending_words(live, target) if pending(live, target) else None), snapshot
 
 
 def export_state(path: str) -> dict:
@@ -667,7 +672,8 @@ def open_export(path: str) -> Iterator[dict]:
     chunk whatever the tables' size. The pool stays open inside the block.
 
     A pool with nothing to roll back is read, never written (read-only access is enough); one with
-    undo records to roll back is recovered in place first, which needs write access.
+    undo records to roll back (or a set's redo records to apply) is recovered in place first, which
+    needs write access.
     """
     with Pool.open(path, writable=False) as pool:
         rollback, snapshot = _records_to_roll_back(pool)
@@ -675,7 +681,7 @@ def open_export(path: str) -> Iterator[dict]:
             yield _exported(pool, pool.root.batches_done, _whole_dense(pool, snapshot))
             return
     if not os.access(path, os.W_OK):
-        raise RecoveryError(f"{path}: {rollback} undo record(s) must be rolled back in place before it can be "
+        raise RecoveryError(f"{path}: {rollback} in place before it can be "
                             "exported, which needs write access to the pool (run `cxltrain recover` on it as "
                             "a user who may write it)")
     with Pool.open(path) as pool:
