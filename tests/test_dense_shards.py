@@ -91,7 +91,7 @@ def _three_slot_pool(path: str, held: list[int], root_slot: int) -> Pool:
 
 
 def test_a_rank_keeps_its_slices_of_every_batch_the_group_may_recover_to(shm_dir):
-    """U3c: its slice of G (or the newest below it) and those above stay; one slot is overwritten."""
+    """U3d: its slice of G (or the newest below it) and those above stay; one slot is overwritten."""
     with _three_slot_pool(str(shm_dir / "r.pool"), [3, 4, 5], root_slot=3) as pool:
         assert dense.free_slot(pool, agreed=4) == 1       # batch 3: G = 4 can never go back to it
         assert dense.free_slot(pool, agreed=None) == 1    # no G yet: the oldest but the root's

@@ -36,6 +36,7 @@ WHERE = {
     "U3a": "cxltrain/checkpoint/commit.py",        # reclaim after the durable root
     "U3b": "cxltrain/checkpoint/ordering.py",      # distributed: never reclaim above the agreed G
     "U3c": "cxltrain/checkpoint/commit.py",        # stealing set: redo records live until a write-back synced them
+    "U3d": "cxltrain/checkpoint/dense.py",         # distributed: a rank keeps its dense slices the group may recover to
     "U4": "cxltrain/checkpoint/checkpointer.py",   # capture from the rows after the previous update
 }
 # what the statement right below each tag calls: the call that enforces its rule
@@ -59,6 +60,7 @@ ENFORCED_BY = {
     "U3a": "self.ring.reclaim(",
     "U3b": "min(done, agreed)",
     "U3c": "min(self._keep_from, self.written_back)",
+    "U3d": "keep = {root.dense_slot}",
     "U4": "capture_source(",
 }
 

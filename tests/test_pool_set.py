@@ -24,8 +24,10 @@ from cxltrain.errors import CxlTrainError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import build_model, build_source, train, train_step
+from cxltrain.placement.sharding import make_plan
 from cxltrain.pool.handle import Pool
 from cxltrain.pool.info import inspect
+from cxltrain.runtime import manifest as run_dir
 from cxltrain.runtime.group import join_group
 from cxltrain.runtime.group_recovery import roll_back_rank
 from cxltrain.runtime.recovery_point import AgreedMinimum
@@ -275,7 +277,8 @@ def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:
     directory = os.path.join(fast, name)
     join_group()
     try:
-        point = AgreedMinimum(directory, 0, 1, {"run": name}, fresh=True)
+        manifest = {**run_dir.new(1, make_plan([CONFIG.rows] * CONFIG.num_tables, 1), {}), "run": name}
+        point = AgreedMinimum(directory, 0, 1, manifest, fresh=True)
         os.makedirs(directory)
         with Runtime(point.pool_path, model, dense_opt, capacity_pool=os.path.join(disk, f"{name}.cap"),
                      recovery_point=point) as rt:

@@ -66,8 +66,8 @@ cache: records before admission fills the slots, before the hits' update, and be
 write-back and refill), U1h in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused
 capture: each chunk's record durable, payload first, before its rows are stored), U1j in
 tables/renorm.py (max_norm's renorm in forward: the rows' record before its stores), U2a in
-Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools) and U3a in commit.py, U3b
-(distributed runs) in ordering.Ordering.keep_from, U3c (a rank's dense slices) in dense.free_slot, U4 in
+Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools), U3a and U3c (a stealing set's redo records) in commit.py, U3b
+(distributed runs) in ordering.Ordering.keep_from, U3d (a rank's dense slices) in dense.free_slot, U4 in
 Checkpointer._capture.
 """
 

@@ -103,7 +103,7 @@ def free_slot(pool: Pool, agreed: int | None = None) -> int:
         return 2 if pool.root.dense_slot == 1 else 1
     held = slots.held_batches(pool)
     root = pool.root
-    # ORDERING U3c: a rank keeps its slices of every batch the group may still recover to, since no
+    # ORDERING U3d: a rank keeps its slices of every batch the group may still recover to, since no
     # other rank holds them: the one its root names, those above G, and the newest at or below G.
     # A slice above the root's batch is of a future a roll-back abandoned: never needed.
     live = {s: b for s, b in held.items() if b is not None and b <= root.batches_done}

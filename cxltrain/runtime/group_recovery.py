@@ -2,7 +2,7 @@
 
 Each rank's pool is at its own durable target T_r (its root), and its undo ring keeps the records
 of every batch at or above the agreed target its last commit knew (its snapshot's metadata
-"agreed": U3b); its dense slots keep its slices of the dense state of those batches (U3c,
+"agreed": U3b); its dense slots keep its slices of the dense state of those batches (U3d,
 dense.free_slot): each rank's snapshot holds only its slice (checkpoint/dense_slices.py).
 G = min T_r. A rank with T_r = G recovers as a single process does; a rank with T_r > G restores
 its records of batches >= G too, and its root names its own slot holding its slice of G. A rank
