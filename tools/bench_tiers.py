@@ -52,10 +52,10 @@ class Setup:
 
 SETUPS = (
     Setup("fast", "all tables in the fast tier", capacity=False),
-    Setup("capacity", "capacity tier only, no cache", capacity=True),
+    Setup("capacity", "capacity only, no cache (steal 16)", capacity=True),
     Setup("capacity-off", "capacity tier only, checkpoint off", capacity=True, overrides={"checkpoint": OFF}),
-    Setup("cache-2%", "capacity tier + 2% of rows cached", capacity=True, cache_share=0.02),
-    Setup("cache-10%", "capacity tier + 10% of rows cached", capacity=True, cache_share=0.10,
+    Setup("cache-2%", "capacity + 2% cached (steal 16)", capacity=True, cache_share=0.02),
+    Setup("cache-10%", "10% cached, synced every commit", capacity=True, cache_share=0.10,
           overrides={"write_back_every": 1}),
     Setup("steal-10%", "10% cached, steal, write-back 16", capacity=True, cache_share=0.10,
           overrides={"write_back_every": 16}),
