@@ -63,6 +63,13 @@ RING_REGION = "cxltrain.undo"
 DENSE_REGIONS = ("cxltrain.dense.A", "cxltrain.dense.B")   # root.dense_slot 1 and 2
 # root.dense_slot 3: a group rank's pool (INCOMPAT_DENSE_SLICES) keeps its dense slices in three slots
 SLICE_REGION = "cxltrain.dense.C"
+
+
+def dense_slot_names(sliced: bool) -> tuple[str, ...]:
+    """The dense slots' regions, slot 1 first: two, or three in a group rank's pool (its slices)."""
+    return DENSE_REGIONS + ((SLICE_REGION,) if sliced else ())
+
+
 RECORD_ALIGN = 64
 
 UNDO_MAGIC = 0x4F444E55   # b"UNDO" little-endian

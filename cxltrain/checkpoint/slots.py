@@ -13,8 +13,8 @@ from . import layout
 
 
 def slot_names(pool: Pool) -> tuple[str, ...]:
-    """The dense slots' regions, slot 1 first: two, or three in a group rank's pool (its slices)."""
-    return layout.DENSE_REGIONS + ((layout.SLICE_REGION,) if layout.SLICE_REGION in pool.regions else ())
+    """The dense slots' regions of `pool`, slot 1 first (layout.dense_slot_names)."""
+    return layout.dense_slot_names(layout.SLICE_REGION in pool.regions)
 
 
 def slot_region(pool: Pool, slot: int):

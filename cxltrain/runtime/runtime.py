@@ -185,7 +185,7 @@ class Runtime:
                                                     background_capture=self.background_capture,
                                                     fused_capture=bool(fused_capture),
                                                     write_back_every=_write_back_every(write_back_every,
-                                                                                       recovery_point),
+                                                                                       self.recovery_point),
                                                     **({"undo_chunk_rows": KNOBS.undo_chunk_rows}
                                                        if KNOBS.undo_chunk_rows else {}))
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
@@ -317,7 +317,7 @@ class Runtime:
 
     def _specs(self) -> list[RegionSpec]:
         _, ring_bytes, slot_bytes = self._sizes
-        slot_names = layout.DENSE_REGIONS + ((layout.SLICE_REGION,) if self.recovery_point.dense_slice else ())
+        slot_names = layout.dense_slot_names(self.recovery_point.dense_slice is not None)
         return [RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (ring_bytes,)),
                 *(RegionSpec(name, RegionKind.DENSE_SLOT, "uint8", (slot_bytes,)) for name in slot_names)]
 
@@ -607,11 +607,10 @@ class Runtime:
 
 def _write_back_every(asked: int | None, recovery_point) -> int:
     """The write-back interval a Runtime's set gets: the one asked for, else the knob's (which
-    steals), except for a rank of a group: its roll-back to the agreed target (group_recovery.py)
-    is built and tested on sets that sync at every commit."""
+    steals) where the recovery-point strategy lets a set steal, else 1 (a sync at every commit)."""
     if asked is not None:
         return asked
-    return 1 if isinstance(recovery_point, AgreedMinimum) else KNOBS.write_back_every
+    return KNOBS.write_back_every if recovery_point.sets_may_steal else 1
 
 
 def persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
