@@ -37,6 +37,15 @@ def test_every_kind_of_kill_recovers_exactly_with_early_write_back(shm_dir):
     assert "6/6 exact" in done.stdout
 
 
+def test_a_stealing_set_resumed_before_a_re_placement_finds_room(shm_dir):
+    """Set trial 433 of seed 3611 (a 64 KiB ring, a write-back every 3 batches): the run resumed at
+    batch 4 met batch 8's re-placement, the largest records it had seen, with the ring full of redo
+    records that only a write-back frees; it refused ("undo ring full") until a full ring made a
+    stealing set write back (Checkpointer._finish_commit_for_room)."""
+    done, report = crashtest("--mode", "set", "--power-loss", "--seed", "3611", "--trials", "1", "--trial", "433")
+    assert done.returncode == 0 and report["exact"] == 1, done.stdout + done.stderr
+
+
 def test_a_trial_replays_with_the_same_plan():
     with knobs.override(threads=1):
         a = Torture(trials=20, device=DeviceModel(power_loss=True), seed=SEED)

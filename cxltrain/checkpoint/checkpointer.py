@@ -355,13 +355,21 @@ class Checkpointer(BatchGuard):
 
     def _finish_commit_for_room(self) -> bool:
         """A capture found the ring full: run or await the commit in flight, whose reclaim frees
-        it. False when there is none."""
+        it; with none in flight, a stealing set writes back at the last commit (below). False when
+        nothing is left that could free it."""
         if self.background_capture:  # on the worker thread, which runs the commit's steps itself
             return self._worker.finish_commit()
-        if self._commit_ticket is None:
-            return False
-        self._wait_for_commit()
-        return True
+        if self._commit_ticket is not None:
+            self._wait_for_commit()
+            return True
+        if self._commits.steals and self._commits.written_back < self.committed:
+            # A stealing set's records since its last write-back stay live (U3c): a commit that did
+            # not write back freed none of them. Write back at the last commit, mid-batch: the root
+            # names the same batch and dense snapshot, the batch in flight keeps its records.
+            self._hand_over_commit(self.committed, snapshot=False, write_back=True)
+            self._wait_for_commit()
+            return True
+        return False
 
     def _plan_fused(self, batch: int, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None,
                     window: int) -> row_ops.UndoChunks:
@@ -403,18 +411,18 @@ class Checkpointer(BatchGuard):
         return self._ordering.kernel_row_flush(device.native_persistence())
 
     def _with_room(self, batch: int, write):
-        """write() (a ring append or layout); when the ring is full, once more after the commit in
-        flight has reclaimed (back-pressure, counted); CheckpointError when it is full still."""
+        """write() (a ring append or layout); when the ring is full, again after each commit that
+        may reclaim (back-pressure, counted); CheckpointError when none is left and it is full still."""
         try:
-            try:
-                return write()
-            except RingFull:
-                waited = time.perf_counter()
-                if not self._finish_commit_for_room():
-                    raise
-                self.stats.ring_full_waits += 1
-                self.stats.ring_full_seconds += time.perf_counter() - waited
-                return write()
+            while True:  # each round finishes a commit or writes back, until none is left to run
+                try:
+                    return write()
+                except RingFull:
+                    waited = time.perf_counter()
+                    if not self._finish_commit_for_room():
+                        raise
+                    self.stats.ring_full_waits += 1
+                    self.stats.ring_full_seconds += time.perf_counter() - waited
         except RingFull as e:
             raise CheckpointError(f"{e}: batch {batch} needs more undo space than the ring has left; "
                                   "create the pool with a larger ring (Runtime(undo_ring_bytes=...)) or take "
