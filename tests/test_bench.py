@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -267,3 +268,37 @@ def test_the_dist_side_by_side_runs_take_turns_and_commit_every_durable_batch(sh
                                              / paired.stats["batches"] / 1e6)]]
     assert row.phase_ms == [[pytest.approx(1000 * paired.stats[k] / paired.stats["batches"])
                              for k in ("training_capture_seconds", "training_boundary_seconds", "commit_seconds")]]
+
+
+def _tiers_files() -> set[str]:
+    return {os.path.join(folder, name) for folder in ("/dev/shm", "/var/tmp") for name in os.listdir(folder)
+            if name.startswith("cxltrain-tiers-")}
+
+
+def test_bench_tiers_runs_side_by_side_at_a_tiny_size(shm_dir):
+    before = _tiers_files()
+    done = cxltrain("bench", "--tiers", "--quick", "--json", timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    rows = {row["name"]: row for row in result["rows"]}
+    assert list(rows) == ["fast", "capacity", "capacity-off", "cache-2%", "cache-10%", "steal-10%"]
+    assert rows["fast"]["ratio"] == 1.0
+    # the hot-row cache serves a share of the lookups, more with more rows cached; no cache, no rate
+    assert rows["capacity"]["hit_rate"] is None
+    assert 0 < rows["cache-2%"]["hit_rate"] < rows["cache-10%"]["hit_rate"] < 1
+    assert rows["steal-10%"]["hit_rate"] == rows["cache-10%"]["hit_rate"]  # the same cache; only the write-back differs
+    assert all(row["ms_per_step"] > 0 for row in rows.values())
+    # the fast tier (/dev/shm) does no block I/O and reads nothing ahead; the durable tiered set
+    # writes its dirty pages every batch
+    assert rows["fast"]["written_bytes_per_batch"] == 0 and rows["fast"]["pages_prefetched_per_batch"] == 0
+    assert rows["capacity"]["written_bytes_per_batch"] > 0 and rows["capacity"]["pages_prefetched_per_batch"] > 0
+    assert result["checkpoint_ratio"] > 0 and result["peak_rss_bytes"] > 0
+    assert "tiers: 2 tables x 2,000 rows x 8" in done.stdout
+    assert result["capacity_dir"] == "/var/tmp"
+    assert _tiers_files() <= before  # its pools are removed
+
+
+def test_bench_tiers_refusals_are_one_line():
+    for args in (["--tiers", "--capacity-dir", "/nonexistent/folder"], ["--capacity-dir", "/var/tmp"],
+                 ["--tiers", "--dist"]):
+        assert_one_line_error(cxltrain("bench", *args, timeout=60))

@@ -14,9 +14,10 @@ Layer: above the trainer, beside the command line. Modules:
     suite.py      runs every measurement, one after the other
     report.py     the text report and the targets;  plot.py  the plot
     dist.py       `cxltrain bench --dist` (dist_paired.py: one rank of its side-by-side runs)
+    tiers.py      `cxltrain bench --tiers`: the fast tier, the capacity tier and the hot-row cache
     gpu.py        `cxltrain bench --gpu`: cxltrain's GPU placements against torch with its tables in GPU
                   memory (gpu_runs.py, the runs and their turns), and the gather bandwidth (gpu_gather.py)
 
-The lab's instruments (the floors, the tiers side by side) are scripts in tools/ (tools/README.md);
+The lab's instruments (the floors) are scripts in tools/ (tools/README.md);
 nothing here imports them.
 """

@@ -11,6 +11,7 @@ from . import dist as dist_cli
 from .common import positive_int
 
 GPU_ONLY = ("device", "rows", "blocks", "steps")  # options of --gpu alone
+DEFAULT_CAPACITY_DIR = "/var/tmp"  # block storage, where /tmp may be a tmpfs
 
 
 def add_bench(sub) -> None:
@@ -28,6 +29,13 @@ def add_bench(sub) -> None:
     b.add_argument("--dist", action="store_true", help="distributed runs instead: step time strict vs off, bytes "
                                                        "exchanged per batch at 1, 2 and 4 ranks, and the group's "
                                                        "recovery after a kill (docs/distributed.md)")
+    b.add_argument("--tiers", action="store_true",
+                   help="the tiers side by side instead: all tables in the fast tier, in a capacity pool on the "
+                        "disk (durable, and with checkpoint off), and with the hottest 2%% and 10%% of rows in "
+                        "the hot-row cache, forcing and stealing; step time, hit rate and bytes read and written "
+                        "per batch (docs/tiers.md; a few minutes)")
+    b.add_argument("--capacity-dir", metavar="DIR", default=None,
+                   help=f"with --tiers: the folder on block storage for the capacity pools (default {DEFAULT_CAPACITY_DIR})")
     b.add_argument("--gpu", action="store_true",
                    help="GPU runs instead: plain PyTorch with its tables in GPU memory against cxltrain's tables in "
                         "GPU memory, in the mapped pool, and in the pool with a hot-row cache, durability on and "
@@ -49,12 +57,17 @@ def _run_bench(args) -> int:
     given = [f"--{name}" for name in GPU_ONLY if getattr(args, name) is not None]
     if given and not args.gpu:
         raise ConfigError(f"{', '.join(given)}: only with --gpu")
-    if args.gpu and (args.dist or args.plot):
-        raise ConfigError("--gpu runs on its own: without --dist and --plot")
+    if args.capacity_dir is not None and not args.tiers:
+        raise ConfigError("--capacity-dir: only with --tiers")
+    chosen = [f"--{name}" for name in ("gpu", "dist", "tiers") if getattr(args, name)]
+    if len(chosen) > 1 or (chosen and args.plot):
+        raise ConfigError(f"{', '.join(chosen)}: each runs on its own (and without --plot)")
     if args.gpu:
         return _run_gpu_bench(args)
     if args.dist:
         return dist_cli.run_bench(args)
+    if args.tiers:
+        return _run_tiers_bench(args)
     from ..bench.plot import require_matplotlib, save_plot
     from ..bench.report import format_text
     from ..bench.suite import full_plan, quick_plan, run_bench
@@ -72,6 +85,20 @@ def _run_bench(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         print(json.dumps(results.to_json()))
+    return 0
+
+
+def _run_tiers_bench(args) -> int:
+    folder = args.capacity_dir or DEFAULT_CAPACITY_DIR
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"bench --tiers: {folder}: not a folder this user may write (--capacity-dir)")
+    from ..bench import tiers
+    from ..bench.suite import scratch_dir
+
+    result = tiers.run_tiers(tiers.quick_plan() if args.quick else tiers.default_plan(), scratch_dir(), folder)
+    print(tiers.format_tiers(result))
+    if args.json:
+        print(json.dumps(result.to_json()))
     return 0
 
 

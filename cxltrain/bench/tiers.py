@@ -1,6 +1,6 @@
-"""The tiers side by side in one process (docs/tiers.md): a lab instrument (tools/README.md).
+"""`cxltrain bench --tiers`: the tiers side by side in one process (docs/tiers.md).
 
-    .venv/bin/python tools/bench_tiers.py [--quick] [--json] [--capacity-dir DIR]
+    cxltrain bench --tiers [--quick] [--json] [--capacity-dir DIR]
 
 Every configuration trains the same model on the same data in its own pool (or pool set), taking
 turns in blocks of a few steps (cxltrain.bench.paired.paired_runs), so the load of a shared machine falls
@@ -24,21 +24,16 @@ written to block storage; the fast tier's /dev/shm does none), counted around ea
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import resource
 import shutil
-import sys
 import tempfile
 
-from cxltrain.bench.records import Record
-from cxltrain.jobs.config import TrainConfig
-from cxltrain.jobs.train import storage_io
-from cxltrain.modes import OFF
-
-DEFAULT_CAPACITY_DIR = "/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()
+from ..jobs.config import TrainConfig
+from ..jobs.train import storage_io
+from ..modes import OFF
+from .records import Record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +111,7 @@ def _io_counters(rt) -> dict[str, float]:
 
 def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
     """Train every setup side by side; their pools are removed afterwards, whatever happens."""
-    from cxltrain.bench.paired import paired_runs
+    from .paired import paired_runs
 
     prefix = f"cxltrain-tiers-{os.getpid()}"
     disk = tempfile.mkdtemp(prefix=prefix, dir=capacity_dir)
@@ -161,26 +156,3 @@ def format_tiers(result: TiersResult) -> str:
     lines.append(f"per-batch durability on the tiered set: {result.checkpoint_ratio:.2f}x the step time with "
                  f"checkpoint off; peak RSS of the process {result.peak_rss_bytes / 2**20:,.0f} MiB")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="tools/bench_tiers.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a tiny model, in seconds: its figures mean nothing")
-    p.add_argument("--json", action="store_true", help="print the results as JSON as the last line")
-    p.add_argument("--capacity-dir", metavar="DIR", default=DEFAULT_CAPACITY_DIR,
-                   help="the folder on block storage for the capacity pools")
-    args = p.parse_args(argv)
-    if not os.path.isdir(args.capacity_dir) or not os.access(args.capacity_dir, os.W_OK | os.X_OK):
-        print(f"bench_tiers: {args.capacity_dir}: not a folder this user may write (--capacity-dir)", file=sys.stderr)
-        return 1
-    from cxltrain.bench.suite import scratch_dir
-
-    result = run_tiers(quick_plan() if args.quick else default_plan(), scratch_dir(), args.capacity_dir)
-    print(format_tiers(result))
-    if args.json:
-        print(json.dumps(result.to_json()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
