@@ -123,7 +123,8 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 def test_plan_prints_a_table_and_json(folders, capsys):
     fast, disk = folders
     pool, cap = f"{fast}/p.pool", f"{disk}/p.cap"
-    args = ["plan", "--pool", pool, "--capacity-pool", cap, *ARGS[:-1], "--fast-bytes", str(TABLE_BYTES + 8000)]
+    args = ["plan", "--pool", pool, "--capacity-pool", cap, *ARGS[:-1], "--fast-bytes", str(TABLE_BYTES + 8000),
+            "--fast-step-ms", "20"]  # given: the choice's short training run is test_step_model's
     code, out, err = run_cli(capsys, *args, "--json")
     assert code == 0, err
     lines = out.splitlines()

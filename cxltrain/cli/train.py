@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from ..knobs import KNOBS
 from . import dist as dist_cli
 from . import stop
-from .common import check_memory
+from .common import check_memory, positive_float
 from .emulation import add_emulation_options, check_emulated, emulation_knobs
 from .options import add_config_options, config_fields
 from .resume import given_options, take_stored
@@ -71,7 +71,7 @@ def _run_train(args) -> int:
     from ..devices import resolve_backend
     from ..emulation import default_pool_path
     from ..emulation.cxl import SHM, memory_dir
-    from ..jobs.profile import profile_text
+    from ..jobs.profile import measured, measured_text, profile_text
     from ..jobs.resume import lr_change, stored_metadata
     from ..jobs.train import pool_bytes, train
     from ..jobs.train_text import result_lines
@@ -126,10 +126,13 @@ def _run_train(args) -> int:
                        stop=stop.current.requested)
     for line in result_lines(result, config):
         print(line)
+    figures = measured(result) if args.profile else None
     if args.profile:
         print(profile_text(result))
+        if figures is not None:
+            print(measured_text(figures))
     if args.json:
-        print(json.dumps(result.to_json()))
+        print(json.dumps({**result.to_json(), **({"measured": figures} if args.profile else {})}))
     return 0
 
 
@@ -180,15 +183,20 @@ def add_plan(sub, train) -> None:
         if action.dest != "help":
             p._add_action(action)
     p.add_argument("--no-measure", action="store_false", dest="measure",
-                   help="do not measure the tiers' free space and read speed")
+                   help="do not measure the tiers, and so choose no cache size or write-back interval")
+    p.add_argument("--fast-step-ms", type=positive_float, default=None, metavar="MS",
+                   help="the step with every table in the fast tier, for the step model (default: measured by a "
+                        "short run of the model with smaller tables)")
     p.set_defaults(run=_run_plan, default_num_tables=train.get_default("default_num_tables"))
 
 
 def _run_plan(args) -> int:
     from ..emulation import default_pool_path
     from ..jobs.planning import measure_tiers, plan_for
+    from ..jobs.step_plan import choose_configuration
     from ..jobs.train import build_model, build_source
     from ..placement.planner import format_plan
+    from ..placement.step_model import format_choice
 
     config = train_config(args)
     config.validate()
@@ -201,6 +209,33 @@ def _run_plan(args) -> int:
                           "capacity pool")
     tiers = measure_tiers(path, config.capacity_pool) if args.measure else None
     print(format_plan(plan, tiers))
+    choice = None
+    if os.path.exists(path):
+        print("an existing pool set keeps its plan: no cache size or write-back interval to choose")
+    elif not args.measure:
+        print("no cache size or write-back interval chosen: --no-measure")
+    else:
+        choice = choose_configuration(config, build_model(config), build_source(config), path, args.fast_step_ms)
+        print(format_choice(choice.priced, choice.chosen, choice.fast_step_how))
+        print(f"to train with it: cxltrain train {' '.join(_train_argv(args.argv, choice.chosen))}")
     if args.json:
-        print(json.dumps({"pool": path, "plan": plan.to_json(), "tiers": tiers}))
+        print(json.dumps({"pool": path, "plan": plan.to_json(), "tiers": tiers,
+                          "choice": None if choice is None else choice.to_json()}))
     return 0
+
+
+def _train_argv(argv: list[str], chosen) -> list[str]:
+    """`plan`'s options as `train` takes them, with the chosen --cache-rows and --write-back-every."""
+    from ..placement.step_model import train_options
+
+    dropped = {"--json": 0, "--no-measure": 0, "--fast-step-ms": 1, "--cache-rows": 1, "--write-back-every": 1}
+    kept, skip = [], 0
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0]
+        if skip:
+            skip -= 1
+        elif name in dropped:
+            skip = dropped[name] if "=" not in arg else 0
+        else:
+            kept.append(arg)
+    return [*kept, *train_options(chosen).split()]

@@ -9,6 +9,7 @@ training thread (no --pipeline, no --background-capture).
 
 from __future__ import annotations
 
+from ..placement.step_model import COMPARABLE
 from .train import TrainResult
 
 # (CheckpointStats field, what it is), in the order a batch meets them
@@ -46,3 +47,33 @@ def profile_text(result: TrainResult) -> str:
     lines += [f"  {1000 * stats[name] / batches:>9.2f}  any thread, {what}" for name, what in ANY_THREAD]
     lines += [f"  {stats[name] / batches / 1e6:>9.2f}  MB per batch made durable: {what}" for name, what in BYTES]
     return "\n".join(lines)
+
+
+def measured(result: TrainResult) -> dict | None:
+    """The run's figures under the names `cxltrain plan --json` predicts them (step_model.COMPARABLE),
+    for a run on a pool set; None for one pool."""
+    tiers, stats = result.pool.tiers, result.checkpoint.stats
+    if tiers is None:
+        return None
+    batches = max(stats["batches"], 1) if stats else 1
+    figures = {"step_ms": result.timings.split_ms.total, "cache_rows": tiers.cache_rows,
+               "cache_hit_rate": tiers.cache_hit_rate, "miss_lookups_per_batch": tiers.miss_lookups_per_batch,
+               "disk_bytes_written_per_batch": tiers.disk_bytes_written_per_batch,
+               "redo_bytes_per_batch": stats["redo_bytes"] / batches if stats else 0.0,
+               "write_back_every": tiers.write_back_every,
+               "batches_per_write_back": batches / stats["write_backs"] if stats and stats["write_backs"] else None}
+    return {name: figures[name] for name in COMPARABLE}
+
+
+def measured_text(figures: dict) -> str:
+    """measured()'s figures, one a line, as `cxltrain plan` prints its prediction's."""
+    rate = "-" if figures["cache_hit_rate"] is None else f"{figures['cache_hit_rate']:.1%}"
+    per_write_back = figures["batches_per_write_back"]
+    return "\n".join([
+        "profile: the capacity tier, as `cxltrain plan` predicts it (--json: \"measured\", its \"predicted\")",
+        f"  {figures['step_ms']:>9.2f}  step ms", f"  {rate:>9}  cache hit rate",
+        f"  {figures['miss_lookups_per_batch']:>9,.0f}  miss lookups per batch",
+        f"  {figures['disk_bytes_written_per_batch'] / 1e6:>9.2f}  MB written to storage per batch",
+        f"  {figures['redo_bytes_per_batch'] / 1e6:>9.2f}  MB of redo records per batch",
+        f"  {figures['write_back_every']:>9}  write-back every (batches)",
+        f"  {'-' if per_write_back is None else f'{per_write_back:.1f}':>9}  batches per write-back"])

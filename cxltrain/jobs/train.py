@@ -121,6 +121,8 @@ class TierUse:
     cache_hit_rate: float | None       # the caches' share of their tables' lookups (None: no cache)
     disk_bytes_written_per_batch: float  # this process's writes to storage (/proc/self/io): the capacity tier's
     disk_bytes_read_per_batch: float
+    miss_lookups_per_batch: float = 0.0  # the capacity tables' lookups their caches did not serve
+    write_back_every: int = 1          # the interval the set ran with (docs/tiers.md, Steal, no force)
 
 
 @dataclasses.dataclass
@@ -403,11 +405,16 @@ def _tier_facts(rt: Runtime, steps: int, io: dict[str, int]) -> TierUse | None:
     caches = rt.cache_stats
     lookups = sum(s.lookups for s in caches.values())
     per_batch = max(steps, 1)
+    options = rt.checkpoint_options
+    # lookups per batch of each capacity table (its updates'), times the share its cache missed
+    misses = sum(t.stats.lookups / t.stats.updates * (1 - (caches[t.name].hit_rate if t.name in caches else 0.0))
+                 for t in rt.tables.values() if t.name in rt.tiers.capacity_tables and t.stats.updates)
     return TierUse(capacity_pool=rt.tiers.capacity_path, capacity_tables=sorted(rt.tiers.capacity_tables),
                    cache_rows=rt.cache_rows,
                    cache_hit_rate=sum(s.hits for s in caches.values()) / lookups if lookups else None,
                    disk_bytes_written_per_batch=io.get("write_bytes", 0) / per_batch,
-                   disk_bytes_read_per_batch=io.get("read_bytes", 0) / per_batch)
+                   disk_bytes_read_per_batch=io.get("read_bytes", 0) / per_batch, miss_lookups_per_batch=misses,
+                   write_back_every=1 if options.captures_on_worker else options.write_back_every)
 
 
 def _compute_facts(tables: list) -> dict:

@@ -151,11 +151,16 @@ def profile_source(source, tables: list[tuple[str, int, int]], batches: int) -> 
     single batch is both). tables: (name, rows, row bytes) in the source's feature order. A source
     with fewer batches is profiled whole."""
     total = batches if source.num_batches is None else min(batches, source.num_batches)
+    return profiles_of(tables, [[v.numpy() for v in source.batch(b).values[: len(tables)]] for b in range(total)])
+
+
+def profiles_of(tables: list[tuple[str, int, int]], batches: list[list[np.ndarray]]) -> list[TableProfile]:
+    """profile_source's profiles of batches already read: each a list of ids [N] per table."""
     seen: list[tuple[list, list]] = [([], []) for _ in tables]
-    for b in range(total):
-        for f, values in enumerate(source.batch(b).values[: len(tables)]):
-            seen[f][b % 2].append(values.numpy())
-    return [profile_ids(name, rows, row_bytes, _joined(even), _joined(odd or even), total)
+    for b, values in enumerate(batches):
+        for f, ids in enumerate(values):
+            seen[f][b % 2].append(ids)
+    return [profile_ids(name, rows, row_bytes, _joined(even), _joined(odd or even), len(batches))
             for (name, rows, row_bytes), (even, odd) in zip(tables, seen)]
 
 
