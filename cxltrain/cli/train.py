@@ -207,6 +207,11 @@ def _run_plan(args) -> int:
     if plan is None:
         raise ConfigError(f"{path}: this pool set was made without a placement plan: every table is in its "
                           "capacity pool")
+    if args.measure:  # the probes write beside the pools
+        for option, target in (("--pool", path), ("--capacity-pool", config.capacity_pool)):
+            folder = os.path.dirname(os.path.abspath(target))
+            if not os.path.isdir(folder):
+                raise ConfigError(f"{option} {target}: no such folder {folder} (plan measures the tier there)")
     tiers = measure_tiers(path, config.capacity_pool) if args.measure else None
     print(format_plan(plan, tiers))
     choice = None
