@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cxltrain.placement import step_model as sm
+from helpers import cxltrain
 from test_planner import ARGS, TABLE_BYTES, folders, run_cli  # noqa: F401 (folders: a fixture)
 
 # a table of 64 rows, 256-byte weights (16 a page) and 4 bytes of state (1,024 a page)
@@ -94,14 +95,16 @@ def test_plan_chooses_and_train_runs_with_its_choice(folders, capsys):  # noqa: 
     assert train_args[train_args.index("--write-back-every") + 1] == str(choice["write_back_every"])
     assert predicted["cache_rows"]  # every size priced caches rows
 
-    code, out, err = run_cli(capsys, "train", *train_args, "--steps", "4", "--no-progress", "--profile", "--json")
-    assert code == 0, err
+    done = cxltrain("train", *train_args, "--steps", "4", "--no-progress", "--profile", "--json")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     report = json.loads(out.splitlines()[-1])
     measured = report["measured"]
     assert set(measured) == set(sm.COMPARABLE) <= set(predicted)
     assert measured["cache_rows"] == predicted["cache_rows"] == report["tiers"]["cache_rows"]
     assert measured["write_back_every"] == predicted["write_back_every"]
     assert report["tiers"]["capacity_tables"] == ["t1", "t2"]  # t0 whole in the fast tier, as planned
+    assert 0 < measured["miss_lookups_per_batch"] < 2 * 64  # two cached tables of 64 lookups a batch
     assert "miss lookups per batch" in out
 
 
