@@ -17,6 +17,7 @@ from ..knobs import KNOBS
 from ..placement import planner
 from ..pool.handle import Pool
 from .config import TrainConfig
+from .tier_probe import copy_mb_s
 
 PROFILE_BATCHES = 16
 # The hot-row caches' hot lists rank the rows of this many batches (or of the plan's profile, when it
@@ -76,13 +77,7 @@ def measure_tiers(pool_path: str, capacity_path: str) -> dict:
     page cache bypassed (O_DIRECT) where the file system allows it."""
     fast_dir = os.path.dirname(os.path.abspath(pool_path))
     cap_dir = os.path.dirname(os.path.abspath(capacity_path))
-    src = np.ones(PROBE_BYTES // 4, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    started = time.perf_counter()
-    np.copyto(dst, src)
-    fast_mb_s = src.nbytes / (time.perf_counter() - started) / 1e6
-    return {planner.FAST: {"path": fast_dir, "free_bytes": free_bytes(fast_dir), "read_mb_s": fast_mb_s,
+    return {planner.FAST: {"path": fast_dir, "free_bytes": free_bytes(fast_dir), "read_mb_s": copy_mb_s(PROBE_BYTES),
                            "how": "a copy in memory"},
             planner.CAPACITY: {"path": cap_dir, "free_bytes": free_bytes(cap_dir), **_probe_reads(cap_dir)}}
 

@@ -20,6 +20,7 @@ ROW_FLOATS = 64                 # a 256-byte row, as the tables' default dim lay
 PROBE_ROWS = 8192               # random rows a row-cost probe reads and writes
 FEW_PAGES, MANY_PAGES = 16, 1024  # two write-backs, for the fixed cost and the cost a page
 REPEATS = 3
+COPY_BYTES = 8 << 20
 
 
 def measure_speeds(fast_dir: str, capacity_dir: str) -> TierSpeeds:
@@ -37,15 +38,19 @@ def measure_speeds(fast_dir: str, capacity_dir: str) -> TierSpeeds:
     fast_row = _in_probe_file(fast_dir, fast)
     capacity_row, few, many = _in_probe_file(capacity_dir, capacity)
     per_page = max(0.0, (many - few) / (MANY_PAGES - FEW_PAGES))
-    src = np.ones(PROBE_BYTES // 4, np.float32)
+    return TierSpeeds(fast_row_us=fast_row * 1e6, capacity_row_us=capacity_row * 1e6,
+                      page_write_back_us=per_page * 1e6, sync_ms=max(0.0, few - FEW_PAGES * per_page) * 1e3,
+                      copy_mb_s=copy_mb_s(COPY_BYTES))
+
+
+def copy_mb_s(nbytes: int) -> float:
+    """MB/s of a copy of `nbytes` in memory (the second of two: the first faults the pages in)."""
+    src = np.ones(nbytes // 4, np.float32)
     dst = np.empty_like(src)
     np.copyto(dst, src)
     started = time.perf_counter()
     np.copyto(dst, src)
-    copy_mb_s = src.nbytes / (time.perf_counter() - started) / 1e6
-    return TierSpeeds(fast_row_us=fast_row * 1e6, capacity_row_us=capacity_row * 1e6,
-                      page_write_back_us=per_page * 1e6, sync_ms=max(0.0, few - FEW_PAGES * per_page) * 1e3,
-                      copy_mb_s=copy_mb_s)
+    return src.nbytes / (time.perf_counter() - started) / 1e6
 
 
 def _in_probe_file(folder: str, work):
