@@ -176,7 +176,9 @@ def add_plan(sub, train) -> None:
     p = sub.add_parser("plan", help="print where a pool set's tables would go, without training",
                        description="Print the placement plan `train` would use with the same options (docs/"
                                    "planner.md): per table its tier, the hot rows cached in the fast tier and "
-                                   "the expected hit rate; for an existing pool set, the plan it stores. "
+                                   "the expected hit rate; for a new set, the cache size and write-back interval "
+                                   "a step model chooses from the measured tiers, and the train command that "
+                                   "uses them; for an existing pool set, the plan it stores. "
                                    "Takes train's options (a train command line with plan in place of train); "
                                    "those that do not decide the plan are ignored. Never writes a pool.")
     for action in train._actions:  # the same options as train, spelled and checked once
