@@ -51,7 +51,7 @@ class TierSpeeds:
 
 @dataclasses.dataclass(frozen=True)
 class TableShape:
-    """What the model needs of a table: its rows' bytes in each region, and whether it is cold."""
+    """What the model needs of a table: its rows and their bytes in each of its regions."""
 
     name: str
     rows: int
