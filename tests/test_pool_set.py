@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from cxltrain import knobs
+from cxltrain.checkpoint import verify
+from cxltrain.checkpoint.recovery import to_redo
 from cxltrain.checkpoint.stats import summary_line
 from cxltrain.errors import CxlTrainError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
@@ -291,9 +293,15 @@ def _rank_pool(fast: str, disk: str, name: str, steps: int) -> str:
 
 def test_a_rank_rolled_back_to_g_syncs_its_capacity_pools_before_the_root(folders, monkeypatch):
     """The group's roll-back (a rank ahead of G takes its own dense slice of G) is the one
-    roll-back: the restored cold rows are synced in the capacity pool before the root names G."""
+    roll-back: the restored cold rows are synced in the capacity pool before the root names G.
+    A rank's set steals as one process's does: the roll-back redoes batch 0's redo records, then
+    undoes batch 1. (`ahead` is never exported before its roll-back: an export recovers a pool with
+    redo records to apply in place, to its own batch, which leaves nothing to roll back to G.)"""
     behind, ahead = _rank_pool(*folders, "behind", steps=1), _rank_pool(*folders, "ahead", steps=2)
-    before = export_state(ahead)
+    before = export_state(_rank_pool(*folders, "twin", steps=2))  # ahead's double
+    with Pool.open(ahead, writable=False) as pool:
+        live, _ = verify(pool)
+    assert [r.header.batch for r in to_redo(live, 1)] == [0, 0], "a rank's set synced at every commit"
     events = []
     monkeypatch.setattr(Pool, "drain_members", lambda pool, real=Pool.drain_members: (events.append("sync"),
                                                                                          real(pool))[1])

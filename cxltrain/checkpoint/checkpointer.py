@@ -300,7 +300,9 @@ class Checkpointer(BatchGuard):
         self.wait_durable()
         # a stealing set's last commit writes the capacity pools back: the run ends with them current
         if self.committed != done or self.dense_committed != done or self._commits.written_back != done:
-            self._hand_over_commit(done, snapshot=True, write_back=True)
+            # a snapshot of `done` already durable is not written again: a group rank's pool keeps
+            # one slice per batch, and its slots hold no spare for a second one of the same batch
+            self._hand_over_commit(done, snapshot=self.dense_committed != done, write_back=True)
         self.wait_durable()
         self.stats.training_boundary_seconds += time.perf_counter() - started
 

@@ -34,7 +34,6 @@ class OwnBatch:
 
     lag_batches = 0  # batches a commit's records outlive it by, beyond the process's own commits
     dense_slice = None  # its snapshots hold the whole dense state
-    sets_may_steal = True  # a pool set's default write-back interval is the knob's
 
     def whole_dense(self, pool, snapshot: dict) -> dict:
         """The dense state to restore: the pool's snapshot is all of it."""
@@ -73,9 +72,6 @@ class AgreedMinimum:
 
     # G trails this rank's commits by a batch or two: its ring keeps their records as well
     lag_batches = 3
-    # a rank's roll-back to the agreed target (group_recovery.py) is built and tested on sets that
-    # sync at every commit: a rank's set steals only when asked to
-    sets_may_steal = False
 
     def __init__(self, directory: str, rank: int, world_size: int, manifest: dict, fresh: bool, *,
                  agree_each_batch: bool = False) -> None:

@@ -126,8 +126,7 @@ class Runtime:
             docs/tiers.md), filled by the first batch. An existing set keeps its cache: hot rows given
             for it must be as many as it caches, per table, or it is refused.
         write_back_every: a pool set's capacity pages written back every this many batches, its cold
-            rows durable by redo records in between (docs/tiers.md); None: the write_back_every knob
-            (1 for a rank of a group).
+            rows durable by redo records in between (docs/tiers.md); None: the write_back_every knob.
         cache_replace_every: re-place the hot-row caches every this many batches from the lookups
             counted since (cache.HotRowCache.replace; 0: the hot list stays). Not stored: a run may
             change it; where rows are cached never changes a value.
@@ -184,8 +183,8 @@ class Runtime:
         self.checkpoint_options = CheckpointOptions(dense_every=dense_every, mode=mode, pipeline=self.pipeline,
                                                     background_capture=self.background_capture,
                                                     fused_capture=bool(fused_capture),
-                                                    write_back_every=_write_back_every(write_back_every,
-                                                                                       self.recovery_point),
+                                                    write_back_every=(KNOBS.write_back_every if write_back_every
+                                                                      is None else write_back_every),
                                                     **({"undo_chunk_rows": KNOBS.undo_chunk_rows}
                                                        if KNOBS.undo_chunk_rows else {}))
         self.backend, self.discard_checkpoint = backend, bool(discard_checkpoint)
@@ -603,14 +602,6 @@ class Runtime:
                 self.prefetcher.close()
                 self.prefetcher = None
             pool.close()
-
-
-def _write_back_every(asked: int | None, recovery_point) -> int:
-    """The write-back interval a Runtime's set gets: the one asked for, else the knob's (which
-    steals) where the recovery-point strategy lets a set steal, else 1 (a sync at every commit)."""
-    if asked is not None:
-        return asked
-    return KNOBS.write_back_every if recovery_point.sets_may_steal else 1
 
 
 def persistent_tables(model: nn.Module) -> dict[str, PersistentEmbeddingBag]:
