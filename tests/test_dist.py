@@ -296,7 +296,9 @@ def test_bad_starts_are_refused_in_one_line_with_nothing_written(shm_dir):
     before = sorted(os.listdir(run)), (run / run_dir.MANIFEST).read_bytes()
     for args, message in ((["--nproc-per-node", "3"], "written by 2 rank(s), this start has 3"),
                           (["--nproc-per-node", "2", "--sharding", "row-wise"], "another sharding plan"),
-                          (["--nproc-per-node", "2", "--seed", "7"], "other settings")):
+                          (["--nproc-per-node", "2", "--seed", "7"], "other settings"),
+                          (["--nproc-per-node", "2", "--capacity-pool", str(shm_dir / "run.cap")],
+                           "--capacity-pool is not supported by distributed runs")):
         done = cxltrain("train", "--pool", run, *_with(options(STEPS), args), timeout=CHILD_TIMEOUT)
         assert done.returncode != 0 and message in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

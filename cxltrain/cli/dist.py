@@ -43,7 +43,8 @@ def config_of(args):
 
     fields = resolve_train_data(args)
     for flag, given in (("per-table --rows", fields["table_rows"] is not None), ("--metrics", fields["metrics"]),
-                        ("--eval-every", fields["eval_every"])):
+                        ("--eval-every", fields["eval_every"]),
+                        ("--capacity-pool", getattr(args, "capacity_pool", None) is not None)):  # train's only
         if given:
             raise ConfigError(f"{flag} is not supported by distributed runs (docs/distributed.md)")
     return TrainConfig(pool=args.pool, data=args.data, batch_size=args.batch_size, dim=args.dim, seed=args.seed,
