@@ -18,23 +18,25 @@ from pathlib import Path
 
 import pytest
 
+from cxltrain.errors import RecoveryError
 from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, CrashPoint
+from cxltrain.runtime.group_recovery import recover_dir
 from cxltrain.runtime.runtime import export_state
-from helpers import assert_same_export, tier_folders
+from helpers import assert_same_export, cxltrain, tier_folders
 
 SCRIPT = Path(__file__).with_name("dist_set_train.py")
 STEPS, RANKS, EVERY, CHILD_TIMEOUT = 8, 2, 3, 180
 STEALING = {"CXLTRAIN_CAPACITY_CRASH": "1", "CXLTRAIN_WRITE_BACK_EVERY": str(EVERY)}
 
 
-def torchrun(run: str, disk: str, restarts: int, env=None) -> str:
-    """stdout + stderr of the group trained to STEPS (its status checked: 0)."""
+def torchrun(run: str, disk: str, restarts: int, env=None, status: int = 0, steps: int = STEPS) -> str:
+    """stdout + stderr of the group trained to `steps` (its status checked)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-               "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(SCRIPT), run, disk, str(STEPS)]
+               "--max-restarts", str(restarts), "--monitor-interval", "0.1", str(SCRIPT), run, disk, str(steps)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
                           env={**os.environ, **STEALING, **(env or {})})
     out = done.stdout + done.stderr
-    assert done.returncode == 0, out[-3000:]
+    assert (done.returncode == 0) == (status == 0), out[-3000:]
     return out
 
 
@@ -75,4 +77,25 @@ def test_a_stealing_group_killed_between_commits_ends_bit_identical(folders, ref
     assert out.count(f"write-back every {EVERY}") == 2 * RANKS, out[-3000:]  # killed once, restarted once
     assert all(f"rank {r}: from batch {at_g}," in out for r in range(RANKS)), out[-3000:]
     for mine, theirs in zip(ends(run), reference):
+        assert_same_export(mine, theirs)
+
+
+@pytest.mark.slow
+def test_a_rank_ahead_of_g_is_never_recovered_alone(folders):
+    """Rank 1 killed before its root of batch 5, no restart: rank 0's pool is at 5, with redo
+    records to apply (a stealing rank's always are), rank 1's at 4. Exporting rank 0's pool alone
+    is refused before anything is written (U3e). Recovered in place to its own batch (a new ring
+    generation), its ring would hold nothing to roll back: the group's recovery would then take it
+    to G = 4 restoring no record, its rows still at 5. The run directory recovers exactly to G."""
+    run, capacity = made(*folders, "alone")
+    torchrun(run, capacity, 0, {CRASH_ENV: f"{CrashPoint.COMMIT_BEFORE_ROOT}:5", CRASH_RANK_ENV: "1"}, status=1)
+    with pytest.raises(RecoveryError, match="rank 1's dense slice is of batch 4, rank 0's of batch 5"):
+        export_state(os.path.join(run, "rank-0.pool"))
+    refused = cxltrain("recover", os.path.join(run, "rank-0.pool"))
+    assert refused.returncode != 0 and "is one rank's pool of the distributed run in" in refused.stderr, refused
+    recovered = recover_dir(run)
+    assert [(r.target, r.batch) for r in recovered] == [(5, 4), (4, 4)] and recovered[0].records_restored > 0
+    at_g, capacity = made(*folders, "at-g")
+    torchrun(at_g, capacity, 0, steps=4)
+    for mine, theirs in zip(ends(run), ends(at_g)):
         assert_same_export(mine, theirs)

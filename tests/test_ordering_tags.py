@@ -37,6 +37,7 @@ WHERE = {
     "U3b": "cxltrain/checkpoint/ordering.py",      # distributed: never reclaim above the agreed G
     "U3c": "cxltrain/checkpoint/commit.py",        # stealing set: redo records live until a write-back synced them
     "U3d": "cxltrain/checkpoint/dense.py",         # distributed: a rank keeps its dense slices the group may recover to
+    "U3e": "cxltrain/runtime/runtime.py",          # distributed: a rank's pool recovered alone only at the group's batch
     "U4": "cxltrain/checkpoint/checkpointer.py",   # capture from the rows after the previous update
 }
 # what the statement right below each tag calls: the call that enforces its rule
@@ -61,6 +62,7 @@ ENFORCED_BY = {
     "U3b": "min(done, agreed)",
     "U3c": "min(self._keep_from, self.written_back)",
     "U3d": "keep = {root.dense_slot}",
+    "U3e": "whole = _whole_dense(pool, snapshot)",
     "U4": "capture_source(",
 }
 

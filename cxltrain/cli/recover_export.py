@@ -84,6 +84,7 @@ def _run_recover(args) -> int:
         said = repoint(args.path, args.capacity_pool)
         if said is not None:
             print(said, flush=True)
+    _refuse_rank_pool(args.path)
     report = recover_pool(args.path)
     process = process_seconds()
     print(report.describe(args.path, report.seconds)
@@ -91,6 +92,23 @@ def _run_recover(args) -> int:
     if args.json:
         print(json.dumps({**report.to_json(), "process_seconds": process}))
     return 0
+
+
+def _refuse_rank_pool(path: str) -> None:
+    """A rank's pool of a distributed run is recovered with its run (`cxltrain recover DIR`): alone,
+    to its own batch, its ring would start a new generation and hold nothing to roll it back to a
+    lower batch the ranks agree on (docs/distributed.md)."""
+    from ..pool.format import INCOMPAT_DENSE_SLICES
+    from ..pool.handle import Pool
+
+    directory = os.path.dirname(os.path.abspath(path))
+    if not run_dir.is_run_dir(directory):
+        return
+    with Pool.open(path, writable=False) as pool:
+        if pool.superblock.incompat & INCOMPAT_DENSE_SLICES:
+            raise CxlTrainError(f"{path}: is one rank's pool of the distributed run in {directory}; recover the run "
+                                f"(`cxltrain recover {directory}`): a rank recovered alone could no longer be "
+                                "rolled back to the batch the ranks agree on")
 
 
 def _run_export(args) -> int:

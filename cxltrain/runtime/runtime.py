@@ -663,20 +663,25 @@ def open_export(path: str) -> Iterator[dict]:
 
     A pool with nothing to roll back is read, never written (read-only access is enough); one with
     undo records to roll back (or a set's redo records to apply) is recovered in place first, which
-    needs write access.
+    needs write access. A group rank's pool is exported only with every rank at its batch.
     """
     with Pool.open(path, writable=False) as pool:
         rollback, snapshot = _records_to_roll_back(pool)
+        # ORDERING U3e: a group rank's pool is recovered alone (a root of a new ring generation,
+        # retiring every record) only once every rank's root names its batch, G then: at mixed
+        # batches it is refused here, before any write, and keeps the records of batches at or above
+        # a lower G that the group's roll-back needs (a stealing rank's redo records are always live).
+        whole = _whole_dense(pool, snapshot)
         if not rollback:
-            yield _exported(pool, pool.root.batches_done, _whole_dense(pool, snapshot))
+            yield _exported(pool, pool.root.batches_done, whole)
             return
     if not os.access(path, os.W_OK):
         raise RecoveryError(f"{path}: {rollback} in place before it can be "
                             "exported, which needs write access to the pool (run `cxltrain recover` on it as "
                             "a user who may write it)")
     with Pool.open(path) as pool:
-        report, snapshot = recover(pool)
-        yield _exported(pool, report.batch, _whole_dense(pool, snapshot))
+        report, _ = recover(pool)  # to its own target: `whole` is the dense state there
+        yield _exported(pool, report.batch, whole)
 
 
 def _whole_dense(pool: Pool, snapshot: dict) -> dict:
