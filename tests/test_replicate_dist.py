@@ -70,10 +70,11 @@ def test_replicated_run_sends_fewer_bytes_exactly_as_counted(runs):
     choice = rep.choose_replicas(plan, trained_lookups(0, rep.PROFILE_BATCHES), batch_size=96, dim=16,
                                  links=rep.SAME_TRANSPORT)
     assert choice.rows == auto["replicated_rows"]
+    assert choice.unique == (True, True, False)  # the table-wise and row-wise tables' holders get unique rows
     timed = trained_lookups(HALF, STEPS)  # the resumed half: fewer batches than the warm-up, all timed
     assert STEPS - HALF <= WARMUP_STEPS
     for group, hot in ((auto, choice.hot), (off, None)):
-        counted = np.mean([sum(rep.exchange_bytes(plan, batch, 96, 16, hot)) for batch in timed])
+        counted = np.mean([sum(rep.exchange_bytes(plan, batch, 96, 16, hot, choice.unique)) for batch in timed])
         assert group["bytes_exchanged_per_batch"] == counted
     assert math.isclose(auto["predicted_bytes_per_batch"], auto["bytes_exchanged_per_batch"], rel_tol=0.1)
     assert "the cost model predicted" in runs["auto"][1]["out"]
