@@ -149,7 +149,8 @@ def choose_replicas(plan: ShardingPlan, profiled: Sequence[Lookups], *, batch_si
     header = plan.world_size * (plan.world_size - 1) * HEADER_BYTES
     predicted = header + sum(p[2] for p in picks)
     rows, by_rows = sum(h.size for h in hot), sum(unique)
-    exchange = f"{by_rows} of {len(plan.tables)} table(s) exchange unique rows, the rest bags"
+    sharded = sum(1 for table in plan.tables if table.kind != DATA_PARALLEL)
+    exchange = f"{by_rows} of {sharded} sharded table(s) exchange unique rows, the others bags"
     if setting != AUTO:
         why = f"the {setting:g} most looked-up of each table's rows, as asked; {exchange}"
     elif not rows:
