@@ -25,7 +25,7 @@ from cxltrain.jobs.reshard import export_dir
 from cxltrain.jobs.sharded_settings import plan_for
 from cxltrain.jobs.train import WARMUP_STEPS
 from cxltrain.placement import replication as rep
-from helpers import assert_same_export, cxltrain, shm_tempdir
+from helpers import assert_same_export, cxltrain, run_python, shm_tempdir
 
 STEPS, HALF = 8, 4
 SHARDING = "table-wise,row-wise,data-parallel"
@@ -132,3 +132,59 @@ def test_a_rank_killed_mid_run_recovers_bit_identical(runs, shm_dir, crash):
     killed = train(shm_dir / "run", STEPS, "auto", env=env)
     assert "recovered every rank to batch" in killed["out"], killed["out"]
     assert_same_export(export_dir(str(shm_dir / "run")), runs["auto"][2])
+
+
+ONE_RANK = r"""
+import datetime, sys, torch
+import torch.distributed as dist
+from cxltrain.data.batch import Batch
+from cxltrain.models.exchange import Comm, SparseExchange
+from cxltrain.models.replicated import Replicas, ReplicatedExchange
+from cxltrain.models.sharded import RankModel
+from cxltrain.placement.sharding import make_plan, parse_kinds
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=30))
+plan = make_plan([50, 50], 1, parse_kinds("table-wise", 2))
+g = torch.Generator().manual_seed(0)
+values = (torch.randint(0, 6, (24,), generator=g), torch.randint(0, 50, (24,), generator=g))
+offsets = torch.arange(0, 24, 3)  # 8 bags of 3 ids, repeats among them
+batch = Batch(0, torch.zeros(8, 13), values, (offsets, offsets), torch.zeros(8))
+weights = torch.randn(2, 8, 4, generator=g)
+out = {}
+for name in ("plain", "unique"):
+    model = RankModel(plan, 0, dim=4, bottom_mlp=(8, 4), top_mlp=(8,), sparse_lr=0.05, seed=1)
+    for shard in model.shards:
+        shard.materialize()
+    before = [s.storage()[0][:, :4].clone() for s in model.shards]
+    comm = Comm(0, 1)
+    if name == "plain":
+        exchange = SparseExchange(plan, model, comm, 8)
+    else:
+        replicas = Replicas(plan, model, comm)
+        replicas.rebuild([torch.arange(6), torch.tensor([3, 7])])  # every id of t0: its holder is asked none
+        exchange = ReplicatedExchange(plan, model, comm, 8, replicas)
+        exchange.unique = (True, True)
+    embedded, _ = exchange.forward(batch, 0)
+    sum((e * w).sum() for e, w in zip(embedded, weights)).backward()
+    if name == "unique":
+        replicas.apply_gradients()
+        cold = torch.unique(values[1][~torch.isin(values[1], torch.tensor([3, 7]))])
+        assert [exchange.answers(t, 0) for t in (0, 1)] == [0, cold.numel()]
+    after = [s.storage()[0][:, :4].clone() for s in model.shards]
+    assert all(not torch.equal(a, b) for a, b in zip(before, after))  # both tables trained
+    # the Adagrad states too: a first step's update does not see its gradient's scale, its state does
+    out[name] = [e.detach() for e in embedded] + after + [s.storage()[1].clone() for s in model.shards]
+for a, b in zip(out["plain"], out["unique"]):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # a bag's hot and cold parts are summed apart
+print("same")
+dist.destroy_process_group()
+"""
+
+
+def test_unique_rows_on_one_rank_are_the_plain_exchange(tmp_path):
+    """On one rank, with a table's every id replicated (its holder asked for no row at all) and
+    another's ids asked as distinct rows, the embeddings and the updated rows are the plain
+    exchange's, but for float rounding."""
+    done = run_python(ONE_RANK, tmp_path / "store")
+    assert done.returncode == 0 and done.stdout.strip() == "same", done.stdout[-2000:] + done.stderr[-3000:]
