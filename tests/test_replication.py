@@ -47,6 +47,51 @@ def test_replicated_bytes_count_only_the_bags_that_still_cross():
     assert rep.exchange_bytes(plan, lookups, 4, 4, None)[0] == 2 * 16 + 2 * (8 * 4 + 4 * 16)
 
 
+def test_unique_rows_are_priced_per_distinct_id_as_counted_by_hand():
+    plan = make_plan([10, 10], 2, parse_kinds("table-wise", 2))  # t0 on rank 0, t1 on rank 1
+    # t0: bags [5 5] [7] | [5 7 7] [9 5]; t1: one id a bag, [1] [1] | [2] [3]
+    lookups = [(np.array([5, 5, 7, 5, 7, 7, 9, 5]), np.array([0, 2, 3, 6])), one_hot([1, 1, 2, 3])]
+    header, row = 2 * 16, 4 * 4
+    # rank 1 asks rank 0 for t0's distinct ids {5, 7, 9}: a count and 3 ids, 3 rows back, 3 gradients
+    # out; rank 0 asks rank 1 for t1's {1}: a count and 1 id, 1 row, 1 gradient
+    none = [np.empty(0, np.int64)] * 2
+    assert rep.exchange_bytes(plan, lookups, 4, 4, none, [True, True]) == (
+        header + (8 * 4 + 2 * row * 3) + (8 * 2 + 2 * row * 1), 0)
+    # with row 5 replicated, t0's cold ids are {7, 9}; its all-reduce: 2 (W-1) rows of 16 B
+    hot = [np.array([5]), np.empty(0, np.int64)]
+    assert rep.exchange_bytes(plan, lookups, 4, 4, hot, [True, True]) == (
+        header + (8 * 3 + 2 * row * 2) + (8 * 2 + 2 * row * 1), 2 * row)
+    # t0 as bags instead: 2 lengths, 3 cold ids, both bags hold one (2 rows, 2 gradients)
+    assert rep.exchange_bytes(plan, lookups, 4, 4, hot, [False, True])[0] == (
+        header + (8 * 5 + 2 * row * 2) + (8 * 2 + 2 * row * 1))
+    # without replication the exchange is the plain one, whatever unique says: every bag
+    assert rep.exchange_bytes(plan, lookups, 4, 4, None, [True, True]) == (
+        header + (8 * 7 + 2 * row * 2) + (8 * 4 + 2 * row * 2), 0)
+
+
+def test_each_table_gets_the_cheaper_exchange():
+    """Repeated ids: unique rows; bags of 4 ids that never repeat: bags (4 rows would cross per bag)."""
+    plan = make_plan([2000, 100_000], 2, parse_kinds("table-wise", 2))
+    rng = np.random.default_rng(5)
+    batches = [[one_hot(rng.integers(0, 20, 256)),
+                (np.arange(b * 1024, (b + 1) * 1024, dtype=np.int64), np.arange(0, 1024, 4, dtype=np.int64))]
+               for b in range(8)]
+    choice = rep.choose_replicas(plan, batches, batch_size=256, dim=16, links=LINKS)
+    assert choice.unique == (True, False)
+    held_out = [sum(rep.exchange_bytes(plan, batch, 256, 16, choice.hot, choice.unique)) for batch in batches[1::2]]
+    assert choice.predicted_bytes == pytest.approx(np.mean(held_out))
+    for unique in ((False, False), (True, True)):  # either other choice sends more
+        assert np.mean([sum(rep.exchange_bytes(plan, batch, 256, 16, choice.hot, unique))
+                        for batch in batches[1::2]]) > choice.predicted_bytes
+
+
+def test_the_unique_row_closed_form():
+    # W=2, D=32: (1/2)^n <= 1 - 256/264, n >= log2(33)
+    assert rep.row_threshold(2, 32, LINKS) == pytest.approx(np.log2(33))
+    assert rep.row_threshold(4, 32, LINKS) > rep.row_threshold(2, 32, LINKS)
+    assert rep.row_threshold(2, 32, rep.Links(1e9, 1e8)) == float("inf")  # an all-reduce 10x slower never pays
+
+
 def test_row_wise_holders_get_only_the_ids_of_their_rows():
     plan = make_plan([10], 2, parse_kinds("row-wise", 1))  # rows 0-4 on rank 0, 5-9 on rank 1
     lookups = [one_hot([6, 1, 2, 8])]
@@ -62,7 +107,9 @@ def test_auto_replicates_the_head_of_a_skewed_profile_and_nothing_of_a_flat_one(
         assert hot.size and set(range(3)) <= set(hot.tolist()) and np.all(np.diff(hot) > 0)
     flat = [[one_hot(np.arange(b * 512, (b + 1) * 512) % 2000) for _ in plan.tables] for b in range(16)]
     none = rep.choose_replicas(plan, flat, batch_size=512, dim=16, links=LINKS)
-    assert none.rows == 0 and none.predicted_bytes == none.predicted_off_bytes and "no row" in none.why
+    assert none.rows == 0 and "no row" in none.why
+    # no id repeats: unique rows still pay, a count instead of the 256 bags' lengths (4 tables, 1 asker each)
+    assert all(none.unique) and none.predicted_off_bytes - none.predicted_bytes == 4 * 8 * (256 - 1)
 
 
 def test_a_slow_all_reduce_replicates_fewer_rows():
@@ -80,7 +127,8 @@ def test_the_choice_is_a_function_of_its_inputs_and_the_held_out_batches_price_i
     a = rep.choose_replicas(plan, batches, batch_size=512, dim=16, links=LINKS)
     b = rep.choose_replicas(plan, batches, batch_size=512, dim=16, links=LINKS)
     assert all(np.array_equal(x, y) for x, y in zip(a.hot, b.hot)) and a.predicted_bytes == b.predicted_bytes
-    held_out = [rep.exchange_bytes(plan, batch, 512, 16, a.hot) for batch in batches[1::2]]
+    assert a.unique == b.unique
+    held_out = [rep.exchange_bytes(plan, batch, 512, 16, a.hot, a.unique) for batch in batches[1::2]]
     assert a.predicted_bytes == pytest.approx(np.mean([sum(s) for s in held_out]))
 
 

@@ -25,9 +25,10 @@ def add_train_options(p) -> None:
                         "one per table")
     p.add_argument("--replicate-hot", default="auto", metavar="auto|off|FRACTION",
                    help="distributed runs: copy the most looked-up rows of the sharded tables on every rank, so their "
-                        "lookups stay local: auto (default: the rows a cost model over the data's profile and the "
-                        "measured links says pay), off, or that fraction of each table's rows "
-                        "(docs/distributed.md)")
+                        "lookups stay local, and send the other ids as bags or as distinct rows, per table: auto "
+                        "(default: the rows and exchanges a cost model over the data's profile and the measured "
+                        "links says send the fewest bytes), off (no copies, bags), or that fraction of each table's "
+                        "rows (docs/distributed.md)")
     p.add_argument("--dist-timeout", type=float, default=60.0, metavar="S",
                    help="distributed runs: seconds a collective may wait for a peer before the rank gives up "
                         "(default 60)")

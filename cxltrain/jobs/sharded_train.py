@@ -184,8 +184,11 @@ class ShardedStep:
             replication.refresh(b)  # collective: a new profile every REPROFILE_EVERY batches
             if self.timed_bytes is not None:
                 self.predicted += replication.choice.predicted_bytes
-        # no replicated row: the plain exchange, the same bits and bytes as without replication
-        exchange = self.replicated if replication is not None and replication.replicas.count else self.plain
+        # no replicated row and every table's bags: the plain exchange, the same bits and bytes as off
+        exchange = self.plain
+        if replication is not None and (replication.replicas.count or any(replication.choice.unique)):
+            exchange = self.replicated
+            exchange.unique = replication.choice.unique  # the same on every rank: a function of the batch
         # G agreed through the exchange's id header: no collective of its own
         embedded = self.point.agree_on_g(rt, lambda target: exchange.forward(local, target))
         if planted(PlantedDist.ERROR_IN_STEP) and b == self.first + 1 and comm.rank == comm.world_size - 1:

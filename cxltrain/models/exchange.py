@@ -109,6 +109,8 @@ class SparseExchange:
         self.slices = [slice_of(batch_size, comm.world_size, r) for r in range(comm.world_size)]
         self.dim = model.dense.embedding_dim
         self.lengths_seen: dict[int, list[torch.Tensor]] = {}
+        # per table: its holders get distinct ids, a bag of one each (replicated.py), or bags (here always)
+        self.unique: tuple[bool, ...] = tuple(False for _ in plan.tables)
 
     def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], list[int]]:
         comm, plan = self.comm, self.plan
@@ -128,24 +130,39 @@ class SparseExchange:
         return list(_Exchange.apply(self, *pooled)), targets
 
     def _look_up(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each held table looked up for the whole batch: [B, D] per held table, in table order."""
+        """Each held table looked up for the whole batch, in table order: [B, D] per table of bags
+        (every source's B_r bag lengths, then the ids), [U, D] per table of unique rows (every
+        source's count U_r, then its U_r distinct ids, each a bag of its own: served says which
+        rows answer which source)."""
         cursors = [0] * len(received)
         pooled = []
         for t in self.model.table_index:
             ids, lengths = [], []
             for source, message in enumerate(received):
-                lo, hi = self.slices[source]
-                n = hi - lo
-                bag_lengths = message[cursors[source] : cursors[source] + n]
-                count = int(bag_lengths.sum())
-                ids.append(message[cursors[source] + n : cursors[source] + n + count])
+                at = cursors[source]
+                if self.unique[t]:
+                    count = int(message[at])
+                    bag_lengths, at = torch.ones(count, dtype=torch.int64), at + 1
+                else:
+                    lo, hi = self.slices[source]
+                    bag_lengths = message[at : at + hi - lo]
+                    count, at = int(bag_lengths.sum()), at + hi - lo
+                ids.append(message[at : at + count])
                 lengths.append(bag_lengths)
-                cursors[source] += n + count
-            self.lengths_seen[t] = lengths  # per source [B_r]: which bags held ids of t (replicated.py)
-            all_lengths = torch.cat(lengths)
+                cursors[source] = at + count
+            self.lengths_seen[t] = lengths  # per source: which bags held ids of t (replicated.py)
+            # no id at all: one empty bag, as a lookup needs an offset
+            all_lengths = torch.cat(lengths) if any(x.numel() for x in lengths) else torch.zeros(1, dtype=torch.int64)
             offsets = torch.cumsum(all_lengths, 0) - all_lengths
             pooled.append(self.model.shard(t)(torch.cat(ids), offsets))
         return pooled
+
+    def served(self, t: int, source: int) -> torch.Tensor:
+        """The rows of held table t's lookup (_look_up) that answer `source`: the bags of its slice
+        that sent ids of t, or one row per distinct id it asked for."""
+        lengths = self.lengths_seen[t]
+        start = sum(x.numel() for x in lengths[:source])
+        return start + torch.nonzero(lengths[source]).view(-1)
 
 
 def _bags_for(plan: ShardingPlan, t: int, owner: int, values: torch.Tensor,

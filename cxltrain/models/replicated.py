@@ -3,8 +3,12 @@ rows"; the rows: placement/replication.py).
 
 Every rank holds a copy of the chosen rows of each sharded table (`Replicas`: weights and optimizer
 state, volatile). A lookup of one of them is served from the copy on the rank that makes it; only the
-other ids go to their holders, and only the bags holding one of those get a pooled row back and send
-a gradient (exchange.py's messages otherwise: every bag's length, then the ids). In backward the
+other ids go to their holders, in one of two forms per table (the cost model's choice,
+placement/replication.py): bags (exchange.py's messages: every bag's length, then the ids; only the
+bags holding one of them get a pooled row back and send a gradient), or unique rows (`AskedRows`:
+each distinct id once, its row back, the bags pooled here from those rows, one gradient per row
+back, summed over its lookups in lookup order; the holder applies the rows' gradients as a lookup
+of each row, so its update, undo log and commit are its table's as ever). In backward the
 copies' gradients are summed over the ranks in a fixed order (Comm.ordered_all_reduce's two halves:
 the reduce-scatter rides in the exchange's gradient all-to-all, the all-gather follows), and every
 rank applies the same fused update to its copies; the owner applies it to its rows too, through its table
@@ -13,7 +17,7 @@ durable: they are rebuilt from the owners' rows at every start (after the group'
 whenever the chosen rows change.
 
 Shape letters: B samples of the global batch, B_r of this rank's slice, D dims, H_t replicated rows
-of table t.
+of table t, U distinct rows asked of a table's holders.
 """
 
 from __future__ import annotations
@@ -149,24 +153,75 @@ class Replicas:
             pooled.backward(grad[mine])
 
 
+class AskedRows:
+    """Table t's ids of this rank's slice that are not replicated, asked of their holders as
+    distinct rows (the unique-row exchange): ids[o] [U_o] sorted, local to holder o's rows;
+    positions [N]: each id's row in the holders' answers put together in rank order [U, D];
+    offsets [B_r] and bags [N], the slice's bags over those ids."""
+
+    def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor) -> None:
+        self.positions = torch.empty_like(values)
+        self.ids: dict[int, torch.Tensor] = {}
+        at = 0
+        for o in table.ranks:  # rank order, as the answers are put together
+            lo, hi = table.rows_of(o)
+            inside = (values >= lo) & (values < hi)
+            self.ids[o], inverse = torch.unique(values[inside] - lo, sorted=True, return_inverse=True)
+            self.positions[inside] = at + inverse
+            at += self.ids[o].numel()
+        self.offsets = offsets
+        ends = torch.cat([offsets, torch.tensor([values.numel()])])
+        self.bags = torch.repeat_interleave(torch.arange(offsets.numel()), ends[1:] - ends[:-1])
+
+    def pooled(self, rows: torch.Tensor) -> torch.Tensor:
+        """The slice's bags [B_r, D] summed from the answered rows [U, D]."""
+        if not rows.shape[0]:
+            return torch.zeros(self.offsets.numel(), rows.shape[1])
+        return F.embedding_bag(self.positions, rows, self.offsets, mode="sum")
+
+    def gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """Each answered row's gradient [U, D] from the bags' grad [B_r, D]: every lookup's bag
+        gradient added to its row in lookup order (the same bits every run)."""
+        rows = sum(ids.numel() for ids in self.ids.values())
+        return torch.zeros(rows, grad.shape[1]).index_add_(0, self.positions, grad[self.bags])
+
+    def span(self, owner: int) -> slice:
+        """The rows of [U, D] that `owner` answers."""
+        start = 0
+        for o, ids in self.ids.items():
+            if o == owner:
+                return slice(start, start + ids.numel())
+            start += ids.numel()
+        raise KeyError(owner)
+
+
 class ReplicatedExchange(SparseExchange):
-    """SparseExchange with `replicas` looked up where the lookups are (module docstring)."""
+    """SparseExchange with `replicas` looked up where the lookups are, and each table's other ids
+    sent as bags or, where `unique[t]`, as distinct rows pooled here (module docstring)."""
 
     def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm, batch_size: int,
                  replicas: Replicas) -> None:
         super().__init__(plan, model, comm, batch_size)
         self.replicas = replicas
-        self.sent: dict[tuple[int, int], torch.Tensor] = {}  # (table, holder): the slice's bags it serves
+        self.sent: dict[tuple[int, int], torch.Tensor] = {}  # (table of bags, holder): the slice's bags it serves
+        self.asked: dict[int, AskedRows] = {}                # table of unique rows: what its holders answer
 
     def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], list[int]]:
         comm, plan = self.comm, self.plan
         split = [self.replicas.look_up(t, v, o) if plan.tables[t].kind != DATA_PARALLEL else (v, o, None)
                  for t, (v, o) in enumerate(zip(local.values, local.offsets))]
+        self.asked = {t: AskedRows(plan.tables[t], *split[t][:2]) for t in range(len(plan.tables))
+                      if self.unique[t] and plan.tables[t].kind != DATA_PARALLEL}
         messages = []
         for owner in range(comm.world_size):
             parts = []
             for t in range(len(plan.tables)):
-                if owner in plan.owners(t):
+                if owner not in plan.owners(t):
+                    continue
+                if t in self.asked:
+                    ids = self.asked[t].ids[owner]
+                    parts += [torch.tensor([ids.numel()]), ids]
+                else:
                     lengths, ids = _bags_for(plan, t, owner, split[t][0], split[t][1])
                     self.sent[t, owner] = torch.nonzero(lengths).view(-1)
                     parts += [lengths, ids]
@@ -178,43 +233,48 @@ class ReplicatedExchange(SparseExchange):
         cold = _ColdExchange.apply(self, *pooled)
         return [c if hot is None else c + hot for c, (_, _, hot) in zip(cold, split)], targets
 
-    def served(self, t: int, source: int) -> torch.Tensor:
-        """The bags of `source`'s slice that sent this rank ids of held table t."""
-        return torch.nonzero(self.lengths_seen[t][source]).view(-1)
+    def answers(self, t: int, owner: int) -> int:
+        """How many rows `owner` sends this rank for sharded table t (and gets gradients for)."""
+        return self.asked[t].ids[owner].numel() if t in self.asked else self.sent[t, owner].numel()
 
 
 class _ColdExchange(torch.autograd.Function):
-    """pooled (held tables, [B, D] each) -> the not-replicated part of every table's embeddings
-    for this rank's slice ([B_r, D] each): a holder sends back the rows of the bags that sent it
-    ids (a data-parallel table: none, every rank looked it up); backward sends the gradients of
-    those bags (all of a data-parallel table's) to the holders, and this rank's replicated rows'
-    gradient, a chunk to each rank (the first half of Comm.ordered_all_reduce), each chunk summed by
-    its rank in rank order."""
+    """pooled (held tables, [B, D] or [U, D] each: SparseExchange._look_up) -> the not-replicated
+    part of every table's embeddings for this rank's slice ([B_r, D] each): a holder sends back the
+    rows that answer each rank (served: the bags that sent it ids, or the distinct rows asked; a
+    data-parallel table: none, every rank looked it up), the asking rank adds up a row-wise
+    table's bags in rank order or pools its bags from the rows; backward sends the gradients of
+    those rows (a unique row's summed over its lookups; all of a data-parallel table's bags) to the
+    holders, and this rank's replicated rows' gradient, a chunk to each rank (the first half of
+    Comm.ordered_all_reduce), each chunk summed by its rank in rank order."""
 
     @staticmethod
     def forward(ctx, exchange: ReplicatedExchange, *pooled: torch.Tensor):
-        ctx.exchange = exchange
+        ctx.exchange, ctx.sizes = exchange, [p.shape[0] for p in pooled]
         plan, comm, dim = exchange.plan, exchange.comm, exchange.dim
         held = dict(zip(exchange.model.table_index, pooled))
         lo, hi = exchange.slices[comm.rank]
         sharded = [t for t in exchange.model.table_index if plan.tables[t].kind != DATA_PARALLEL]
         pieces = []
         for r in range(comm.world_size):
-            a, b = exchange.slices[r]
-            parts = [held[t][a:b][exchange.served(t, r)].reshape(-1) for t in sharded]
+            parts = [held[t][exchange.served(t, r)].reshape(-1) for t in sharded]
             pieces.append(torch.cat(parts) if parts else torch.empty(0))
-        receive = [dim * sum(exchange.sent[t, o].numel() for t in plan.held_by(o)
-                             if plan.tables[t].kind != DATA_PARALLEL) for o in range(comm.world_size)]
+        receive = [dim * sum(exchange.answers(t, o) for t in plan.held_by(o) if plan.tables[t].kind != DATA_PARALLEL)
+                   for o in range(comm.world_size)]
         received = comm.all_to_all(pieces, receive)
         cursor = [0] * comm.world_size
 
+        def answer(o: int, t: int) -> torch.Tensor:
+            n = exchange.answers(t, o) * dim
+            cursor[o] += n
+            return received[o][cursor[o] - n : cursor[o]].view(-1, dim)
+
         def from_holders(t: int, table) -> torch.Tensor:
+            if t in exchange.asked:  # the distinct rows, put together in rank order, pooled here
+                return exchange.asked[t].pooled(torch.cat([answer(o, t) for o in table.ranks]))
             total = torch.zeros(hi - lo, dim)
             for o in table.ranks:  # rank order: a row-wise table's partial sums add up the same on every run
-                bags = exchange.sent[t, o]
-                part = received[o][cursor[o] : cursor[o] + bags.numel() * dim].view(-1, dim)
-                cursor[o] += bags.numel() * dim
-                total.index_add_(0, bags, part)
+                total.index_add_(0, exchange.sent[t, o], answer(o, t))
             return total
         return slice_embeddings(plan, held, lo, hi, from_holders)
 
@@ -227,10 +287,12 @@ class _ColdExchange(torch.autograd.Function):
         grads = [torch.zeros(hi - lo, dim) if g is None else g * scale for g in grads]
         replicas = exchange.replicas
         hot = replicas.gradient(grads)  # [H, D], already times 1/W
+        rows_grad = {t: asked.gradient(grads[t]) for t, asked in exchange.asked.items()}
         bounds = chunk_bounds(hot.shape[0], comm.world_size)
         pieces = []
         for o in range(comm.world_size):
-            parts = [(grads[t] if plan.tables[t].kind == DATA_PARALLEL else grads[t][exchange.sent[t, o]]).reshape(-1)
+            parts = [(grads[t] if plan.tables[t].kind == DATA_PARALLEL else rows_grad[t][exchange.asked[t].span(o)]
+                      if t in exchange.asked else grads[t][exchange.sent[t, o]]).reshape(-1)
                      for t in plan.held_by(o)]
             pieces.append(torch.cat([*parts, hot[bounds[o] : bounds[o + 1]].reshape(-1)]))
         held = exchange.model.table_index
@@ -240,7 +302,7 @@ class _ColdExchange(torch.autograd.Function):
         received = comm.all_to_all(pieces, [dim * sum(rows[t, s] for t in held) + chunk
                                             for s in range(comm.world_size)])
         replicas.reduced = sum_in_rank_order([message[message.numel() - chunk :] for message in received])
-        out = [torch.zeros(exchange.slices[-1][1], dim) for _ in held]
+        out = [torch.zeros(size, dim) for size in ctx.sizes]
         for s, message in enumerate(received):
             a, b = exchange.slices[s]
             at = 0
@@ -250,5 +312,5 @@ class _ColdExchange(torch.autograd.Function):
                 if plan.tables[t].kind == DATA_PARALLEL:
                     out[i][a:b] = part
                 else:
-                    out[i][a + exchange.served(t, s)] = part
+                    out[i][exchange.served(t, s)] = part
         return (None, *out)
