@@ -102,9 +102,11 @@ class UndoChunks(Protocol):
     and its record layout are the checkpoint layer's (cxltrain/checkpoint/fused.py FusedUndo)."""
 
     lock: contextlib.AbstractContextManager  # held while the kernel persists (the device's)
+    slots: UndoChunks | None  # a hot-row cache's slots' records, each chunk's after the table's (cached only)
 
-    def kernel_fields(self, lib) -> dict:
-        """The writer's named fields for the kernel (kernels/undo.c undo_read), every array checked."""
+    def kernel_fields(self, lib, stops: bool = True) -> dict:
+        """The writer's named fields for the kernel (kernels/undo.c undo_read), every array checked
+        (stops: a crash test's stop may land in these records)."""
 
     def kernel_done(self, stopped: int, flushed_runs: int) -> None:
         """After the kernel: the phase a crash test's stop step stopped it at (0: none), and the
@@ -141,9 +143,10 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
 
     cached: a hot-row cache's row map and slots (CachedRows): each unique row is read and updated
     where it lives, its slot or its table row, with the same arithmetic (the returned rows are
-    table row ids either way). With undo, the records name table rows only, those the map does not
-    cache (their slots' records are the caller's, durable before this call), and the writer writes
-    no rows back (the caller flushes the slots and the table rows).
+    table row ids either way). With undo, its records name table rows only, those the map does not
+    cache; the slots' records are undo.slots' (each chunk's written right after the table's), or
+    the caller's, durable before this call; the writer writes no rows back (the caller flushes the
+    slots and the table rows).
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -196,8 +199,9 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             raise RuntimeError("a fused undo capture needs the native kernels' streamed stores and undo writer "
                                "(make setup rebuilds them)")
         fields = undo.kernel_fields(lib)
+        slots = None if undo.slots is None else undo.slots.kernel_fields(lib, stops=False)
         with undo.lock:
-            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache)
+            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache, slots)
         undo.kernel_done(stopped, runs)
     crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]

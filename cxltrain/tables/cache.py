@@ -30,9 +30,10 @@ from running counts) evicts with write-back and refills the same way, logged fir
 Exactness: a batch's update is the table's one fused kernel call, given the row map and the
 slots (`locations`): each unique row is read and updated where it lives, its slot or its capacity
 row, its lookups' gradients scaled and summed in lookup order as for any row, so a cached run
-ends bit-identical to an uncached one. Its undo records: the slots' are durable before the kernel
-starts (U1f); the misses' table rows are recorded by the kernel itself, chunk by chunk, where the
-checkpointer fuses the capture (U1h), as for an uncached table.
+ends bit-identical to an uncached one. Its undo records are written by the kernel itself, chunk
+by chunk of the unique rows, where the checkpointer fuses the capture (U1h): each chunk's misses'
+table rows, then its hits' slots, durable before the chunk's first store; else both are durable
+before the kernel starts (U1f, slots first).
 """
 
 from __future__ import annotations
@@ -285,11 +286,8 @@ class HotRowCache:
         hit = slots >= 0
         self.stats.lookups += indices.numel()
         self.stats.hits += int(hit.sum())
-        if guard is not None:
-            if not bool(hit.all()):  # the update's lookups, of which only the misses store in the table
-                batch = guard.capture(table, indices, indices[~hit])
-            if bool(hit.any()):
-                batch = guard.capture(self.slots, slots[hit])
+        if guard is not None:  # the update's lookups: the hits' store in their slots, the misses' in the table
+            batch = guard.capture(table, indices, self)
         return (*self.gather(indices, slots, hit), batch)
 
     def gather(self, indices: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +306,8 @@ class HotRowCache:
     def locations(self) -> row_ops.CachedRows:
         """The row map and the slots' arrays, as the fused update takes them: each cached row is
         read and updated in its slot, with the arithmetic it would get in the table."""
-        return row_ops.CachedRows(self.slot_of, self.slots.rows, self.slots.state if self._k else None)
+        # the slots' state with the map column, even for sgd: a fused update records it with the slot
+        return row_ops.CachedRows(self.slot_of, self.slots.rows, self.slots.state)
 
     def homes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the update's rows [U] (sorted) were stored: (the slots of the cached ones [U'],
