@@ -46,6 +46,30 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gather_cached(table: torch.Tensor, cached: CachedRows, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(out [N, P]: each of rows [N] int64 copied from where it lives, its slot where the cache's row
+    map holds it, else table [R, P] float32; how many came from a slot): a cached table's lookups
+    in one pass. Rows and their map entries are checked first."""
+    _check("table", table, torch.float32, 2)
+    _check("rows", rows, torch.int64, 1)
+    _check_cached(cached, "sgd", table, None, table.shape[1])
+    if cached.weights.shape[1] != table.shape[1]:
+        raise ValueError(f"the slots hold {cached.weights.shape[1]} columns, the table {table.shape[1]}")
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(rows, table.shape[0])
+        _check_slots(cached, rows)
+        slots = cached.slot_of[rows].to(torch.int64)
+        hit = slots >= 0
+        out = torch_rows.gather_rows(table, rows)
+        out[hit] = cached.weights[slots[hit]]
+        return out, int(hit.sum())
+    out = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype)
+    hits = lib.gather_cached(out.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0], _cache_fields(cached),
+                             rows.data_ptr(), rows.numel())
+    return out, hits
+
+
 def all_finite(values: torch.Tensor) -> bool:
     """Whether a float32 tensor holds no inf or NaN (any shape; a strided one is copied first)."""
     if values.dtype != torch.float32 or values.device.type != "cpu":

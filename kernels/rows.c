@@ -597,6 +597,80 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * A cached table's lookups in one pass (the hot-row cache's forward): each lookup's row copied from
+ * where it lives, its slot or its table row
+ * ------------------------------------------------------------------------------------------- */
+struct cached_gather {
+    float *dst;             /* [N, dst_stride] */
+    Py_ssize_t dst_stride;
+    const float *table;     /* [R, t_stride] */
+    Py_ssize_t t_stride;
+    struct cached_rows cache;
+    size_t row_bytes;
+};
+
+static inline const float *cached_home(const struct cached_gather *g, int64_t row, Py_ssize_t *hits)
+{
+    const int64_t slot = cached_slot(&g->cache, row);
+    *hits += slot >= 0;
+    return slot >= 0 ? g->cache.weight + slot * g->cache.w_stride : g->table + row * g->t_stride;
+}
+
+/* The lookups' rows into dst; returns how many came from a slot. */
+static Py_ssize_t cached_gather_work(const struct cached_gather *g, const int64_t *rows, Py_ssize_t count)
+{
+    Py_ssize_t hits = 0, ahead = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_ROWS < count) /* the home of a row some lookups ahead */
+            prefetch_row((const char *)cached_home(g, rows[i + PREFETCH_ROWS], &ahead), g->row_bytes, 0);
+        memcpy(g->dst + i * g->dst_stride, cached_home(g, rows[i], &hits), g->row_bytes);
+    }
+    return hits;
+}
+
+/* gather_cached(dst, table, t_stride, table_rows, cache, rows, count) -> hits: dst row i := the row
+ * rows[i] from its slot where the cache (a dict, cached_rows_read) maps it, else from the table;
+ * rows of t_stride floats. Rows and map entries are checked first: a bad one writes nothing. */
+static PyObject *gather_cached(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, table, rows_at;
+    Py_ssize_t count, bad = -1, bad_slot = -1, hits = 0;
+    long long table_rows;
+    PyObject *cache_fields;
+    struct cached_gather g;
+    if (!PyArg_ParseTuple(args, "KKnLOKn", &dst, &table, &g.t_stride, &table_rows, &cache_fields, &rows_at, &count))
+        return NULL;
+    if (cache_fields == Py_None || cached_rows_read(cache_fields, &g.cache, 0) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "gather_cached needs the cache's row map and slots");
+        return NULL;
+    }
+    if (g.cache.w_stride != g.t_stride) {
+        PyErr_SetString(PyExc_ValueError, "gather_cached: the slots' rows must be as wide as the table's");
+        return NULL;
+    }
+    g.dst = (float *)(uintptr_t)dst;
+    g.dst_stride = g.t_stride;
+    g.table = (const float *)(uintptr_t)table;
+    g.row_bytes = (size_t)g.t_stride * sizeof(float);
+    const int64_t *rows = (const int64_t *)(uintptr_t)rows_at;
+    Py_BEGIN_ALLOW_THREADS
+    bad = first_bad_row(rows, count, table_rows);
+    bad_slot = bad < 0 ? first_bad_slot(&g.cache, rows, count) : -1;
+    if (bad < 0 && bad_slot < 0)
+        hits = cached_gather_work(&g, rows, count);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0)
+        return raise_bad_row(rows, bad, table_rows);
+    if (bad_slot >= 0) {
+        PyErr_Format(PyExc_ValueError, "gather_cached: the row map sends row %lld outside the %lld slots",
+                     (long long)rows[bad_slot], (long long)g.cache.slots);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(hits);
+}
+
+/* ---------------------------------------------------------------------------------------------
  * Undo capture with non-temporal stores
  * ------------------------------------------------------------------------------------------- */
 struct undo_capture {
@@ -900,6 +974,9 @@ static PyMethodDef methods[] = {
      "dict, undo.c undo_read): the records written chunk by chunk by its step list, and then (unique, stopped "
      "phase, runs written back); cache: the row map and slot arrays (a dict, cached_rows_read), each cached row "
      "updated in its slot; slots_undo: the slots' records, written as undo's, each chunk's after the table's"},
+    {"gather_cached", gather_cached, METH_VARARGS,
+     "gather_cached(dst, table, t_stride, table_rows, cache, rows, count) -> hits: each lookup's row from its "
+     "slot (cache: the row map and slot arrays, as sparse_update's) or its table row"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "

@@ -268,10 +268,10 @@ class HotRowCache:
     # -- lookups and updates --------------------------------------------------------------------
     def lookups(self, guard, table, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """A forward's lookups `indices` [N] of the table: admission or re-placement first when due
-        (guard: the table's checkpointer when the lookups have gradients, else None), then both
-        undo captures (the slots' for the hits, the table's for the misses), whose records must be
-        durable before backward stores. Returns (rows [N', P], the lookups' positions in them [N],
-        the batch or None) for the pooling (gather)."""
+        (guard: the table's checkpointer when the lookups have gradients, else None), then the
+        undo capture (of the hits' slots and the misses' table rows), whose records must be durable
+        before backward stores. Returns (rows [N, P]: each lookup's row, the lookups' positions in
+        them [N], the batch or None) for the pooling."""
         batch = None
         if guard is not None:
             batch = guard.in_flight
@@ -282,26 +282,14 @@ class HotRowCache:
                 self.replace(guard)  # every replace_every batches, logged
             self.replaced_in = batch
             self.count(indices)
-        slots = self.slot_of[indices].to(torch.int64)
-        hit = slots >= 0
+        # each lookup's row from its slot or its capacity row, in lookup order: pooling them adds
+        # the same values in the same order as pooling the table would
+        local, hits = row_ops.gather_cached(self.table.storage()[0], self.locations(), indices)
         self.stats.lookups += indices.numel()
-        self.stats.hits += int(hit.sum())
+        self.stats.hits += hits
         if guard is not None:  # the update's lookups: the hits' store in their slots, the misses' in the table
             batch = guard.capture(table, indices, self)
-        return (*self.gather(indices, slots, hit), batch)
-
-    def gather(self, indices: torch.Tensor, slots: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows [N, P]: each lookup's row, the misses' from the capacity rows, then the hits' from
-        their slots; each lookup's position in them [N]), for lookups `indices` [N] whose slots
-        [N] (-1: a miss) are `slots` and hits `hit` [N]. Pooling them adds the same values in the
-        same order as pooling the table would.
-        (Measured: about 5x cheaper than gathering the unique rows into place with masks.)"""
-        miss = ~hit
-        rows, _ = self.table.storage()
-        cold = row_ops.gather_rows(rows, indices[miss])
-        local = torch.cat([cold, row_ops.gather_rows(self.slots.rows, slots[hit])])
-        positions = torch.where(hit, cold.shape[0] + torch.cumsum(hit, 0) - 1, torch.cumsum(miss, 0) - 1)
-        return local, positions
+        return local, torch.arange(indices.numel()), batch
 
     def locations(self) -> row_ops.CachedRows:
         """The row map and the slots' arrays, as the fused update takes them: each cached row is
