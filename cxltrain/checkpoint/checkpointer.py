@@ -61,10 +61,11 @@ rows are flushed, when a commit is due or taken early, the dense hand-over). The
 takes on the worker are commit.py's; the orderings both follow are ordering.py's (a planted bug is
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
-tables.py (before_update before the in-place update), U1e, U1f and U1g in cache.py (the hot-row
-cache: records before admission fills the slots, before the hits' update, and before re-placement's
-write-back and refill), U1h in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused
-capture: each chunk's record durable, payload first, before its rows are stored), U1j in
+tables.py (before_update before the in-place update), U1e and U1g in cache.py (the hot-row cache:
+records before admission fills the slots and before re-placement's write-back and refill), U1f in
+Checkpointer.before_update (a cached table's slots recorded before its update, where not fused), U1h
+in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused capture: each chunk's record,
+and a cached table's slots' record of it, durable, payload first, before its rows are stored), U1j in
 tables/renorm.py (max_norm's renorm in forward: the rows' record before its stores), U2a in
 Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools), U3a and U3c (a stealing set's redo records) in commit.py, U3b
 (distributed runs) in ordering.Ordering.keep_from, U3d (a rank's dense slices) in dense.free_slot, U4 in
