@@ -46,6 +46,30 @@ def gather_rows(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gather_cached(table: torch.Tensor, cached: CachedRows, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(out [N, P]: each of rows [N] int64 copied from where it lives, its slot where the cache's row
+    map holds it, else table [R, P] float32; how many came from a slot): a cached table's lookups
+    in one pass. Rows and their map entries are checked first."""
+    _check("table", table, torch.float32, 2)
+    _check("rows", rows, torch.int64, 1)
+    _check_cached(cached, "sgd", table, None, table.shape[1])
+    if cached.weights.shape[1] != table.shape[1]:
+        raise ValueError(f"the slots hold {cached.weights.shape[1]} columns, the table {table.shape[1]}")
+    lib = native.lib()
+    if lib is None:
+        _check_bounds(rows, table.shape[0])
+        _check_slots(cached, rows)
+        slots = cached.slot_of[rows].to(torch.int64)
+        hit = slots >= 0
+        out = torch_rows.gather_rows(table, rows)
+        out[hit] = cached.weights[slots[hit]]
+        return out, int(hit.sum())
+    out = torch.empty(rows.numel(), table.shape[1], dtype=table.dtype)
+    hits = lib.gather_cached(out.data_ptr(), table.data_ptr(), table.shape[1], table.shape[0], _cache_fields(cached),
+                             rows.data_ptr(), rows.numel())
+    return out, hits
+
+
 def all_finite(values: torch.Tensor) -> bool:
     """Whether a float32 tensor holds no inf or NaN (any shape; a strided one is copied first)."""
     if values.dtype != torch.float32 or values.device.type != "cpu":
@@ -102,9 +126,11 @@ class UndoChunks(Protocol):
     and its record layout are the checkpoint layer's (cxltrain/checkpoint/fused.py FusedUndo)."""
 
     lock: contextlib.AbstractContextManager  # held while the kernel persists (the device's)
+    slots: UndoChunks | None  # a hot-row cache's slots' records, each chunk's after the table's (cached only)
 
-    def kernel_fields(self, lib) -> dict:
-        """The writer's named fields for the kernel (kernels/undo.c undo_read), every array checked."""
+    def kernel_fields(self, lib, stops: bool = True) -> dict:
+        """The writer's named fields for the kernel (kernels/undo.c undo_read), every array checked
+        (stops: a crash test's stop may land in these records)."""
 
     def kernel_done(self, stopped: int, flushed_runs: int) -> None:
         """After the kernel: the phase a crash test's stop step stopped it at (0: none), and the
@@ -141,9 +167,10 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
 
     cached: a hot-row cache's row map and slots (CachedRows): each unique row is read and updated
     where it lives, its slot or its table row, with the same arithmetic (the returned rows are
-    table row ids either way). With undo, the records name table rows only, those the map does not
-    cache (their slots' records are the caller's, durable before this call), and the writer writes
-    no rows back (the caller flushes the slots and the table rows).
+    table row ids either way). With undo, its records name table rows only, those the map does not
+    cache; the slots' records are undo.slots' (each chunk's written right after the table's), or
+    the caller's, durable before this call; the writer writes no rows back (the caller flushes the
+    slots and the table rows).
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -196,8 +223,9 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
             raise RuntimeError("a fused undo capture needs the native kernels' streamed stores and undo writer "
                                "(make setup rebuilds them)")
         fields = undo.kernel_fields(lib)
+        slots = None if undo.slots is None else undo.slots.kernel_fields(lib, stops=False)
         with undo.lock:
-            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache)
+            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache, slots)
         undo.kernel_done(stopped, runs)
     crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]

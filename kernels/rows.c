@@ -275,8 +275,9 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
     Py_ssize_t unique = 0;                                                                        \
     const Py_ssize_t dim = a->dim;                                                                \
     for (Py_ssize_t j = 0; j < a->n && unique != a->stop_after;) {                                \
-        /* ORDERING U1h: the chunk's undo record is written, durably, by its step list (undo.c)   \
-         * before this loop stores into the chunk's first row (a crash test's stop step stops it) */ \
+        /* ORDERING U1h: the chunk's undo record (and a cached table's slots' record of it) is    \
+         * written, durably, by its step list (undo.c) before this loop stores into the chunk's   \
+         * first row, or slot (a crash test's stop step stops it) */                              \
         if (a->undo && unique == a->undo->next_start && undo_next_chunk(a->undo, a->out_rows, unique)) \
             break;                                                                                \
         const int64_t row = a->indices[order[j]];                                                 \
@@ -476,13 +477,14 @@ static int cached_rows_read(PyObject *fields, struct cached_rows *c, int with_st
 static PyObject *sparse_update(PyObject *self, PyObject *args)
 {
     struct update_args a;
-    struct fused_undo u;
+    struct fused_undo u, slots_undo;
     unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows;
     long long table_rows;
-    PyObject *undo_fields = Py_None, *cache_fields = Py_None;
-    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|OO", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+    PyObject *undo_fields = Py_None, *cache_fields = Py_None, *slots_fields = Py_None;
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|OOO", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
                           &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
-                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &undo_fields, &cache_fields))
+                          &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &undo_fields, &cache_fields,
+                          &slots_fields))
         return NULL;
     if (cached_rows_read(cache_fields, &a.cache, a.rule != RULE_SGD) < 0)
         return NULL;
@@ -521,27 +523,53 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
             }
             a.sorted = u.lookup_order;
         }
-        /* A cached row is updated in its slot, whose record the caller writes first (the records
-         * here name table rows); the write-back here would flush table rows, not the slots. */
+        /* A cached row is updated in its slot, whose record is the slots' part (below) or the
+         * caller's, written first (the records here name table rows); the write-back here would
+         * flush table rows, not the slots. */
         if (a.cache.slot_of && u.write_back_rows) {
             PyErr_SetString(PyExc_ValueError, "sparse_update: a cached table's update writes no rows back itself "
                             "(its cached rows live in their slots); nothing was written");
             return NULL;
         }
     }
+    if (slots_fields != Py_None) {
+        /* the slots' records: weights and the whole state row (the map entry with it), chunk by
+         * chunk of the same unique rows as the table's */
+        if (!a.undo || !a.cache.slot_of || !a.cache.state) {
+            PyErr_SetString(PyExc_ValueError, "sparse_update: the slots' records need the table's undo plan and "
+                            "the cache with its slots' state; nothing was written");
+            return NULL;
+        }
+        if (undo_read(slots_fields, &slots_undo, (const char *)a.cache.weight, a.cache.w_stride * 4,
+                      (const char *)a.cache.state, a.cache.s_stride * 4, a.cache.slots) < 0)
+            return NULL;
+        if (slots_undo.chunks != u.chunks || slots_undo.chunk_rows != u.chunk_rows || slots_undo.write_back_rows
+            || slots_undo.lookup_order) {
+            PyErr_SetString(PyExc_ValueError, "sparse_update: the slots' undo plan must chunk the table's rows as "
+                            "its plan does, and write no rows back; nothing was written");
+            return NULL;
+        }
+        u.also = &slots_undo;
+    }
     Py_ssize_t unique = 0, bad = -1;
     int status;
     Py_BEGIN_ALLOW_THREADS
     /* the rows to record are checked too, before any store (they are the update's own rows) */
     bad = a.undo ? first_bad_row(u.recorded, u.recorded_count, a.table_rows) : -1;
-    status = bad >= 0 ? 3 : a.undo && first_cached(&a.cache, u.recorded, u.recorded_count) >= 0
-                                ? 6 : sparse_update_nogil(&a, &unique, &bad);
+    status = bad >= 0 ? 3 : a.undo && first_cached(&a.cache, u.recorded, u.recorded_count) >= 0 ? 6
+           : a.undo && u.also && first_bad_row(u.also->recorded, u.also->recorded_count, a.cache.slots) >= 0
+                 ? 7 : sparse_update_nogil(&a, &unique, &bad);
     Py_END_ALLOW_THREADS
     if (status == 3)
         return raise_bad_row(u.recorded, bad, a.table_rows);
     if (status == 6) {
         PyErr_SetString(PyExc_ValueError, "sparse_update: the undo plan records a row the map caches (its slot, "
                         "not its table row, is updated); nothing was written");
+        return NULL;
+    }
+    if (status == 7) {
+        PyErr_Format(PyExc_ValueError, "sparse_update: the slots' undo plan records a slot outside the %lld "
+                     "slots; nothing was written", (long long)a.cache.slots);
         return NULL;
     }
     if (status == 1)
@@ -566,6 +594,80 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     if (a.undo)
         return Py_BuildValue("nin", unique, u.stopped, u.flush_runs);
     return PyLong_FromSsize_t(unique);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * A cached table's lookups in one pass (the hot-row cache's forward): each lookup's row copied from
+ * where it lives, its slot or its table row
+ * ------------------------------------------------------------------------------------------- */
+struct cached_gather {
+    float *dst;             /* [N, dst_stride] */
+    Py_ssize_t dst_stride;
+    const float *table;     /* [R, t_stride] */
+    Py_ssize_t t_stride;
+    struct cached_rows cache;
+    size_t row_bytes;
+};
+
+static inline const float *cached_home(const struct cached_gather *g, int64_t row, Py_ssize_t *hits)
+{
+    const int64_t slot = cached_slot(&g->cache, row);
+    *hits += slot >= 0;
+    return slot >= 0 ? g->cache.weight + slot * g->cache.w_stride : g->table + row * g->t_stride;
+}
+
+/* The lookups' rows into dst; returns how many came from a slot. */
+static Py_ssize_t cached_gather_work(const struct cached_gather *g, const int64_t *rows, Py_ssize_t count)
+{
+    Py_ssize_t hits = 0, ahead = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i + PREFETCH_ROWS < count) /* the home of a row some lookups ahead */
+            prefetch_row((const char *)cached_home(g, rows[i + PREFETCH_ROWS], &ahead), g->row_bytes, 0);
+        memcpy(g->dst + i * g->dst_stride, cached_home(g, rows[i], &hits), g->row_bytes);
+    }
+    return hits;
+}
+
+/* gather_cached(dst, table, t_stride, table_rows, cache, rows, count) -> hits: dst row i := the row
+ * rows[i] from its slot where the cache (a dict, cached_rows_read) maps it, else from the table;
+ * rows of t_stride floats. Rows and map entries are checked first: a bad one writes nothing. */
+static PyObject *gather_cached(PyObject *self, PyObject *args)
+{
+    unsigned long long dst, table, rows_at;
+    Py_ssize_t count, bad = -1, bad_slot = -1, hits = 0;
+    long long table_rows;
+    PyObject *cache_fields;
+    struct cached_gather g;
+    if (!PyArg_ParseTuple(args, "KKnLOKn", &dst, &table, &g.t_stride, &table_rows, &cache_fields, &rows_at, &count))
+        return NULL;
+    if (cache_fields == Py_None || cached_rows_read(cache_fields, &g.cache, 0) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "gather_cached needs the cache's row map and slots");
+        return NULL;
+    }
+    if (g.cache.w_stride != g.t_stride) {
+        PyErr_SetString(PyExc_ValueError, "gather_cached: the slots' rows must be as wide as the table's");
+        return NULL;
+    }
+    g.dst = (float *)(uintptr_t)dst;
+    g.dst_stride = g.t_stride;
+    g.table = (const float *)(uintptr_t)table;
+    g.row_bytes = (size_t)g.t_stride * sizeof(float);
+    const int64_t *rows = (const int64_t *)(uintptr_t)rows_at;
+    Py_BEGIN_ALLOW_THREADS
+    bad = first_bad_row(rows, count, table_rows);
+    bad_slot = bad < 0 ? first_bad_slot(&g.cache, rows, count) : -1;
+    if (bad < 0 && bad_slot < 0)
+        hits = cached_gather_work(&g, rows, count);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0)
+        return raise_bad_row(rows, bad, table_rows);
+    if (bad_slot >= 0) {
+        PyErr_Format(PyExc_ValueError, "gather_cached: the row map sends row %lld outside the %lld slots",
+                     (long long)rows[bad_slot], (long long)g.cache.slots);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(hits);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -867,11 +969,14 @@ static PyMethodDef methods[] = {
      "(scatter false: dst row i := src row rows[i]) or scatter (dst row rows[i] := src row i)"},
     {"sparse_update", sparse_update, METH_VARARGS,
      "sparse_update(rule, weight, w_stride, state, s_stride, table_rows, dim, indices, n, grad_out, g_stride, "
-     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after[, undo[, cache]]) -> unique rows updated (all of "
-     "them, or stop_after when that is fewer; -1: no stop); undo: the undo writer's fields (a dict, undo.c "
-     "undo_read): the records written chunk by chunk by its step list, and then (unique, stopped phase, runs "
-     "written back); cache: the row map and slot arrays (a dict, cached_rows_read), each cached row updated in "
-     "its slot"},
+     "bags, offsets, mean, psw, lr, eps, out_rows, stop_after[, undo[, cache[, slots_undo]]]) -> unique rows "
+     "updated (all of them, or stop_after when that is fewer; -1: no stop); undo: the undo writer's fields (a "
+     "dict, undo.c undo_read): the records written chunk by chunk by its step list, and then (unique, stopped "
+     "phase, runs written back); cache: the row map and slot arrays (a dict, cached_rows_read), each cached row "
+     "updated in its slot; slots_undo: the slots' records, written as undo's, each chunk's after the table's"},
+    {"gather_cached", gather_cached, METH_VARARGS,
+     "gather_cached(dst, table, t_stride, table_rows, cache, rows, count) -> hits: each lookup's row from its "
+     "slot (cache: the row map and slot arrays, as sparse_update's) or its table row"},
     {"all_finite", all_finite, METH_VARARGS, "all_finite(address, count) -> whether count float32s are all finite"},
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "

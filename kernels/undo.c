@@ -142,9 +142,9 @@ void undo_flush_rows(struct fused_undo *u, const int64_t *updated, Py_ssize_t co
     u->flushed = count;
 }
 
-int undo_next_chunk(struct fused_undo *u, const int64_t *updated, Py_ssize_t count)
+/* The next chunk's steps before the update; 1: a crash test stops. */
+static int chunk_before_update(struct fused_undo *u)
 {
-    undo_flush_rows(u, updated, count);
     const Py_ssize_t c = u->next++;
     u->next_start = u->next < u->chunks ? u->next * u->chunk_rows : -1;
     if (u->rec_offset[c] < 0)
@@ -152,10 +152,24 @@ int undo_next_chunk(struct fused_undo *u, const int64_t *updated, Py_ssize_t cou
     return run_steps(u, c, 0, u->update_at);
 }
 
+int undo_next_chunk(struct fused_undo *u, const int64_t *updated, Py_ssize_t count)
+{
+    undo_flush_rows(u, updated, count);
+    /* the slots' record of the chunk follows the table's in the ring (seq order: recovery's scan
+     * stops at the first record not written) */
+    return chunk_before_update(u) || (u->also && chunk_before_update(u->also));
+}
+
+/* Chunk c's steps after the update; 1: a crash test stops. */
+static int chunk_after_update(struct fused_undo *u, Py_ssize_t c)
+{
+    return u->rec_offset[c] >= 0 && run_steps(u, c, u->update_at + 1, u->n_steps);
+}
+
 void undo_finish(struct fused_undo *u)
 {
     for (Py_ssize_t c = 0; c < u->chunks && u->update_at + 1 < u->n_steps; c++)
-        if (u->rec_offset[c] >= 0 && run_steps(u, c, u->update_at + 1, u->n_steps))
+        if (chunk_after_update(u, c) || (u->also && chunk_after_update(u->also, c)))
             return;
 }
 
@@ -302,19 +316,20 @@ PyObject *undo_chunk_counts(PyObject *self, PyObject *args)
 }
 
 /* undo_chunk_headers(template, seq, rec_first, chunks, sizes, offsets, run_start, row_payload,
- * rec_offset, headers): every chunk's header [chunks, 64] from the 64-byte template (count and
- * payload bytes set; for a chunk with a record, its seq, from `seq` on in chunk order; the
- * checksums left zero, the kernel's to fill in) and rec_offset [chunks]: -1 for a chunk without a
- * record, else offsets[k] for the k-th record (offsets [K], or 0: the records lie back to back
- * from run_start, sizes [K] long each). */
+ * rec_offset, headers[, seqs]): every chunk's header [chunks, 64] from the 64-byte template (count
+ * and payload bytes set; for a chunk with a record, its seq: from `seq` on in chunk order, or
+ * seqs[k] for the k-th record where seqs [K] is given; the checksums left zero, the kernel's to
+ * fill in) and rec_offset [chunks]: -1 for a chunk without a record, else offsets[k] for the k-th
+ * record (offsets [K], or 0: the records lie back to back from run_start, sizes [K] long each). */
 PyObject *undo_chunk_headers(PyObject *self, PyObject *args)
 {
-    unsigned long long template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at;
+    unsigned long long template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at, seqs_at = 0;
     long long seq, run_start;
     Py_ssize_t chunks, row_payload;
-    if (!PyArg_ParseTuple(args, "KLKnKKLnKK", &template_at, &seq, &rec_first_at, &chunks, &sizes_at, &offsets_at,
-                          &run_start, &row_payload, &rec_offset_at, &headers_at))
+    if (!PyArg_ParseTuple(args, "KLKnKKLnKK|K", &template_at, &seq, &rec_first_at, &chunks, &sizes_at, &offsets_at,
+                          &run_start, &row_payload, &rec_offset_at, &headers_at, &seqs_at))
         return NULL;
+    const int64_t *seqs = (const int64_t *)(uintptr_t)seqs_at;
     const unsigned char *template = (const unsigned char *)(uintptr_t)template_at;
     const int64_t *rec_first = (const int64_t *)(uintptr_t)rec_first_at;
     const int64_t *sizes = (const int64_t *)(uintptr_t)sizes_at, *offsets = (const int64_t *)(uintptr_t)offsets_at;
@@ -334,7 +349,7 @@ PyObject *undo_chunk_headers(PyObject *self, PyObject *args)
             rec_offset[c] = -1;
             continue;
         }
-        const uint64_t record_seq = (uint64_t)(seq + k);
+        const uint64_t record_seq = (uint64_t)(seqs ? seqs[k] : seq + k);
         memcpy(h + UNDO_SEQ_AT, &record_seq, 8);
         rec_offset[c] = offsets ? offsets[k] : at;
         at += sizes[k++];

@@ -55,6 +55,9 @@ struct fused_undo {
     int stopped;                  /* the phase a crash test stopped at (the update loop stops too) */
     Py_ssize_t flushed;           /* the update's first `flushed` unique rows are written back ... */
     Py_ssize_t flush_runs;        /* ... in this many runs of adjacent rows */
+    /* a hot-row cache's slots, or NULL: their records, chunk by chunk of the same unique rows, each
+     * written right after this part's record of the chunk (the next seq), before the chunk's stores */
+    struct fused_undo *also;
 };
 
 /* Named fields (a dict) parsed as PyArg_ParseTupleAndKeywords parses keywords; format ends in
@@ -66,7 +69,7 @@ int named_fields(PyObject *fields, const char *format, char **names, ...);
 int undo_read(PyObject *fields, struct fused_undo *u, const char *weights, Py_ssize_t row_bytes, const char *state,
               Py_ssize_t state_bytes, int64_t table_rows);
 /* At the update's unique row `count`, the first of chunk u->next: the rows updated so far written
- * back, then this chunk's record; 1: a crash test stops (the update loop stops too). */
+ * back, then this chunk's record (and u->also's); 1: a crash test stops (the update loop stops too). */
 int undo_next_chunk(struct fused_undo *u, const int64_t *updated, Py_ssize_t count);
 /* The update's unique rows [flushed, count) written back (no fence: the commit drains, U2a). */
 void undo_flush_rows(struct fused_undo *u, const int64_t *updated, Py_ssize_t count);

@@ -174,26 +174,34 @@ def test_the_crash_test_catches_cached_rows_updated_before_their_record(folders,
         assert_same_export(resumed(primary, capacity, "1"), reference)
 
 
-def test_a_cached_tables_misses_are_recorded_by_its_fused_update(folders, reference, monkeypatch):
-    """The cached update takes the one-pass capture: the kernel records the misses' table rows
-    chunk by chunk (the slots' record is taken before it), and the run still ends bit-identical."""
+def test_a_cached_tables_update_records_its_misses_and_its_slots_in_one_pass(folders, reference, monkeypatch):
+    """The cached update takes the one-pass capture: the kernel records each chunk's misses' table
+    rows and its hits' slots (no capture of the slots before it: only admission's), and the run
+    still ends bit-identical."""
     from cxltrain.checkpoint.checkpointer import Checkpointer
     from cxltrain.kernels import ops
 
     if not ops.fused_available():
         pytest.skip("the fused capture needs the native kernels (make setup builds them)")
-    planned = []
-    plan = Checkpointer._plan_fused
+    planned, captured = [], []
+    plan, capture = Checkpointer._plan_fused, Checkpointer._capture
 
-    def noting(self, batch, table, indices, records, window):
-        planned.append((table.name, indices.numel(), None if records is None else records.numel()))
-        return plan(self, batch, table, indices, records, window)
+    def noting(self, batch, table, indices, cache, window):
+        undo = plan(self, batch, table, indices, cache, window)
+        planned.append((table.name, undo.recorded.size, 0 if undo.slots is None else undo.slots.recorded.size))
+        return undo
+
+    def capturing(self, batch, table, indices, window):
+        captured.append((batch, table.name))
+        return capture(self, batch, table, indices, window)
 
     monkeypatch.setattr(Checkpointer, "_plan_fused", noting)
+    monkeypatch.setattr(Checkpointer, "_capture", capturing)
     primary, _ = run(folders, "fused", cache_rows=CACHE_ROWS)
     assert_same_export(export_state(primary), reference)
     assert {name for name, _, _ in planned} == {"t0", "t1"}
-    assert all(records is not None and 0 < records < lookups for _, lookups, records in planned), planned
+    assert all(slots > 0 for _, _, slots in planned) and any(misses > 0 for _, misses, _ in planned), planned
+    assert captured == [(0, "t0.cache"), (0, "t1.cache")]  # the admissions' records, before the slots fill
 
 
 # 16-row chunks: a table's misses make several chunks; the kill stops one half-written

@@ -170,6 +170,35 @@ def test_a_row_map_outside_the_slots_is_refused_before_any_store(native_flag):
     assert not weight.any() and not state.any() and not slots.weights.any()
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 300), width=st.integers(1, 20), lookups=st.integers(0, 400),
+       cached=st.floats(0, 1), wide=st.booleans())
+def test_the_cached_gather_copies_each_row_from_where_it_lives(seed, rows, width, lookups, cached, wide):
+    """Each lookup's row from its slot where the map holds it, else from the table, in lookup order
+    (C and torch alike), and the count of lookups served by a slot."""
+    g = torch.Generator().manual_seed(seed)
+    table = random_table(g, rows, width)
+    held = torch.nonzero(torch.rand(rows, generator=g) < cached).reshape(-1)
+    slot_of = torch.full((rows,), -1, dtype=torch.int64 if wide else torch.int32)
+    slot_of[held] = torch.randperm(held.numel(), generator=g).to(slot_of.dtype)
+    slots = random_table(g, held.numel() + 1, width)  # a cache has a slot at least (cache.check_table)
+    indices = torch.randint(0, rows, (lookups,), generator=g)
+    want = table[indices].clone()
+    hit = slot_of[indices] >= 0
+    want[hit] = slots[slot_of[indices][hit].long()]
+    for (got, hits), _ in run_both(lambda t, s: ops.gather_cached(t, ops.CachedRows(slot_of, s, None), indices),
+                                   table, slots):
+        assert torch.equal(got, want) and hits == int(hit.sum())
+
+
+@pytest.mark.parametrize("native_flag", [1, 0])
+def test_the_cached_gather_refuses_a_row_map_outside_the_slots(native_flag):
+    slot_of = torch.full((10,), -1, dtype=torch.int32)
+    slot_of[3] = 2  # two slots only
+    with knobs.override(native_kernels=native_flag), pytest.raises(ValueError, match="outside the 2 slots"):
+        ops.gather_cached(torch.zeros(10, 4), ops.CachedRows(slot_of, torch.zeros(2, 4), None), torch.tensor([1, 3]))
+
+
 @needs_native
 @pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
 def test_sparse_update_is_deterministic(rule):

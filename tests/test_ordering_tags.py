@@ -22,7 +22,7 @@ WHERE = {
     "U1c": "cxltrain/tables/bag.py",                   # before_update (record durable) precedes the update
     "U1d": "cxltrain/checkpoint/checkpointer.py",  # a row left out of a record was recorded earlier in its window
     "U1e": "cxltrain/tables/cache.py",                    # hot-row cache: the slots' record durable before admission fills them
-    "U1f": "cxltrain/tables/bag.py",                   # hot-row cache: the slots' record durable before the update stores into them
+    "U1f": "cxltrain/checkpoint/checkpointer.py",  # hot-row cache: the slots' record durable before the update stores into them
     "U1g": "cxltrain/tables/cache.py",                    # hot-row cache: records durable before re-placement's write-back and refill
     "U1h": "kernels/rows.c",                       # fused capture: each chunk's record durable before its rows' update
     "U1i": "cxltrain/checkpoint/ordering.py",      # fused capture: payload, then header, then tail mark, then rows
@@ -47,7 +47,7 @@ ENFORCED_BY = {
     "U1c": "before_update(",
     "U1d": ".first_touches(",
     "U1e": "guard.log_before_write(",
-    "U1f": "guard.before_update(",
+    "U1f": "self._capture(",                 # unfused; fused, the kernel writes the slots' record (U1h)
     "U1g": "guard.log_before_write(",
     "U1h": "undo_next_chunk(",               # the chunk's record, before the loop's first store into it
     "U1i": "fused_steps = (PERSIST_PAYLOAD, PAYLOAD_STOP, PERSIST_HEADER, PERSIST_TAIL, HEADER_STOP, UPDATE)",

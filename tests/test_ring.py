@@ -262,6 +262,85 @@ def test_a_cached_tables_fused_update_records_its_table_rows_only(shm_dir, rule)
     pool.close()
 
 
+@pytest.mark.parametrize("rule", ["sgd", "rowwise_adagrad"])
+def test_a_cached_tables_fused_update_records_its_slots_beside_its_table_rows(shm_dir, rule):
+    """Each chunk's slots' record follows the chunk's table record (the next seq): the scan reads
+    them all back in ring order, the table records holding the uncached rows and the slots'
+    records the cached rows' slots (weights, and the state row with the map column), each from
+    before the update, and every row ends as the kernel without records leaves it. A slots' plan
+    naming a slot outside the cache is refused before any store."""
+    from cxltrain.kernels import ops
+    from cxltrain.tables import cache
+
+    if not ops.fused_available():
+        pytest.skip("the native kernels are not built")
+    rng = np.random.default_rng(23)
+    indices = torch.from_numpy(rng.integers(0, ROWS, 300))
+    grad = torch.from_numpy(rng.standard_normal((300, DIM)).astype(np.float32))
+    rows, order = ops.unique_rows_and_order(indices, ROWS)
+    cached_rows = rows[::2].copy()
+    with knobs.override(power_loss=STREAMING_MODEL):
+        pool = Pool.create(str(shm_dir / "slots.pool"), 8 << 20)
+    table = PersistentEmbeddingBag(ROWS, DIM, name="t", seed=4)
+    pool.add_regions([*table.region_specs(), *cache.region_specs(table, cached_rows.size),
+                      RegionSpec(layout.RING_REGION, RegionKind.UNDO_RING, "uint8", (256 << 10,))])
+    table.attach(pool, initialize=True)
+    pool.commit(batches_done=0, ring_generation=5)
+    writer = ring.UndoRing(pool, 5, 0, 0)
+    if not writer.streams():
+        pool.close()
+        pytest.skip("without libpmem only the power-loss model's kernels persist their own stores")
+    weights, state = table.storage()
+    state = state if rule == "rowwise_adagrad" else None
+    k = table.optimizer.state_columns
+    slot_w = torch.from_numpy(pool.array("t.cache.weight", padded=True))
+    slot_s = torch.from_numpy(pool.array("t.cache.optim"))
+    slot_w[:] = weights[torch.from_numpy(cached_rows)]
+    slot_s[:, :k] = table.storage()[1][torch.from_numpy(cached_rows)]
+    slot_s[:, k:].view(torch.int32)[:, 0] = torch.from_numpy(cached_rows).to(torch.int32)  # the map column
+    slot_of = torch.full((ROWS,), -1, dtype=torch.int32)
+    slot_of[torch.from_numpy(cached_rows)] = torch.arange(cached_rows.size, dtype=torch.int32)
+    slots = ops.CachedRows(slot_of, slot_w, slot_s)
+    expected = ops.CachedRows(slot_of, slot_w.clone(), slot_s.clone())
+    expected_w, expected_s = weights.clone(), None if state is None else state.clone()
+    ops.sparse_update(rule, expected_w, expected_s, indices, grad, lr=0.1, eps=1e-8, cached=expected)
+    before = weights.clone(), table.storage()[1].clone(), slot_w.clone(), slot_s.clone()
+
+    hit = slot_of[torch.from_numpy(rows)].numpy() >= 0
+    at = np.flatnonzero(hit)  # chunk c of 16 rows records the slots of its cached rows
+    slot_first = np.searchsorted(at, np.arange(0, rows.size + 16, 16))[: -(-rows.size // 16) + 1].astype(np.int64)
+    slot_ids = slot_of[torch.from_numpy(rows[hit])].numpy().astype(np.int64)
+    region = (pool.region("t.weight"), None if state is None else pool.region("t.optim"))
+
+    def plan(recorded_slots):
+        return writer.plan_chunks(0, *region, rows, rows[~hit].copy(), 16, None, ring.SlotRecords(
+            pool.region("t.cache.weight"), pool.region("t.cache.optim"), recorded_slots, slot_first))
+
+    undo, _ = plan(np.where(slot_ids == slot_ids[0], cached_rows.size, slot_ids))  # one slot past the cache
+    with pytest.raises(ValueError, match=f"records a slot outside the {cached_rows.size} slots"):
+        ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo, cached=slots)
+    assert torch.equal(weights, before[0]) and torch.equal(slot_w, before[2]) and ring.scan(pool, 5, 0, 0) == []
+
+    undo, records = plan(slot_ids)
+    undo.lookup_order = order
+    ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo, cached=slots)
+    writer.land(records)
+    assert torch.equal(weights, expected_w) and torch.equal(slot_w, expected.weights)
+    assert state is None or (torch.equal(state, expected_s) and torch.equal(slot_s, expected.state))
+    scanned = ring.scan(pool, 5, 0, 0)
+    assert [r.header.seq for r in scanned] == list(range(len(scanned))) and writer.marked == len(scanned)
+    in_ring_order = [name for c in range(-(-rows.size // 16)) for name, any_row in
+                     (("t.weight", (~hit[16 * c : 16 * (c + 1)]).any()), ("t.cache.weight", hit[16 * c : 16 * (c + 1)].any()))
+                     if any_row]
+    assert [r.weights_region.name for r in scanned] == in_ring_order
+    mine = [r for r in scanned if r.weights_region.name == "t.weight"]
+    theirs = [r for r in scanned if r.weights_region.name == "t.cache.weight"]
+    assert torch.equal(_recorded_rows(pool, mine, before[0], None if state is None else before[1]),
+                       torch.from_numpy(rows[~hit]))
+    assert torch.equal(_recorded_rows(pool, theirs, before[2], before[3]), torch.from_numpy(slot_ids))
+    pool.close()
+
+
 @pytest.mark.parametrize("power_loss", [0, 1], ids=["emulated", "power-loss"])
 @pytest.mark.parametrize("flush", ["device", "caller", "planted-skip"])
 def test_fused_update_writes_its_rows_back_chunk_by_chunk(shm_dir, power_loss, flush):

@@ -61,10 +61,11 @@ rows are flushed, when a commit is due or taken early, the dense hand-over). The
 takes on the worker are commit.py's; the orderings both follow are ordering.py's (a planted bug is
 another Ordering, never a flag tested here). Each protocol rule is enforced at one line, tagged
 `ORDERING U<n>` in a comment: U1a in ring.UndoRing.append, U1b and U1d in Checkpointer._capture, U1c in
-tables.py (before_update before the in-place update), U1e, U1f and U1g in cache.py (the hot-row
-cache: records before admission fills the slots, before the hits' update, and before re-placement's
-write-back and refill), U1h in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused
-capture: each chunk's record durable, payload first, before its rows are stored), U1j in
+tables.py (before_update before the in-place update), U1e and U1g in cache.py (the hot-row cache:
+records before admission fills the slots and before re-placement's write-back and refill), U1f in
+Checkpointer.before_update (a cached table's slots recorded before its update, where not fused), U1h
+in kernels/rows.c and U1i in ordering.Ordering.fused_steps (the fused capture: each chunk's record,
+and a cached table's slots' record of it, durable, payload first, before its rows are stored), U1j in
 tables/renorm.py (max_norm's renorm in forward: the rows' record before its stores), U2a in
 Checkpointer._hand_over_commit, U2b in ordering.Ordering.commit, U2c, U2d (a pool set's capacity pools), U3a and U3c (a stealing set's redo records) in commit.py, U3b
 (distributed runs) in ordering.Ordering.keep_from, U3d (a rank's dense slices) in dense.free_slot, U4 in
@@ -75,6 +76,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
@@ -86,8 +88,8 @@ from . import codec, dense, fused, ordering
 from .commit import CommitPipeline, DirtyRows
 from .guard import BatchGuard
 from .options import CheckpointOptions
-from .ring import RingFull, UndoRing
-from .seam import LoggedTable
+from .ring import RingFull, SlotRecords, UndoRing
+from .seam import CachedSlots, LoggedTable
 from .stats import CheckpointStats
 from .worker import BackgroundWorker, InlineWorker, Ticket
 
@@ -131,8 +133,8 @@ class Checkpointer(BatchGuard):
         # records of batches >= G whatever their own target (U3b); None in a single process
         self.agreed: int | None = None
         self._captures: list[tuple[str, Ticket]] = []    # the batch in flight's capture jobs (background)
-        # ... its lookups not yet captured (inline): (table, lookups, those stored in the table or None: all)
-        self._lookups: list[tuple[LoggedTable, torch.Tensor, torch.Tensor | None]] = []
+        # ... its lookups not yet captured (inline): (table, lookups, its hot-row cache or None)
+        self._lookups: list[tuple[LoggedTable, torch.Tensor, CachedSlots | None]] = []
         self._dirty: dict[int, DirtyRows] = {}  # batch -> (table, rows) updated, not flushed at update
         self._batch_bytes = 0
         self._largest_batch_bytes = 0
@@ -151,8 +153,10 @@ class Checkpointer(BatchGuard):
         if self.fused:
             fused.writer()  # refuses a native undo writer built for another record layout
         self._chunk_rows = options.undo_chunk_rows
-        # table -> (its layout, records, recorded rows, their ring bytes): laid out, not landed yet
+        # table (or a cache's slots) -> (its layout, records to land, recorded rows, their ring bytes):
+        # laid out, not landed yet (a cache's slots' records land with its table's)
         self._fused_records: dict[str, tuple[fused.FusedUndo, list, torch.Tensor, int]] = {}
+        self._late_slots: list[tuple[LoggedTable, torch.Tensor]] = []  # the planted CachedUpdateUnlogged's
         self._late_redo: list[tuple[int, LoggedTable, torch.Tensor]] = []  # the planted RedoAfterCommit's
 
     @property
@@ -166,20 +170,21 @@ class Checkpointer(BatchGuard):
         self._batch_bytes = 0
         self._captures, self._lookups = [], []
 
-    def capture(self, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None = None) -> int:
+    def capture(self, table: LoggedTable, indices: torch.Tensor, cache: CachedSlots | None = None) -> int:
         """Called by a table's forward, with gradients on, before its backward can update the rows
-        `indices` [N] look up (of them, those of `records` [M] in the table itself; None: all):
+        `indices` [N] look up (cache: the table's hot-row cache, whose slots hold the rows it maps):
         note them for before_update, or hand their capture to the worker (background_capture).
         Returns the batch, which the table hands back to before_update."""
         batch = self._check_in_batch(table)
         if not self.background_capture:
-            self._lookups.append((table, indices, records))
+            self._lookups.append((table, indices, cache))
             return batch
         started = time.perf_counter()
         window = self.committed
-        stored = indices if records is None else records
-        ticket = self._worker.submit_capture(lambda: self._capture(batch, table, stored, window))
-        self._captures.append((table.name, ticket))
+        for owner, stored in _stored(table, indices, cache):  # before_update(table) waits for both
+            ticket = self._worker.submit_capture(lambda owner=owner, stored=stored:
+                                                 self._capture(batch, owner, stored, window))
+            self._captures.append((table.name, ticket))
         self.stats.training_lookup_seconds += time.perf_counter() - started
         return batch
 
@@ -192,7 +197,7 @@ class Checkpointer(BatchGuard):
         chunk, inside the kernel), which after_update takes into the ring."""
         super().before_update(table, batch)
         if not self.background_capture:
-            mine = [(indices, records) for owner, indices, records in self._lookups if owner is table]
+            mine = [(indices, cache) for owner, indices, cache in self._lookups if owner is table]
             undo = None
             if mine:
                 started = time.perf_counter()
@@ -200,8 +205,14 @@ class Checkpointer(BatchGuard):
                 if fusable and self.fused and len(mine) == 1:
                     undo = self._plan_fused(batch, table, *mine[0], self.committed)
                 else:
-                    for indices, records in mine:
-                        self._capture(batch, table, indices if records is None else records, self.committed)
+                    for indices, cache in mine:
+                        for owner, stored in _stored(table, indices, cache, self._ordering.logs_slots_first):
+                            # ORDERING U1f: a cached table's slots' record (its hits', first) is durable
+                            # (_capture returns only then), with its misses', before the update stores
+                            # into either; a fused update writes both itself, chunk by chunk (U1h).
+                            self._capture(batch, owner, stored, self.committed)
+                        if cache is not None and not self._ordering.logs_slots_first:  # a planted bug
+                            self._late_slots += [part for part in _stored(table, indices, cache) if part[0] is cache.slots]
                 self.stats.training_capture_seconds += time.perf_counter() - started
             return undo
         for name, ticket in self._captures:
@@ -212,6 +223,9 @@ class Checkpointer(BatchGuard):
     def after_update(self, table: LoggedTable, batch: int | None, rows: torch.Tensor) -> None:
         """Called by a table's backward right after its update stored into `rows` [U] (sorted,
         unique): flush them now when flush_at_update (drained before the commit is handed over)."""
+        for entry in [entry for entry in self._late_slots if entry[0] is table]:  # the planted CachedUpdateUnlogged's
+            self._capture(batch, *entry, self.committed)
+        self._late_slots = [entry for entry in self._late_slots if entry[0] is not table]
         landing = self._fused_records.pop(table.name, None)
         undo = None
         if landing is not None:  # the fused update wrote its records: into the ring's bookkeeping
@@ -258,7 +272,7 @@ class Checkpointer(BatchGuard):
 
     def fail_batch(self, table: LoggedTable) -> None:
         super().fail_batch(table)
-        self._fused_records.pop(table.name, None)  # laid out, maybe never written: never landed
+        self._fused_records.clear()  # laid out, maybe never written: never landed
 
     def end_batch(self, batch: int) -> None:
         """Batch `batch` is done (its update applied). Hands over its commit when one is due."""
@@ -373,32 +387,57 @@ class Checkpointer(BatchGuard):
             return True
         return False
 
-    def _plan_fused(self, batch: int, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None,
+    def _plan_fused(self, batch: int, table: LoggedTable, indices: torch.Tensor, cache: CachedSlots | None,
                     window: int) -> row_ops.UndoChunks:
         """Lay out the records the fused update of `table` writes for the rows `indices` [N] look up
-        (as _capture would record them, one record per chunk of the unique rows); records [M]: the
-        lookups whose rows it stores in the table itself (None: all; the others' slots are a hot-row
-        cache's, recorded before the update by their own capture)."""
+        (as _capture would record them, one record per chunk of the unique rows); cache: the table's
+        hot-row cache, whose slots hold the rows it maps: the update stores into those slots, and
+        each chunk's slots get their own record beside the chunk's table record."""
         started = time.perf_counter()
         # Capture after the previous update (as in _capture): the kernel gathers each chunk from the
         # live rows right before updating them, in b's backward, so after b-1's update.
         weights, state = table.storage()
         # the lookups are sorted by row once, here: the kernel takes this order instead of its own sort
         rows, lookup_order = row_ops.unique_rows_and_order(indices.contiguous(), weights.shape[0])
-        stored = rows if records is None else row_ops.unique_rows(records.contiguous(), weights.shape[0]).numpy()
+        slots, stored = (None, rows) if cache is None else self._slot_records(rows, cache, window)
         # as in _capture (U1d): rows recorded earlier in the commit window are left out
         recorded = stored if self._window is None else self._window.first_touches(window, table.name, stored,
                                                                                    weights.shape[0])
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
         undo, laid_out = self._with_room(batch, lambda: self.ring.plan_chunks(
-            batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_steps))
+            batch, weight_region, state_region, rows, recorded, self._chunk_rows, self._ordering.fused_steps, slots))
         undo.lookup_order = lookup_order
         # a cached table's kernel stores into slots too, which after_update flushes with the table rows
-        undo.row_flush = self._kernel_row_flush(table) if records is None else None
-        self._fused_records[table.name] = (undo, laid_out, torch.from_numpy(recorded), sum(r.size for r in laid_out))
+        undo.row_flush = self._kernel_row_flush(table) if cache is None else None
+        size = sum(r.size for r in laid_out)
+        if slots is not None:  # counted by after_update(slots); its records land with the table's
+            slot_bytes = int(slots.sizes().sum())
+            self._fused_records[cache.slots.name] = (undo.slots, [], torch.from_numpy(slots.recorded), slot_bytes)
+            size -= slot_bytes
+        self._fused_records[table.name] = (undo, laid_out, torch.from_numpy(recorded), size)
         self.stats.capture_seconds += time.perf_counter() - started
         return undo
+
+    def _slot_records(self, rows: np.ndarray, cache: CachedSlots, window: int) -> tuple[SlotRecords, np.ndarray]:
+        """(the slots a fused update of the unique rows `rows` [U] stores into, to record chunk by
+        chunk, as _capture would record them; the rows it stores into in the table itself [U - U'])"""
+        at = cache.slot_of.numpy()[rows]
+        hit = at >= 0
+        held = at[hit].astype(np.int64)  # in the order of their rows
+        keep = hit
+        if self._window is not None:  # U1d, as in _capture: slots recorded earlier in the window are left out
+            slot_weights, _ = cache.slots.storage()
+            fresh = np.zeros(slot_weights.shape[0], dtype=bool)
+            fresh[self._window.first_touches(window, cache.slots.name, np.sort(held), fresh.size)] = True
+            keep = hit.copy()
+            keep[hit] = fresh[held]
+        # chunk c of the update's rows records the slots of its rows [c * chunk_rows, (c + 1) * chunk_rows)
+        first = np.searchsorted(np.flatnonzero(keep), np.arange(0, rows.size + self._chunk_rows, self._chunk_rows))
+        chunks = -(-rows.size // self._chunk_rows)
+        slots = SlotRecords(self.pool.region(cache.slots.weight_region), self.pool.region(cache.slots.state_region),
+                            at[keep].astype(np.int64), first[: chunks + 1].astype(np.int64))
+        return slots, rows[~hit]
 
     def _kernel_row_flush(self, table: LoggedTable):
         """How the fused update of `table` writes its updated rows back itself, chunk by chunk while
@@ -467,3 +506,16 @@ class Checkpointer(BatchGuard):
         crash_point(CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE)
         self._count_capture(batch, table, rows, recorded, size)
         self.stats.capture_seconds += time.perf_counter() - started
+
+
+def _stored(table: LoggedTable, indices: torch.Tensor, cache: CachedSlots | None,
+            slots: bool = True) -> list[tuple[LoggedTable, torch.Tensor]]:
+    """What a capture (not fused) records of the lookups `indices` [N] of `table`, in this order:
+    for a cached table, its slots' lookups (the hits' slots; with slots) and its misses; else the
+    table's lookups. Empty ones are left out."""
+    if cache is None:
+        return [(table, indices)]
+    at = cache.slot_of[indices].to(torch.int64)
+    hit = at >= 0
+    parts = [(cache.slots, at[hit])] if slots else []
+    return [(owner, stored) for owner, stored in (*parts, (table, indices[~hit])) if stored.numel()]

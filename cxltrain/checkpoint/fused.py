@@ -112,23 +112,27 @@ def undo_chunk_counts(rows: np.ndarray, recorded: np.ndarray, chunk_rows: int, h
 
 
 def undo_chunk_headers(template: bytes, seq: int, rec_first: np.ndarray, sizes: np.ndarray,
-                       offsets: np.ndarray | None, run_start: int, row_payload: int) -> tuple[np.ndarray, np.ndarray]:
+                       offsets: np.ndarray | None, run_start: int, row_payload: int,
+                       seqs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The placed records of undo_chunk_counts: (rec_offset int64 [C], headers uint8 [C, 64]).
     Each chunk's header is the 64-byte `template` with its count and payload bytes, and, for the
-    k-th chunk with a record, seq + k; its ring offset is offsets[k] (offsets [K]), or with offsets
-    None the records lie back to back from run_start (sizes [K]); -1 for a chunk without one."""
-    for block in (rec_first, sizes) if offsets is None else (rec_first, sizes, offsets):
+    k-th chunk with a record, seq + k (or seqs[k], seqs [K]); its ring offset is offsets[k]
+    (offsets [K]), or with offsets None the records lie back to back from run_start (sizes [K]);
+    -1 for a chunk without one."""
+    given = [block for block in (offsets, seqs) if block is not None]
+    for block in (rec_first, sizes, *given):
         native.check_rows(block)  # 1-D contiguous int64, as the kernel reads them
     chunks = rec_first.size - 1
-    if len(template) != layout.UNDO_HEADER.size or (offsets is not None and offsets.size != sizes.size):
-        raise ValueError("undo_chunk_headers: a 64-byte template, and an offset for each record's size")
+    if len(template) != layout.UNDO_HEADER.size or any(block.size != sizes.size for block in given):
+        raise ValueError("undo_chunk_headers: a 64-byte template, and an offset and seq (where given) for each "
+                         "record's size")
     lib = writer()
     rec_offset = np.empty(chunks, dtype=np.int64)
     headers = np.empty((chunks, layout.UNDO_HEADER.size), dtype=np.uint8)
-    template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at = lib.addresses(
-        template, rec_first, sizes, offsets, rec_offset, headers)
+    template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at, seqs_at = lib.addresses(
+        template, rec_first, sizes, offsets, rec_offset, headers, seqs)
     lib.undo_chunk_headers(template_at, seq, rec_first_at, chunks, sizes_at, offsets_at, run_start, row_payload,
-                           rec_offset_at, headers_at)
+                           rec_offset_at, headers_at, seqs_at)
     return rec_offset, headers
 
 
@@ -164,6 +168,9 @@ class FusedUndo:
     lookup_order: np.ndarray | None = None  # int64 [N]
     row_flush: native.NativePersistence | None = None
     flushed_runs: int = 0  # set after the kernel: the runs of adjacent rows row_flush wrote back
+    # a hot-row cache's slots (ring.plan_chunks with slots): their records, chunked by the same
+    # unique rows (its recorded [V'] are slot ids, in row order), each chunk's right after this one's
+    slots: FusedUndo | None = None
 
     @property
     def lock(self) -> contextlib.AbstractContextManager:
@@ -178,8 +185,9 @@ class FusedUndo:
             return int(np.flatnonzero(self.rec_offset >= 0)[0])
         return int(np.searchsorted(self.rec_first, self.recorded.size // 2, side="right")) - 1
 
-    def kernel_fields(self, lib) -> dict:
-        """The named fields kernels/undo.c undo_read takes, after checking every array."""
+    def kernel_fields(self, lib, stops: bool = True) -> dict:
+        """The named fields kernels/undo.c undo_read takes, after checking every array. stops: a
+        crash test's stop may land in these records (the table's; never the slots' beside them)."""
         chunks = self.rec_offset.size
         # the kernel writes only the headers (their checksums); the rest it reads
         for name, block, dtype, shape in (("recorded", self.recorded, np.int64, (self.recorded.size,)),
@@ -196,10 +204,10 @@ class FusedUndo:
             raise ValueError(f"{chunks} chunks of {self.chunk_rows} rows cannot hold {self.rows.size} unique rows")
         stop_chunk, stop_phase = -1, 0
         for phase, point in enumerate(STOPS, 1):
-            if crash_due(point):  # a crash test's stop, worked out only then
+            if stops and crash_due(point):  # a crash test's stop, worked out only then
                 stop_chunk = self.stop_chunk(after_update=self.steps.index(point) > self.steps.index(UPDATE))
                 stop_phase = phase if stop_chunk >= 0 else 0
-        if not self.recorded.size:  # no record to stop in (all rows recorded earlier in the window)
+        if stops and not self.recorded.size:  # no record to stop in (all rows recorded earlier in the window)
             for point in STOPS:
                 crash_point(point)
         recorded_at, rec_offset_at, rec_first_at, headers_at, tails_at, tail_seeds_at, lookups_at = lib.addresses(

@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 from ..pool.handle import Pool
 from . import dense
 from .new_pool import first_commit
-from .seam import LoggedTable
+from .seam import CachedSlots, LoggedTable
 from .stats import CheckpointStats
 
 
@@ -130,9 +130,9 @@ class BatchGuard(abc.ABC):
         return self._batch
 
     @abc.abstractmethod
-    def capture(self, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None = None) -> int:
-        """A lookup with gradients of `indices` [N], of which `records` [M] are stored in the table
-        itself (None: all); returns the batch (seam.TableGuard)."""
+    def capture(self, table: LoggedTable, indices: torch.Tensor, cache: CachedSlots | None = None) -> int:
+        """A lookup with gradients of `indices` [N], the rows `cache` maps stored in its slots
+        (None: no cache); returns the batch (seam.TableGuard)."""
 
     def before_update(self, table: LoggedTable, batch: int | None, fusable: bool = False) -> None:
         """Called by a table's backward before it stores into its rows; `batch` is what capture returned.
@@ -171,7 +171,7 @@ class NoCheckpoint(BatchGuard):
         super().__init__(pool, tables)
         self.dense_state = state
 
-    def capture(self, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None = None) -> int:
+    def capture(self, table: LoggedTable, indices: torch.Tensor, cache: CachedSlots | None = None) -> int:
         batch = self._check_in_batch(table)
         if self.pool.root.batches_done != -1:
             # ORDERING: nothing can roll the tables back once they change in place: the root stops

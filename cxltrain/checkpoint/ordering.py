@@ -14,6 +14,7 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     KernelSkipsRowFlush  U2  (fused capture) the kernel's row write-back writes nothing
     ReclaimBeforeWriteBack U3c (stealing sets) a write-back's root frees the redo records before the sync
     RedoAfterCommit      U2f (stealing sets) a batch's redo records are written after its commit is durable
+    CachedUpdateUnlogged U1f (hot-row cache) the slots' record is taken after the update stored into them
 
 The fused capture's orders are step lists (fused.py), not flags: a planted one is another list.
 
@@ -72,6 +73,8 @@ class Ordering:
     # Stores outside a table's update (the hot-row cache's admission and re-placement) are
     # undo-logged first (U1).
     logs_cache_writes = True
+    # A cached table's slots are undo-logged before its update stores into them (U1f).
+    logs_slots_first = True
     # A stealing set's redo records of a batch are written before its commit is handed over (U2f).
     redo_before_commit = True
 
@@ -152,6 +155,14 @@ class UnloggedAdmission(Ordering):
     """Planted U1 bug for the hot-row cache: slots are filled with no undo record of them first."""
 
     logs_cache_writes = False
+
+
+class CachedUpdateUnlogged(Ordering):
+    """Planted U1f bug: a cached table's slots are recorded after its update stored into them (the
+    record holds the new values)."""
+
+    fused_capture = False  # the fused update records the slots before each chunk's stores
+    logs_slots_first = False
 
 
 class CommitBeforeRows(Ordering):
@@ -236,6 +247,7 @@ PLANTED_ORDERINGS: dict[str, type[Ordering]] = {
     Planted.UPDATE_BEFORE_HEADER: UpdateBeforeHeader,
     Planted.KERNEL_SKIPS_ROW_FLUSH: KernelSkipsRowFlush,
     Planted.UNLOGGED_ADMISSION: UnloggedAdmission,
+    Planted.CACHED_UPDATE_UNLOGGED: CachedUpdateUnlogged,
     Planted.RECLAIM_BEFORE_WRITE_BACK: ReclaimBeforeWriteBack,
     Planted.REDO_AFTER_COMMIT: RedoAfterCommit,
     PlantedDist.RECLAIM_ABOVE_AGREED: ReclaimAboveAgreed,

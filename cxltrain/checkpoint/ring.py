@@ -42,6 +42,40 @@ class RingFull(CheckpointError):
     """No room for a record until a commit reclaims older ones."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotRecords:
+    """A hot-row cache's slots a fused update stores into (plan_chunks): chunk c of the update's
+    unique rows records the slots recorded[rec_first[c] : rec_first[c + 1]] (int64 slot ids [V'],
+    in the order of their rows; rec_first [C + 1]) of the slots' regions."""
+
+    weights_region: Region
+    state_region: Region
+    recorded: np.ndarray
+    rec_first: np.ndarray
+
+    def sizes(self) -> np.ndarray:
+        """Ring bytes of each chunk's record [C] (0: the chunk records no slot)."""
+        counts = np.diff(self.rec_first)
+        row_payload = layout.payload_bytes(1, self.weights_region.row_stride, self.state_region.row_stride)
+        whole = -(-(layout.UNDO_HEADER.size + counts * row_payload) // layout.RECORD_ALIGN) * layout.RECORD_ALIGN
+        return np.where(counts > 0, whole, 0).astype(np.int64)
+
+
+def _interleaved(rec_first: np.ndarray, sizes: np.ndarray, slot_first: np.ndarray,
+                 slot_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ring order of a fused update's records with its slots': chunk by chunk, the table's record
+    (sizes [K], one per chunk with a recorded row: rec_first [C + 1]) then the slots' (slot_sizes
+    [C], 0 for none). Returns (every record's size in ring order [K + K'], where the table's
+    records are in it [K], where the slots' are [K'])."""
+    chunks = rec_first.size - 1
+    both = np.zeros((chunks, 2), dtype=np.int64)
+    both[np.diff(rec_first) > 0, 0] = sizes
+    both[:, 1] = slot_sizes
+    flat = both.reshape(-1)
+    at = np.cumsum(flat > 0).reshape(chunks, 2) - 1  # each record's place in ring order
+    return flat[flat > 0], at[both[:, 0] > 0, 0], at[both[:, 1] > 0, 1]
+
+
 class UndoRing:
     """Writer side of the ring. It starts empty, at (start, start_seq) of the current generation:
     the checkpointer only writes after recovery has begun a fresh generation.
@@ -145,15 +179,17 @@ class UndoRing:
         return self._record_device.native_persistence() is not None
 
     def plan_chunks(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
-                    recorded: np.ndarray, chunk_rows: int,
-                    steps: tuple[str, ...] | None = None) -> tuple[FusedUndo, list[LiveRecord]]:
+                    recorded: np.ndarray, chunk_rows: int, steps: tuple[str, ...] | None = None,
+                    slots: SlotRecords | None = None) -> tuple[FusedUndo, list[LiveRecord]]:
         """Lay out the records a fused update writes for `batch` and one table (fused.FusedUndo), in
         the order `steps` says (an Ordering's fused_steps; None: production's):
         rows [U] int64, the update's unique rows, taken in chunks of `chunk_rows`; recorded [V], the
         sorted subset that needs a record (capture once per window); one record per chunk that has a
-        recorded row, placed one after the other as append would place them. Writes nothing and
-        changes no bookkeeping: land() does, once the kernel has written them. Raises RingFull when
-        they do not all fit. Only where streams() holds."""
+        recorded row, placed one after the other as append would place them. slots: a hot-row
+        cache's slots the same update stores into (SlotRecords); each chunk's slots' record goes
+        right after the chunk's table record (FusedUndo.slots). Writes nothing and changes no
+        bookkeeping: land() does, once the kernel has written them (table and slots' records: one
+        list, in ring order). Raises RingFull when they do not all fit. Only where streams() holds."""
         from . import fused, ordering  # torch: the writer only
 
         steps = ordering.Ordering.fused_steps if steps is None else steps
@@ -163,24 +199,51 @@ class UndoRing:
         # rec_first [C + 1]: each chunk's recorded rows; sizes [K]: a record per chunk with any
         rec_first, sizes, total = fused.undo_chunk_counts(rows, recorded, chunk_rows, layout.UNDO_HEADER.size,
                                                             row_payload, layout.RECORD_ALIGN)
+        ring_sizes, mine = sizes, None
+        if slots is not None:
+            ring_sizes, mine, theirs = _interleaved(rec_first, sizes, slots.rec_first, slots.sizes())
+            total = int(ring_sizes.sum())
         with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
             head, live_bytes, seq, live = self.head, self.live_bytes, self.next_seq, len(self._live)
             try:
-                placed, offsets = self._place_records(sizes, total, batch)
+                placed, offsets = self._place_records(ring_sizes, total, batch)
             finally:
                 while len(self._live) > live:
                     self._live.pop()
                 self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
+        run_start = placed[0].offset if placed else 0
+        seqs = None
+        if slots is not None:  # each part's records at their places among both, with their seqs
+            if offsets is None:
+                offsets = run_start + np.concatenate(([0], np.cumsum(ring_sizes)[:-1])).astype(np.int64)
+            seqs = seq + np.arange(ring_sizes.size, dtype=np.int64)
+        undo = self._chunk_records(batch, weights_region, state_region, rows, recorded, rec_first, sizes, seq,
+                                   run_start, *((offsets, None) if mine is None else (offsets[mine], seqs[mine])),
+                                   chunk_rows, steps)
+        if slots is not None:
+            undo.slots = self._chunk_records(batch, slots.weights_region, slots.state_region, rows, slots.recorded,
+                                             slots.rec_first, ring_sizes[theirs], seq, run_start, offsets[theirs],
+                                             seqs[theirs], chunk_rows, steps)
+        # a chunk's record: payload, header, two tail mark copies
+        self._record_device.streamed_persisted(self.region.offset, total, 4 * ring_sizes.size)
+        return undo, placed
+
+    def _chunk_records(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
+                       recorded: np.ndarray, rec_first: np.ndarray, sizes: np.ndarray, seq: int, run_start: int,
+                       offsets: np.ndarray | None, seqs: np.ndarray | None, chunk_rows: int,
+                       steps: tuple[str, ...]) -> FusedUndo:
+        """One table's placed chunk records (plan_chunks), as the kernel writes them."""
+        from . import fused  # torch: the writer only
+
+        row_bytes = weights_region.row_stride
+        state_bytes = state_region.row_stride if state_region is not None else 0
         # every header from one template: seq (in placement order), count and payload bytes differ per record
         template = layout.UndoHeader(weights_region.index, self.generation, 0, batch, 0, row_bytes, state_bytes, 0,
                                      None if state_region is None else state_region.index).template()
-        rec_offset, headers = fused.undo_chunk_headers(template, seq, rec_first, sizes, offsets,
-                                                         placed[0].offset if placed else 0, row_payload)
-        undo = fused.FusedUndo(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
+        rec_offset, headers = fused.undo_chunk_headers(template, seq, rec_first, sizes, offsets, run_start,
+                                                         layout.payload_bytes(1, row_bytes, state_bytes), seqs)
+        return fused.FusedUndo(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
                                rec_first=rec_first, headers=headers, steps=steps, **self._streaming())
-        # a chunk's record: payload, header, two tail mark copies
-        self._record_device.streamed_persisted(self.region.offset, total, 4 * sizes.size)
-        return undo, placed
 
     def _streaming(self) -> dict:
         """What every FusedUndo of this ring shares (the ring's addresses, the generation's seeds

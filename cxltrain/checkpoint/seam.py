@@ -4,8 +4,8 @@ imports the other's classes).
 What a table tells its guard (TableGuard), per lookup with gradients — shapes: N lookups, U rows:
 
     batch = guard.capture(table, indices)     forward: indices [N] int64 will be updated in backward
-    batch = guard.capture(table, indices, records)  ... of which only records [M] are stored in the
-                                              table itself (a hot-row cache updates the rest in its slots)
+    batch = guard.capture(table, indices, cache)  ... where a hot-row cache (CachedSlots) maps a row,
+                                              in its slot instead of the table row
     guard.before_update(table, batch, fusable) backward, before the table's first in-place store
     <the table's fused update, in place>      stores into its unique rows [U]
     guard.after_update(table, batch, rows)    backward, right after: rows [U] int64, sorted
@@ -51,6 +51,14 @@ class LoggedTable(Protocol):
         ...
 
 
+class CachedSlots(Protocol):
+    """A table's hot-row cache as its guard sees it (cxltrain.tables.cache.HotRowCache): its slots,
+    a logged table of their own, and the row map."""
+
+    slots: LoggedTable
+    slot_of: torch.Tensor  # int32 [R]: each table row's slot, -1 where the table row is its own copy
+
+
 class _StatefulOptimizer(Protocol):
     @property
     def state_columns(self) -> int: ...
@@ -59,9 +67,9 @@ class _StatefulOptimizer(Protocol):
 class TableGuard(Protocol):
     """What a table calls at its lookups and updates (see the module docstring)."""
 
-    def capture(self, table: LoggedTable, indices: torch.Tensor, records: torch.Tensor | None = None) -> int:
+    def capture(self, table: LoggedTable, indices: torch.Tensor, cache: CachedSlots | None = None) -> int:
         """A lookup with gradients of rows `indices` [N]; returns the batch, handed back below.
-        records [M]: the lookups whose rows the update stores into in this table (None: all N)."""
+        cache: the table's hot-row cache: the update stores a row it maps into its slot."""
         ...
 
     def before_update(self, table: LoggedTable, batch: int | None, fusable: bool = False):

@@ -60,7 +60,7 @@ from torch import nn
 
 from ..checkpoint.seam import in_dense_only
 from ..errors import ConfigError, NonFiniteError, PoolError
-from ..faults import Planted, PlantedDevice, planted
+from ..faults import PlantedDevice, planted
 from ..kernels import ops as row_ops
 from ..pool.format import RegionKind
 from ..pool.handle import Pool, RegionSpec
@@ -692,19 +692,12 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
         raise NonFiniteError(f"table {table.name!r}: gradient{where} is not finite (NaN or inf); stopped "
                              "before updating the table, and the batch is not committed")
     undo, guard, cache = None, table.checkpointer, table.cache
-    slots_late = cache is not None and planted(Planted.CACHED_UPDATE_UNLOGGED)  # a crash test's planted bug
     if guard is not None:
-        if cache is not None and not slots_late:
-            # ORDERING U1f: the cache slots' undo record is durable (before_update returns only
-            # then) before the update below issues the first store into the cached rows. First:
-            # the table's fused records, laid out next, land in the ring after the update.
-            guard.before_update(cache.slots, batch)
-        # ORDERING U1c: the undo record of these rows is durable (before_update returns only
-        # then) before the update below issues the batch's first in-place store into them, or
-        # the update writes it, chunk by chunk, each durable before its rows are stored (U1h).
-        # (The planted bug appends the slots' record after the update, where a fused plan's records,
-        # which land in the ring only at after_update, would be overtaken: it captures unfused.)
-        undo = guard.before_update(table, batch, fusable and not slots_late)
+        # ORDERING U1c: the undo record of these rows (a cached table's: of its slots and of its
+        # table rows) is durable (before_update returns only then) before the update below issues
+        # the batch's first in-place store into them, or the update writes it, chunk by chunk,
+        # each durable before its rows are stored (U1h).
+        undo = guard.before_update(table, batch, fusable)
     try:
         unique_rows = update(undo)
     except BaseException:
@@ -714,8 +707,6 @@ def _guarded_update(table, batch, indices, grad_out, per_sample_weights, update,
     if guard is not None:
         table_rows = unique_rows
         if cache is not None:  # the cached rows were updated in their slots
-            if slots_late:  # the planted bug: their record taken after the stores, holding the new values
-                guard.before_update(cache.slots, batch)
             slots, table_rows = cache.homes(unique_rows)
             guard.after_update(cache.slots, batch, slots)
         guard.after_update(table, batch, table_rows)
