@@ -11,7 +11,6 @@ from . import dist as dist_cli
 from .common import positive_int
 
 GPU_ONLY = ("device", "rows", "blocks", "steps")  # options of --gpu alone
-DEFAULT_CAPACITY_DIR = "/var/tmp"  # block storage, where /tmp may be a tmpfs
 
 
 def add_bench(sub) -> None:
@@ -35,7 +34,7 @@ def add_bench(sub) -> None:
                         "the hot-row cache, forcing and stealing; step time, hit rate and bytes read and written "
                         "per batch (docs/tiers.md; a few minutes)")
     b.add_argument("--capacity-dir", metavar="DIR", default=None,
-                   help=f"with --tiers: the folder on block storage for the capacity pools (default {DEFAULT_CAPACITY_DIR})")
+                   help="with --tiers: the folder on block storage for the capacity pools (default /var/tmp)")
     b.add_argument("--gpu", action="store_true",
                    help="GPU runs instead: plain PyTorch with its tables in GPU memory against cxltrain's tables in "
                         "GPU memory, in the mapped pool, and in the pool with a hot-row cache, durability on and "
@@ -89,7 +88,9 @@ def _run_bench(args) -> int:
 
 
 def _run_tiers_bench(args) -> int:
-    folder = args.capacity_dir or DEFAULT_CAPACITY_DIR
+    from ..devices.capacity import disk_dir
+
+    folder = args.capacity_dir or disk_dir()
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"bench --tiers: {folder}: not a folder this user may write (--capacity-dir)")
     from ..bench import tiers

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 
 import numpy as np
 
@@ -117,3 +118,8 @@ class CapacityCrashDevice(CapacityDevice):
 def open_capacity(path: str, fd: int, size: int) -> Device:
     """The capacity device for a writable member pool: the crash model when the knob asks for it."""
     return CapacityCrashDevice(path, fd, size) if KNOBS.capacity_crash else CapacityDevice(path, fd, size)
+
+
+def disk_dir() -> str:
+    """A folder on a real disk for capacity pools (/var/tmp survives reboots, so it is not tmpfs)."""
+    return "/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()

@@ -48,6 +48,7 @@ import time
 from typing import Callable
 
 from .. import faults, knobs
+from ..devices.capacity import disk_dir
 from ..emulation.cxl import memory_dir
 from ..errors import ConfigError, CxlTrainError
 from ..faults import CrashPoint
@@ -308,7 +309,7 @@ class Torture:
         self.path = os.path.join(self.work, "trial.pool")
         self.disk_work = None
         if pool_set:  # the capacity tier on the real disk, as `train --capacity-pool` is meant to be used
-            self.disk_work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=_disk_dir())
+            self.disk_work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=disk_dir())
             config = dataclasses.replace(config, capacity_pool=os.path.join(self.disk_work, "trial.cap"),
                                          cache_rows=SET_CACHE_ROWS, cache_replace_every=SET_REPLACE_EVERY)
         self.config = config
@@ -502,11 +503,6 @@ class Torture:
         for folder in (self.work, self.disk_work):
             if folder:
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _disk_dir() -> str:
-    """A folder on a real disk for capacity pools (/var/tmp survives reboots, so it is not tmpfs)."""
-    return "/var/tmp" if os.path.isdir("/var/tmp") else tempfile.gettempdir()
 
 
 def _unlink(*paths: str | None) -> None:
