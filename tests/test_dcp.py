@@ -1,8 +1,8 @@
 """DCP checkpoints (torch.distributed.checkpoint) in and out (docs/torchrec.md, "DCP checkpoints").
 
 `cxltrain export --format dcp` of a pool, a pool set and a run folder is read by `dcp.load` on 1
-rank and on 2 gloo ranks (children on 127.0.0.1, a port found free at run time, timeouts on both
-the group and the children), whole and row-sharded, equal to the plain export bit for bit; a
+rank and on 2 gloo ranks (children on 127.0.0.1 at a store this test hosts on a port the OS picks, timeouts on
+both the group and the children), whole and row-sharded, equal to the plain export bit for bit; a
 checkpoint `dcp.save`d under TorchRec's keys imports and trains; bad input is one line, exit 1,
 nothing written.
 """
@@ -10,14 +10,15 @@ nothing written.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as tdcp
 
 import cxltrain
@@ -107,9 +108,10 @@ import datetime, sys, torch
 import torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-checkpoint, out, port, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=30))
+checkpoint, out, port, rank = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+timeout = datetime.timedelta(seconds=30)
+store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the test's: it outlives both ranks
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
 metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata
 whole = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if hasattr(m, "size")}
 dcp.load(whole, checkpoint_id=checkpoint)
@@ -118,19 +120,18 @@ rows = {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)]) for k, v in 
         if "embedding_bags." in k}
 dcp.load(rows, checkpoint_id=checkpoint)  # DCP reshards the saved chunks into this rank's rows
 torch.save({"whole": whole, "rows": {k: v.to_local() for k, v in rows.items()}}, f"{out}/rank{rank}.pt")
+dist.barrier()  # neither rank tears its half of a pair down while the other still reads from it
 dist.destroy_process_group()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def load_on_two_ranks(checkpoint: str, out: str) -> list[dict]:
-    port = free_port()
-    children = [subprocess.Popen([sys.executable, "-c", CHILD, checkpoint, out, str(port), str(rank)],
+    """dcp.load on two gloo ranks in children. The store's server lives here, not in rank 0: a
+    rank 0 that hosted it could exit while rank 1 still talks to it (once: SIGABRT, "terminate
+    called without an active exception")."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=CHILD_TIMEOUT))
+    children = [subprocess.Popen([sys.executable, "-c", CHILD, checkpoint, out, str(server.port), str(rank)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     try:
         for child in children:
@@ -140,6 +141,7 @@ def load_on_two_ranks(checkpoint: str, out: str) -> list[dict]:
         for child in children:
             child.kill()
             child.wait()
+        del server
     return [torch.load(f"{out}/rank{rank}.pt", weights_only=True) for rank in (0, 1)]
 
 
