@@ -109,7 +109,7 @@ def test_train_learns(shm_dir):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["train", "--steps", "0"], "--steps: 0 must be at least 1"),
+    (["train", "--steps", "-1"], "--steps: -1 must be at least 0"),
     (["train", "--rows", "many"], "'many' is not an integer"),
     (["train", "--zipf", "-1"], "positive finite"),
     (["train", "--bogus"], "unrecognized arguments"),

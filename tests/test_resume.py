@@ -60,6 +60,18 @@ def test_train_with_only_the_pool_resumes_with_its_settings(shm_dir, capsys):
     assert same_tables(pool, uninterrupted)
 
 
+def test_steps_0_sets_the_pool_up_and_a_resume_trains_it_as_one_run(shm_dir, capsys):
+    """`--steps 0`: the pool made at batch 0, nothing trained (what a kill before the first commit
+    leaves; the tortures' reference of batch 0). Before: refused, "--steps: 0 must be at least 1"."""
+    pool, uninterrupted = shm_dir / "p.pool", shm_dir / "u.pool"
+    code, out, err = train(capsys, pool, *[a if a != "10" else "0" for a in FIRST])
+    assert code == 0 and "nothing to train: the pool is at batch 0" in out, err
+    assert "the pool is committed at batch 0" in out
+    assert train(capsys, pool, "--steps", "10")[0] == 0
+    assert train(capsys, uninterrupted, *FIRST)[0] == 0
+    assert same_tables(pool, uninterrupted)
+
+
 def test_a_learning_rate_changed_on_resume_is_said_and_remembered(shm_dir, capsys):
     pool = shm_dir / "p.pool"
     assert train(capsys, pool, *FIRST)[0] == 0

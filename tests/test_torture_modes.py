@@ -140,17 +140,16 @@ def test_a_manifest_whose_plan_cannot_hold_is_refused_by_the_read_only_commands(
 
 
 # -- ranks: a launch per trial (seconds): behind -m slow ------------------------------------------
-BETWEEN_COMMITS = f"{CrashPoint.COMMIT_BEFORE_ROOT}:5"   # rank 1 dies before its 5th root; rank 0 commits it
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("plant", ["", PlantedDist.COMMIT_WITHOUT_AGREEMENT])
-def test_a_rank_killed_between_the_ranks_commits(plant):
-    """Rank 1 killed before its root of batch 5 while rank 0 commits it: recovered to G = 4 and
-    resumed, exact; with commit-without-agreement planted, the trial fails."""
+@pytest.mark.parametrize("root, plant", [(5, ""), (5, PlantedDist.COMMIT_WITHOUT_AGREEMENT), (1, "")])
+def test_a_rank_killed_between_the_ranks_commits(root, plant):
+    """Rank 1 killed before its root of batch `root` while rank 0 commits it: recovered to G =
+    root - 1 and resumed, exact; with commit-without-agreement planted, the trial fails. G = 0 is
+    compared with a folder set up by `train --steps 0` (before: the torture stopped, that command
+    refused)."""
     with knobs.override(threads=1):
         torture = RankTorture(trials=1, device=DeviceModel(power_loss=True), seed=SEED, plant=plant)
-    torture.plan = lambda n: TrialPlan(n, "point", BETWEEN_COMMITS, 0.0, None, 1, False,
+    torture.plan = lambda n: TrialPlan(n, "point", f"{CrashPoint.COMMIT_BEFORE_ROOT}:{root}", 0.0, None, 1, False,
                                        {**torture.device.knobs(0), "threads": 1}, rank=1)
     try:
         result = torture.run_trial(0)
@@ -159,7 +158,7 @@ def test_a_rank_killed_between_the_ranks_commits(plant):
     if plant:
         assert not result.exact, result.to_json()
     else:
-        assert result.killed and result.recovered_batch == 4 and result.exact, result.to_json()
+        assert result.killed and result.recovered_batch == root - 1 and result.exact, result.to_json()
 
 
 # -- bigger samples: the figures of docs/testing.md come from the same commands, run longer --------

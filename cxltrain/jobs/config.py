@@ -55,7 +55,8 @@ class TrainConfig:
                                               "all 26 tables unless --num-tables; "
                                               "--rows is then the hash buckets per categorical feature",
                               metavar="PATH")
-    steps: int = option(400, "--steps", "total batches of the run (default {default})", kind="positive", unset=True)
+    steps: int = option(400, "--steps", "total batches of the run (default {default}; 0 sets the pool up and trains "
+                                  "nothing)", kind="non_negative", unset=True)
     batch_size: int = option(2048, "--batch-size", "default {default}", kind="positive")
     num_tables: int = option(8, "--num-tables", "default {default}; with --data, 26 (all of Criteo's categorical "
                                                 "features)", kind="positive", unset=True)
@@ -214,7 +215,9 @@ class TrainConfig:
         return 4 * 4 * parameters + self.batch_size * (3 * 4 * activations + 2 * 8 * ids) + 2 * 8 * interactions
 
     def validate(self) -> None:
-        positive = {"steps": self.steps, "batch_size": self.batch_size, "num_tables": self.num_tables,
+        if not isinstance(self.steps, int) or self.steps < 0:
+            raise ConfigError(f"steps must be a non-negative integer, got {self.steps!r}")
+        positive = {"batch_size": self.batch_size, "num_tables": self.num_tables,
                     "rows": self.rows, "dim": self.dim, "pooling": self.pooling, "dense_every": self.dense_every}
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:

@@ -196,19 +196,14 @@ class References:
     @functools.lru_cache(maxsize=None)
     def __call__(self, batches: int) -> dict:
         from ..runtime.runtime import export_state
-        from .train import build_model, dense_optimizer, make_runtime, train
+        from .train import train
 
         path = os.path.join(self.folder, f"reference-{batches}.pool")
         config = self.config
         if config.capacity_pool is not None:
             config = dataclasses.replace(config, capacity_pool=os.path.join(self.capacity_folder,
                                                                             f"reference-{batches}.cap"))
-        if batches:
-            train(dataclasses.replace(config, steps=batches), pool_path=path, progress=False)
-        else:
-            model = build_model(config)
-            with make_runtime(config, model, dense_optimizer(config, model.dense_parameters()), path):
-                pass
+        train(dataclasses.replace(config, steps=batches), pool_path=path, progress=False)  # 0: set up only
         state = export_state(path)
         for made in (path, config.capacity_pool):
             if made is not None:

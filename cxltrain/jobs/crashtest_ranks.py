@@ -114,8 +114,9 @@ def export_run(path: str) -> dict | None:
 
 
 class RankReferences:
-    """Exports of uninterrupted 2-rank runs of `config` for 1..steps batches, each launched on a
-    fresh folder, made when first asked for and kept."""
+    """Exports of uninterrupted 2-rank runs of `config` for 0..steps batches, each launched on a
+    fresh folder, made when first asked for and kept. Batch 0 is a folder set up with no batch
+    trained (`--steps 0`): what a kill after every rank made its pool and before the first commit leaves."""
 
     def __init__(self, config: TrainConfig, folder: str) -> None:
         self.config, self.folder = config, folder
