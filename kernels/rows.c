@@ -982,11 +982,13 @@ static PyMethodDef methods[] = {
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "
      "sorted [n], when given, receives the lookups' positions by row (what sparse_update would sort)"},
     {"undo_chunk_counts", undo_chunk_counts, METH_VARARGS,
-     "undo_chunk_counts(rows, U, recorded, V, chunk_rows, header_bytes, row_payload, align, rec_first, sizes) "
-     "-> (records, total bytes): the fused update's undo records, per chunk"},
+     "undo_chunk_counts(rows, U, recorded, V, chunk_rows, header_bytes, row_payload, align, rec_first, sizes[, "
+     "slots]) -> (records, total bytes[, V, slots recorded, slots' bytes]): the fused update's undo records, per "
+     "chunk (slots: a cached table's, a dict; each chunk's slots' record after its table record)"},
     {"undo_chunk_headers", undo_chunk_headers, METH_VARARGS,
      "undo_chunk_headers(template, seq, rec_first, chunks, sizes, offsets, run_start, row_payload, rec_offset, "
-     "headers): each chunk's record offset and header"},
+     "headers[, slot_template, slot_first, slot_row_payload, slot_offset, slot_headers]): each chunk's record "
+     "offset and header (and its slots')"},
     {"capture_undo", capture_undo, METH_VARARGS,
      "capture_undo(old_weights, old_state, old_rows, weights, row_bytes, state, state_bytes, table_rows, rows, "
      "count)"},

@@ -273,86 +273,204 @@ int undo_read(PyObject *fields, struct fused_undo *u, const char *weights, Py_ss
 
 /* ---------------------------------------------------------------------------------------------
  * The fused update's undo layout (checkpoint/ring.py plan_chunks), in two calls around the ring's
- * placement: which recorded rows each chunk's record holds and how big it is; then, once the ring
- * has placed the records, where each one goes and its header. Plain arithmetic on the caller's
- * arrays: nothing here touches the pool.
+ * placement: which rows each chunk's records hold and how big they are; then, once the ring has
+ * placed the records, where each one goes and its header. A cached table's chunk has two records,
+ * the table's then its slots' (ring order: recovery's scan reads them by seq), and both calls lay
+ * out both kinds in the one pass. Plain arithmetic on the caller's arrays: nothing here touches
+ * the pool.
  * ------------------------------------------------------------------------------------------- */
+/* A record of `count` rows: the header and count * row_payload bytes, rounded up to align. */
+static long long record_bytes(Py_ssize_t header_bytes, int64_t count, Py_ssize_t row_payload, Py_ssize_t align)
+{
+    return (header_bytes + count * row_payload + align - 1) / align * align;
+}
+
+/* The cached part of undo_chunk_counts, from its dict (see there); the arrays as the caller checked them. */
+struct slot_layout {
+    const int32_t *slot_of;  /* [table_rows] each row's slot, -1: the row is its own copy */
+    Py_ssize_t table_rows, slot_count;
+    const uint8_t *fresh;    /* [slot_count] 1: the slot is recorded; NULL: every slot */
+    Py_ssize_t row_payload;
+    int64_t *slot_first;     /* [chunks + 1] out */
+    int64_t *slot_ids;       /* [U] out: the recorded slots, in the order of their rows */
+    int64_t *recorded_out;   /* [U] out: the table rows to record, where the caller gave none */
+};
+
+/* Chunk by chunk of rows [u]: the rows' slots to record into slot_ids (slot_first), and, where
+ * none were given, the uncached rows into recorded_out (rec_first); -1 (exception set) on a slot
+ * outside the cache. Returns the recorded slots' count; *v the table rows'. */
+static Py_ssize_t split_cached(const struct slot_layout *s, const int64_t *rows, Py_ssize_t u, Py_ssize_t chunk_rows,
+                               Py_ssize_t chunks, int given, int64_t *rec_first, Py_ssize_t *v)
+{
+    Py_ssize_t n = 0, j = 0;
+    for (Py_ssize_t c = 0; c < chunks; c++) {
+        s->slot_first[c] = n;
+        if (!given)
+            rec_first[c] = j;
+        const Py_ssize_t end = (c + 1) * chunk_rows < u ? (c + 1) * chunk_rows : u;
+        for (Py_ssize_t i = c * chunk_rows; i < end; i++) {
+            const int32_t slot = s->slot_of[rows[i]];
+            if (slot >= s->slot_count || slot < -1) {
+                PyErr_Format(PyExc_ValueError, "undo_chunk_counts: row %lld maps to slot %d, outside the %zd slots",
+                             (long long)rows[i], slot, s->slot_count);
+                return -1;
+            }
+            if (slot >= 0 && (s->fresh == NULL || s->fresh[slot]))
+                s->slot_ids[n++] = slot;
+            else if (slot < 0 && !given)
+                s->recorded_out[j++] = rows[i];
+        }
+    }
+    s->slot_first[chunks] = n;
+    if (!given) {
+        rec_first[chunks] = j;
+        *v = j;
+    }
+    return n;
+}
+
 /* undo_chunk_counts(rows, U, recorded, V, chunk_rows, header_bytes, row_payload, align, rec_first,
- * sizes) -> (K, total): rec_first [C + 1] (chunk c of the sorted unique rows [U] records
- * recorded[rec_first[c], rec_first[c + 1]), recorded [V] being a sorted subset of them: what
- * numpy.searchsorted(recorded, rows[::chunk_rows]) gives), sizes [K] the ring bytes of the K
- * records (one per chunk with a recorded row: layout.record_bytes, header_bytes + count *
- * row_payload rounded up to align), and their total. */
+ * sizes[, slots]) -> (K, total[, V, V', slot bytes]): rec_first [C + 1] (chunk c of the sorted
+ * unique rows [U] records recorded[rec_first[c], rec_first[c + 1]), recorded [V] being a sorted
+ * subset of them: what numpy.searchsorted(recorded, rows[::chunk_rows]) gives), sizes the ring
+ * bytes of the K records in ring order (one per chunk with a recorded row: header_bytes + count *
+ * row_payload rounded up to align), and their total.
+ * slots, for a cached table (a dict): slot_of (int32 [table_rows]), table_rows, slot_count, fresh
+ * (uint8 [slot_count] or 0: every slot), slot_row_payload, slot_first ([C + 1] out), slot_ids ([U]
+ * out), recorded_out ([U] out). Chunk c then also records the slots its rows map to (fresh ones
+ * only), slot_ids[slot_first[c], slot_first[c + 1]), in a record right after the table's; sizes
+ * [2C] holds both kinds' sizes, interleaved in ring order (K counts both). V may then be -1 (no
+ * recorded rows given): every row the map leaves in the table is recorded, written to recorded_out
+ * (the V returned). */
 PyObject *undo_chunk_counts(PyObject *self, PyObject *args)
 {
     unsigned long long rows_at, recorded_at, rec_first_at, sizes_at;
     Py_ssize_t u, v, chunk_rows, header_bytes, row_payload, align;
-    if (!PyArg_ParseTuple(args, "KnKnnnnnKK", &rows_at, &u, &recorded_at, &v, &chunk_rows, &header_bytes,
-                          &row_payload, &align, &rec_first_at, &sizes_at))
+    PyObject *slot_fields = NULL;
+    if (!PyArg_ParseTuple(args, "KnKnnnnnKK|O", &rows_at, &u, &recorded_at, &v, &chunk_rows, &header_bytes,
+                          &row_payload, &align, &rec_first_at, &sizes_at, &slot_fields))
         return NULL;
-    if (chunk_rows < 1 || align < 1 || u < 0 || v < 0 || v > u) {
+    /* v = -1: no recorded rows given (a cached table's layout then picks out the uncached ones) */
+    const int given = v >= 0;
+    if (chunk_rows < 1 || align < 1 || u < 0 || v < -1 || v > u || (!given && slot_fields == NULL)) {
         PyErr_SetString(PyExc_ValueError, "undo_chunk_counts: bad sizes");
         return NULL;
     }
     const int64_t *rows = (const int64_t *)(uintptr_t)rows_at, *recorded = (const int64_t *)(uintptr_t)recorded_at;
     int64_t *rec_first = (int64_t *)(uintptr_t)rec_first_at, *sizes = (int64_t *)(uintptr_t)sizes_at;
     const Py_ssize_t chunks = (u + chunk_rows - 1) / chunk_rows;
-    Py_ssize_t j = 0, k = 0;
-    long long total = 0;
-    for (Py_ssize_t c = 0; c < chunks; c++) {
-        while (j < v && recorded[j] < rows[c * chunk_rows])
-            j++;
-        rec_first[c] = j;
+    struct slot_layout s = {0};
+    Py_ssize_t slots = 0;
+    if (slot_fields != NULL) {
+        static char *names[] = {"slot_of", "table_rows", "slot_count", "fresh", "slot_row_payload", "slot_first",
+                                "slot_ids", "recorded_out", NULL};
+        unsigned long long slot_of, fresh, slot_first, slot_ids, recorded_out;
+        if (named_fields(slot_fields, "KnnKnKKK:undo_chunk_counts' slots", names, &slot_of, &s.table_rows,
+                         &s.slot_count, &fresh, &s.row_payload, &slot_first, &slot_ids, &recorded_out) < 0)
+            return NULL;
+        if (u && (rows[0] < 0 || rows[u - 1] >= s.table_rows)) {
+            PyErr_SetString(PyExc_ValueError, "undo_chunk_counts: a row outside the cache's row map");
+            return NULL;
+        }
+        s.slot_of = (const int32_t *)(uintptr_t)slot_of;
+        s.fresh = (const uint8_t *)(uintptr_t)fresh;
+        s.slot_first = (int64_t *)(uintptr_t)slot_first;
+        s.slot_ids = (int64_t *)(uintptr_t)slot_ids;
+        s.recorded_out = (int64_t *)(uintptr_t)recorded_out;
+        slots = split_cached(&s, rows, u, chunk_rows, chunks, given, rec_first, &v);
+        if (slots < 0)
+            return NULL;
     }
-    rec_first[chunks] = v;
+    if (given) {
+        Py_ssize_t j = 0;
+        for (Py_ssize_t c = 0; c < chunks; c++) {
+            while (j < v && recorded[j] < rows[c * chunk_rows])
+                j++;
+            rec_first[c] = j;
+        }
+        rec_first[chunks] = v;
+    }
+    Py_ssize_t k = 0;
+    long long total = 0, slot_bytes = 0;
     for (Py_ssize_t c = 0; c < chunks; c++) {
         const int64_t count = rec_first[c + 1] - rec_first[c];
         if (count) {
-            sizes[k] = (header_bytes + count * row_payload + align - 1) / align * align;
+            sizes[k] = record_bytes(header_bytes, count, row_payload, align);
+            total += sizes[k++];
+        }
+        const int64_t held = slot_fields != NULL ? s.slot_first[c + 1] - s.slot_first[c] : 0;
+        if (held) {
+            sizes[k] = record_bytes(header_bytes, held, s.row_payload, align);
+            slot_bytes += sizes[k];
             total += sizes[k++];
         }
     }
-    return Py_BuildValue("nL", k, total);
+    if (slot_fields == NULL)
+        return Py_BuildValue("nL", k, total);
+    return Py_BuildValue("nLnnL", k, total, v, slots, slot_bytes);
+}
+
+/* One chunk's record of one kind: its header from the template (count and payload bytes set; with
+ * a record, the seq of its place k in ring order), its offset (offsets[k], or back to back from
+ * *at), -1 without one. */
+static void place_record(unsigned char *h, int64_t *rec_offset, const unsigned char *template, int64_t count,
+                         Py_ssize_t row_payload, long long seq, const int64_t *sizes, const int64_t *offsets,
+                         Py_ssize_t *k, long long *at)
+{
+    const uint32_t count32 = (uint32_t)count;
+    const uint64_t payload = (uint64_t)(count * row_payload);
+    memcpy(h, template, UNDO_HEADER_BYTES);
+    memcpy(h + UNDO_COUNT_AT, &count32, 4);
+    memcpy(h + UNDO_PAYLOAD_BYTES_AT, &payload, 8);
+    if (!count) {
+        *rec_offset = -1;
+        return;
+    }
+    const uint64_t record_seq = (uint64_t)(seq + *k);
+    memcpy(h + UNDO_SEQ_AT, &record_seq, 8);
+    *rec_offset = offsets ? offsets[*k] : *at;
+    *at += sizes[(*k)++];
 }
 
 /* undo_chunk_headers(template, seq, rec_first, chunks, sizes, offsets, run_start, row_payload,
- * rec_offset, headers[, seqs]): every chunk's header [chunks, 64] from the 64-byte template (count
- * and payload bytes set; for a chunk with a record, its seq: from `seq` on in chunk order, or
- * seqs[k] for the k-th record where seqs [K] is given; the checksums left zero, the kernel's to
- * fill in) and rec_offset [chunks]: -1 for a chunk without a record, else offsets[k] for the k-th
- * record (offsets [K], or 0: the records lie back to back from run_start, sizes [K] long each). */
+ * rec_offset, headers[, slot_template, slot_first, slot_row_payload, slot_offset, slot_headers]):
+ * every chunk's header [chunks, 64] from the 64-byte template (count and payload bytes set; for a
+ * chunk with a record, its seq: from `seq` on in ring order; the checksums left zero, the kernel's
+ * to fill in) and rec_offset [chunks]: -1 for a chunk without a record, else offsets[k] for the
+ * k-th record in ring order (offsets [K], or 0: the records lie back to back from run_start, sizes
+ * [K] long each). With the slots' part (undo_chunk_counts' slots), each chunk's slots' record
+ * comes right after the chunk's table record, its header and offset into slot_headers and
+ * slot_offset [chunks] alike. */
 PyObject *undo_chunk_headers(PyObject *self, PyObject *args)
 {
-    unsigned long long template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at, seqs_at = 0;
+    unsigned long long template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at;
+    unsigned long long slot_template_at = 0, slot_first_at = 0, slot_offset_at = 0, slot_headers_at = 0;
     long long seq, run_start;
-    Py_ssize_t chunks, row_payload;
-    if (!PyArg_ParseTuple(args, "KLKnKKLnKK|K", &template_at, &seq, &rec_first_at, &chunks, &sizes_at, &offsets_at,
-                          &run_start, &row_payload, &rec_offset_at, &headers_at, &seqs_at))
+    Py_ssize_t chunks, row_payload, slot_row_payload = 0;
+    if (!PyArg_ParseTuple(args, "KLKnKKLnKK|KKnKK", &template_at, &seq, &rec_first_at, &chunks, &sizes_at,
+                          &offsets_at, &run_start, &row_payload, &rec_offset_at, &headers_at, &slot_template_at,
+                          &slot_first_at, &slot_row_payload, &slot_offset_at, &slot_headers_at))
         return NULL;
-    const int64_t *seqs = (const int64_t *)(uintptr_t)seqs_at;
     const unsigned char *template = (const unsigned char *)(uintptr_t)template_at;
+    const unsigned char *slot_template = (const unsigned char *)(uintptr_t)slot_template_at;
     const int64_t *rec_first = (const int64_t *)(uintptr_t)rec_first_at;
+    const int64_t *slot_first = (const int64_t *)(uintptr_t)slot_first_at;
     const int64_t *sizes = (const int64_t *)(uintptr_t)sizes_at, *offsets = (const int64_t *)(uintptr_t)offsets_at;
-    int64_t *rec_offset = (int64_t *)(uintptr_t)rec_offset_at;
+    int64_t *rec_offset = (int64_t *)(uintptr_t)rec_offset_at, *slot_offset = (int64_t *)(uintptr_t)slot_offset_at;
     unsigned char *headers = (unsigned char *)(uintptr_t)headers_at;
+    unsigned char *slot_headers = (unsigned char *)(uintptr_t)slot_headers_at;
+    if (slot_first != NULL && (slot_template == NULL || slot_offset == NULL || slot_headers == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "undo_chunk_headers: the slots' part needs all five of its arguments");
+        return NULL;
+    }
     long long at = run_start;
     Py_ssize_t k = 0;
     for (Py_ssize_t c = 0; c < chunks; c++) {
-        unsigned char *h = headers + c * UNDO_HEADER_BYTES;
-        const int64_t count = rec_first[c + 1] - rec_first[c];
-        const uint32_t count32 = (uint32_t)count;
-        const uint64_t payload = (uint64_t)(count * row_payload);
-        memcpy(h, template, UNDO_HEADER_BYTES);
-        memcpy(h + UNDO_COUNT_AT, &count32, 4);
-        memcpy(h + UNDO_PAYLOAD_BYTES_AT, &payload, 8);
-        if (!count) {
-            rec_offset[c] = -1;
-            continue;
-        }
-        const uint64_t record_seq = (uint64_t)(seqs ? seqs[k] : seq + k);
-        memcpy(h + UNDO_SEQ_AT, &record_seq, 8);
-        rec_offset[c] = offsets ? offsets[k] : at;
-        at += sizes[k++];
+        place_record(headers + c * UNDO_HEADER_BYTES, rec_offset + c, template, rec_first[c + 1] - rec_first[c],
+                     row_payload, seq, sizes, offsets, &k, &at);
+        if (slot_first != NULL)
+            place_record(slot_headers + c * UNDO_HEADER_BYTES, slot_offset + c, slot_template,
+                         slot_first[c + 1] - slot_first[c], slot_row_payload, seq, sizes, offsets, &k, &at);
     }
     Py_RETURN_NONE;
 }

@@ -95,13 +95,13 @@ def test_a_set_keeps_its_cache_size(folders):
 
 
 def killed(folders, point: str, fault: str = "", power_loss: str = "0", replace_every: int = 0,
-           env: dict | None = None) -> tuple[str, str]:
+           env: dict | None = None, extra: tuple = ()) -> tuple[str, str]:
     """A cached `train` child (capacity crash model, power loss as asked) killed at `point`."""
     primary, capacity = paths(folders, "k")
     args = ["train", "--pool", primary, "--capacity-pool", capacity, "--cache-rows", CACHE_ROWS,
             "--steps", REPLACING.steps if replace_every else CONFIG.steps, "--num-tables", "2", "--rows", CONFIG.rows,
             "--dim", CONFIG.dim, "--batch-size", CONFIG.batch_size, "--no-progress",
-            *(["--cache-replace-every", replace_every] if replace_every else [])]
+            *(["--cache-replace-every", replace_every] if replace_every else []), *extra]
     env = {"CXLTRAIN_CAPACITY_CRASH": "1", "CXLTRAIN_POWER_LOSS": power_loss, CRASH_ENV: point, FAULT_ENV: fault,
            **(env or {})}
     done = cxltrain(*args, env=env, timeout=120)
@@ -206,6 +206,39 @@ def test_a_cached_tables_update_records_its_misses_and_its_slots_in_one_pass(fol
 
 # 16-row chunks: a table's misses make several chunks; the kill stops one half-written
 FUSED_CHUNKS = {"CXLTRAIN_UNDO_CHUNK_ROWS": "16"}
+
+
+def test_a_window_records_a_cached_row_once_and_a_run_killed_in_it_resumes_bit_exactly(folders, reference,
+                                                                                        monkeypatch):
+    """Strict with dense_every 3 (capture once per commit window, U1d): the fused update of a cached
+    table records each table row and each slot at its first update in the window only, the run ends
+    bit-identical, and one killed inside a chunk's record within the first window resumes
+    bit-exactly."""
+    from cxltrain.checkpoint.checkpointer import Checkpointer
+    from cxltrain.kernels import ops
+
+    if not ops.fused_available():
+        pytest.skip("the fused capture needs the native kernels (make setup builds them)")
+    recorded: dict[tuple[int, str], list] = {}
+    plan = Checkpointer._plan_fused
+
+    def noting(self, batch, table, indices, cache, window):
+        undo = plan(self, batch, table, indices, cache, window)
+        for name, part in ((table.name, undo), (f"{table.name}.cache", undo.slots)):
+            recorded.setdefault((window, name), []).extend(part.recorded.tolist())
+        return undo
+
+    monkeypatch.setattr(Checkpointer, "_plan_fused", noting)
+    primary, _ = run(folders, "window", cache_rows=CACHE_ROWS, dense_every=3)
+    assert_same_export(export_state(primary), reference)
+    assert {window for window, _ in recorded} == {0, 3}
+    assert all(len(rows) == len(set(rows)) for rows in recorded.values()), recorded
+    # window 0's slots were recorded at their admission, in batch 0; window 3's at their update
+    assert recorded[3, "t0.cache"] and recorded[3, "t1.cache"] and recorded[3, "t0"] and recorded[3, "t1"]
+    monkeypatch.undo()
+    primary, capacity = killed(folders, f"{CrashPoint.UNDO_BETWEEN_HEADER_AND_UPDATE}:5", power_loss="1",
+                               env=FUSED_CHUNKS, extra=("--dense-every", "3"))
+    assert_same_export(resumed(primary, capacity, "1", dataclasses.replace(CONFIG, dense_every=3)), reference)
 
 
 @pytest.mark.parametrize("point", [f"{CrashPoint.UNDO_BETWEEN_PAYLOAD_AND_HEADER}:7",

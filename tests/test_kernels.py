@@ -658,3 +658,62 @@ def test_fused_undo_layout_is_the_numpy_rule(unique, chunk_rows, keep, seed, one
     expected.view(np.uint32)[:, 8] = counts                             # count at byte 32
     expected.view(np.uint64)[:, 6] = counts * row_payload               # payload bytes at byte 48
     assert np.array_equal(headers, expected)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(unique=st.integers(0, 700), chunk_rows=st.integers(1, 300), cached=st.floats(0.0, 1.0),
+       keep=st.one_of(st.none(), st.floats(0.0, 1.0)), seed=st.integers(0, 1 << 30), one_run=st.booleans())
+def test_cached_undo_layout_is_the_numpy_rule(unique, chunk_rows, cached, keep, seed, one_run):
+    """A cached table's layout, both kinds in one pass, is the numpy rule it replaced: each chunk's
+    uncached rows to record (all of them, or the window's subset) in one record, then the slots its
+    cached rows map to (all, or the window's fresh ones) in the next; sizes, seqs and offsets in
+    that ring order, every header its kind's template with its count and payload bytes."""
+    if not ops.fused_available():
+        pytest.skip("no streamed stores on this CPU")
+    rng = np.random.default_rng(seed)
+    table_rows, slot_count, header, row_payload, slot_payload, align = 10_000, 4_000, 64, 264, 328, 64
+    rows = np.sort(rng.choice(table_rows, unique, replace=False)).astype(np.int64)
+    slot_of = np.full(table_rows, -1, dtype=np.int32)
+    held = np.flatnonzero(rng.random(table_rows) < cached)[:slot_count]
+    slot_of[held] = rng.permutation(slot_count)[: held.size]
+    at = slot_of[rows]
+    hit = at >= 0
+    fresh = None if keep is None else rng.random(slot_count) < keep
+    recorded = None if keep is None else rows[~hit][rng.random(int((~hit).sum())) < keep].copy()
+    counts = fused.undo_cached_counts(rows, recorded, slot_of, fresh, slot_count, chunk_rows, header, row_payload,
+                                      slot_payload, align)
+
+    chunks = -(-unique // chunk_rows)
+    table_recorded = rows[~hit] if recorded is None else recorded
+    taken = hit if fresh is None else hit & fresh[np.where(hit, at, 0)]
+    assert np.array_equal(counts.recorded, table_recorded) and np.array_equal(counts.slot_ids, at[taken])
+    assert np.array_equal(counts.rec_first, np.append(np.searchsorted(table_recorded, rows[::chunk_rows]),
+                                                      table_recorded.size))
+    assert np.array_equal(counts.slot_first, np.searchsorted(np.flatnonzero(taken),
+                                                             np.arange(0, unique + chunk_rows, chunk_rows))[: chunks + 1])
+    both = np.zeros((chunks, 2), dtype=np.int64)  # ring order: each chunk's table record, then its slots'
+    per_row = np.array([row_payload, slot_payload])
+    for kind, first in enumerate((counts.rec_first, counts.slot_first)):
+        n = np.diff(first)
+        both[:, kind] = np.where(n > 0, -(-(header + n * per_row[kind]) // align) * align, 0)
+    flat = both.reshape(-1)
+    assert np.array_equal(counts.sizes, flat[flat > 0]) and counts.total == flat.sum()
+    assert counts.slot_bytes == both[:, 1].sum()
+
+    templates = [bytes(rng.integers(0, 256, 64, dtype=np.uint8)) for _ in range(2)]
+    offsets = None if one_run else np.sort(rng.choice(1 << 20, counts.sizes.size, replace=False)).astype(np.int64)
+    laid_out = fused.undo_chunk_headers(templates[0], 77, counts.rec_first, counts.sizes, offsets, 4096, row_payload,
+                                        (templates[1], counts.slot_first, slot_payload))
+    place = (np.cumsum(flat > 0) - 1).reshape(chunks, 2)  # each record's place in ring order
+    ring_offsets = 4096 + np.cumsum(counts.sizes) - counts.sizes if one_run else offsets
+    for kind, first in enumerate((counts.rec_first, counts.slot_first)):
+        rec_offset, headers = laid_out[2 * kind : 2 * kind + 2]
+        n = np.diff(first)
+        has = n > 0
+        assert np.array_equal(rec_offset[has], ring_offsets[place[has, kind]]) and (rec_offset[~has] == -1).all()
+        expected = np.tile(np.frombuffer(templates[kind], dtype=np.uint8), (chunks, 1))
+        expected.view(np.uint64)[has, 2] = 77 + place[has, kind]   # seq at byte 16
+        expected.view(np.uint32)[:, 8] = n                           # count at byte 32
+        expected.view(np.uint64)[:, 6] = n * per_row[kind]           # payload bytes at byte 48
+        assert np.array_equal(headers, expected)

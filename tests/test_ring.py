@@ -307,21 +307,24 @@ def test_a_cached_tables_fused_update_records_its_slots_beside_its_table_rows(sh
     before = weights.clone(), table.storage()[1].clone(), slot_w.clone(), slot_s.clone()
 
     hit = slot_of[torch.from_numpy(rows)].numpy() >= 0
-    at = np.flatnonzero(hit)  # chunk c of 16 rows records the slots of its cached rows
-    slot_first = np.searchsorted(at, np.arange(0, rows.size + 16, 16))[: -(-rows.size // 16) + 1].astype(np.int64)
     slot_ids = slot_of[torch.from_numpy(rows[hit])].numpy().astype(np.int64)
     region = (pool.region("t.weight"), None if state is None else pool.region("t.optim"))
 
-    def plan(recorded_slots):
-        return writer.plan_chunks(0, *region, rows, rows[~hit].copy(), 16, None, ring.SlotRecords(
-            pool.region("t.cache.weight"), pool.region("t.cache.optim"), recorded_slots, slot_first))
+    def plan(row_map):  # every uncached row and every slot recorded: the layout picks them out
+        return writer.plan_chunks(0, *region, rows, None, 16, None, ring.SlotRecords(
+            pool.region("t.cache.weight"), pool.region("t.cache.optim"), row_map.numpy()))
 
-    undo, _ = plan(np.where(slot_ids == slot_ids[0], cached_rows.size, slot_ids))  # one slot past the cache
+    past = slot_of.clone()
+    past[int(cached_rows[0])] = cached_rows.size  # one slot past the cache
+    with pytest.raises(ValueError, match=f"maps to slot {cached_rows.size}, outside the {cached_rows.size} slots"):
+        plan(past)
+    undo, _ = plan(slot_of)
+    undo.slots.recorded[undo.slots.recorded == slot_ids[0]] = cached_rows.size  # the plan damaged after its layout
     with pytest.raises(ValueError, match=f"records a slot outside the {cached_rows.size} slots"):
         ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo, cached=slots)
     assert torch.equal(weights, before[0]) and torch.equal(slot_w, before[2]) and ring.scan(pool, 5, 0, 0) == []
 
-    undo, records = plan(slot_ids)
+    undo, records = plan(slot_of)
     undo.lookup_order = order
     ops.sparse_update(rule, weights, state, indices, grad, lr=0.1, eps=1e-8, undo=undo, cached=slots)
     writer.land(records)

@@ -399,10 +399,11 @@ class Checkpointer(BatchGuard):
         weights, state = table.storage()
         # the lookups are sorted by row once, here: the kernel takes this order instead of its own sort
         rows, lookup_order = row_ops.unique_rows_and_order(indices.contiguous(), weights.shape[0])
-        slots, stored = (None, rows) if cache is None else self._slot_records(rows, cache, window)
-        # as in _capture (U1d): rows recorded earlier in the commit window are left out
-        recorded = stored if self._window is None else self._window.first_touches(window, table.name, stored,
-                                                                                   weights.shape[0])
+        if cache is None:  # as in _capture (U1d): rows recorded earlier in the commit window are left out
+            slots, recorded = None, (rows if self._window is None else
+                                     self._window.first_touches(window, table.name, rows, weights.shape[0]))
+        else:
+            slots, recorded = self._slot_records(table, rows, cache, window)
         weight_region = self.pool.region(table.weight_region)
         state_region = self.pool.region(table.state_region) if state is not None else None
         undo, laid_out = self._with_room(batch, lambda: self.ring.plan_chunks(
@@ -410,34 +411,30 @@ class Checkpointer(BatchGuard):
         undo.lookup_order = lookup_order
         # a cached table's kernel stores into slots too, which after_update flushes with the table rows
         undo.row_flush = self._kernel_row_flush(table) if cache is None else None
-        size = sum(r.size for r in laid_out)
         if slots is not None:  # counted by after_update(slots); its records land with the table's
-            slot_bytes = int(slots.sizes().sum())
-            self._fused_records[cache.slots.name] = (undo.slots, [], torch.from_numpy(slots.recorded), slot_bytes)
-            size -= slot_bytes
-        self._fused_records[table.name] = (undo, laid_out, torch.from_numpy(recorded), size)
+            self._fused_records[cache.slots.name] = (undo.slots, [], torch.from_numpy(undo.slots.recorded),
+                                                     undo.slots.ring_bytes)
+        self._fused_records[table.name] = (undo, laid_out, torch.from_numpy(undo.recorded), undo.ring_bytes)
         self.stats.capture_seconds += time.perf_counter() - started
         return undo
 
-    def _slot_records(self, rows: np.ndarray, cache: CachedSlots, window: int) -> tuple[SlotRecords, np.ndarray]:
+    def _slot_records(self, table: LoggedTable, rows: np.ndarray, cache: CachedSlots,
+                      window: int) -> tuple[SlotRecords, np.ndarray | None]:
         """(the slots a fused update of the unique rows `rows` [U] stores into, to record chunk by
-        chunk, as _capture would record them; the rows it stores into in the table itself [U - U'])"""
-        at = cache.slot_of.numpy()[rows]
+        chunk as _capture would record them; the sorted rows it stores into in the table itself to
+        record, or None: every one, which the layout (ring.plan_chunks) picks out itself)"""
+        slot_of = cache.slot_of.numpy()
+        weights_region = self.pool.region(cache.slots.weight_region)
+        state_region = self.pool.region(cache.slots.state_region)
+        if self._window is None:
+            return SlotRecords(weights_region, state_region, slot_of), None
+        # U1d, as in _capture: rows and slots recorded earlier in the commit window are left out
+        at = slot_of[rows]
         hit = at >= 0
-        held = at[hit].astype(np.int64)  # in the order of their rows
-        keep = hit
-        if self._window is not None:  # U1d, as in _capture: slots recorded earlier in the window are left out
-            slot_weights, _ = cache.slots.storage()
-            fresh = np.zeros(slot_weights.shape[0], dtype=bool)
-            fresh[self._window.first_touches(window, cache.slots.name, np.sort(held), fresh.size)] = True
-            keep = hit.copy()
-            keep[hit] = fresh[held]
-        # chunk c of the update's rows records the slots of its rows [c * chunk_rows, (c + 1) * chunk_rows)
-        first = np.searchsorted(np.flatnonzero(keep), np.arange(0, rows.size + self._chunk_rows, self._chunk_rows))
-        chunks = -(-rows.size // self._chunk_rows)
-        slots = SlotRecords(self.pool.region(cache.slots.weight_region), self.pool.region(cache.slots.state_region),
-                            at[keep].astype(np.int64), first[: chunks + 1].astype(np.int64))
-        return slots, rows[~hit]
+        fresh = np.zeros(weights_region.shape[0], dtype=bool)
+        fresh[self._window.first_touches(window, cache.slots.name, np.sort(at[hit]).astype(np.int64), fresh.size)] = True
+        recorded = self._window.first_touches(window, table.name, rows[~hit], slot_of.size)
+        return SlotRecords(weights_region, state_region, slot_of, fresh), recorded
 
     def _kernel_row_flush(self, table: LoggedTable):
         """How the fused update of `table` writes its updated rows back itself, chunk by chunk while

@@ -97,43 +97,106 @@ def undo_chunk_counts(rows: np.ndarray, recorded: np.ndarray, chunk_rows: int, h
     in C chunks of `chunk_rows`; recorded [V] the sorted subset that needs a record; chunk c's
     record holds recorded[rec_first[c] : rec_first[c + 1]], and each of the K chunks with a
     recorded row has a record of header_bytes + count * row_payload bytes rounded up to `align`."""
-    native.check_rows(rows)
     native.check_rows(recorded)
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    lib = writer()
-    chunks = -(-rows.size // chunk_rows)
-    rec_first = np.empty(chunks + 1, dtype=np.int64)
-    sizes = np.empty(chunks, dtype=np.int64)
+    lib, rec_first, sizes = _counting(rows, chunk_rows, 1)
     rows_at, recorded_at, rec_first_at, sizes_at = lib.addresses(rows, recorded, rec_first, sizes)
     records, total = lib.undo_chunk_counts(rows_at, rows.size, recorded_at, recorded.size, chunk_rows, header_bytes,
                                            row_payload, align, rec_first_at, sizes_at)
     return rec_first, sizes[:records], total
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedCounts:
+    """undo_cached_counts: a cached table's records of both kinds, before they are placed. Chunk c
+    records the table rows recorded[rec_first[c] : rec_first[c + 1]] (int64 [V]) and then the
+    slots slot_ids[slot_first[c] : slot_first[c + 1]] (int64 [V'], in the order of their rows),
+    each kind in a record of its own where it has any; sizes int64 [K + K']: every record's ring
+    bytes in ring order (the chunk's table record, then its slots'), `total` in all, `slot_bytes`
+    of them the slots'."""
+
+    rec_first: np.ndarray
+    recorded: np.ndarray
+    slot_first: np.ndarray
+    slot_ids: np.ndarray
+    sizes: np.ndarray
+    total: int
+    slot_bytes: int
+
+
+def undo_cached_counts(rows: np.ndarray, recorded: np.ndarray | None, slot_of: np.ndarray, fresh: np.ndarray | None,
+                       slot_count: int, chunk_rows: int, header_bytes: int, row_payload: int, slot_row_payload: int,
+                       align: int) -> CachedCounts:
+    """undo_chunk_counts for a table with a hot-row cache, both kinds in one kernel pass: rows [U]
+    (sorted unique, < R) whose slot_of (int32 [R], -1: the row is its own copy) is one of the
+    slot_count slots are updated in their slots, and recorded in the slots' record of their chunk
+    where fresh (bool [slot_count], or None: every slot) says; recorded [V], the sorted uncached
+    rows to record, or None: every one (capture once per window: the caller's subset otherwise).
+    A slot outside the cache raises ValueError."""
+    if recorded is not None:
+        native.check_rows(recorded)
+    if slot_of.dtype != np.int32 or slot_of.ndim != 1 or not slot_of.flags.c_contiguous:
+        raise TypeError(f"slot_of must be a 1-D contiguous int32 array, got {slot_of.dtype} {slot_of.shape}")
+    if fresh is not None and (fresh.dtype != np.bool_ or fresh.shape != (slot_count,) or not fresh.flags.c_contiguous):
+        raise TypeError(f"fresh must be a contiguous bool array [{slot_count}], got {fresh.dtype} {fresh.shape}")
+    lib, rec_first, sizes = _counting(rows, chunk_rows, 2)
+    slot_first = np.empty_like(rec_first)
+    slot_ids, recorded_out = np.empty(rows.size, dtype=np.int64), np.empty(rows.size, dtype=np.int64)
+    (rows_at, recorded_at, rec_first_at, sizes_at, slot_of_at, fresh_at, slot_first_at, slot_ids_at,
+     recorded_out_at) = lib.addresses(rows, recorded, rec_first, sizes, slot_of, fresh, slot_first, slot_ids,
+                                      recorded_out)
+    slots = dict(slot_of=slot_of_at, table_rows=slot_of.size, slot_count=slot_count, fresh=fresh_at,
+                 slot_row_payload=slot_row_payload, slot_first=slot_first_at, slot_ids=slot_ids_at,
+                 recorded_out=recorded_out_at)
+    records, total, v, held, slot_bytes = lib.undo_chunk_counts(
+        rows_at, rows.size, recorded_at, -1 if recorded is None else recorded.size, chunk_rows, header_bytes,
+        row_payload, align, rec_first_at, sizes_at, slots)
+    return CachedCounts(rec_first, recorded_out[:v] if recorded is None else recorded, slot_first, slot_ids[:held],
+                        sizes[:records], total, slot_bytes)
+
+
+def _counting(rows: np.ndarray, chunk_rows: int, kinds: int):
+    """(the checked writer, rec_first [C + 1] and sizes [kinds * C] to fill in) for rows [U]."""
+    native.check_rows(rows)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
+    chunks = -(-rows.size // chunk_rows)
+    return writer(), np.empty(chunks + 1, dtype=np.int64), np.empty(kinds * chunks, dtype=np.int64)
+
+
 def undo_chunk_headers(template: bytes, seq: int, rec_first: np.ndarray, sizes: np.ndarray,
                        offsets: np.ndarray | None, run_start: int, row_payload: int,
-                       seqs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                       slots: tuple[bytes, np.ndarray, int] | None = None) -> tuple[np.ndarray, ...]:
     """The placed records of undo_chunk_counts: (rec_offset int64 [C], headers uint8 [C, 64]).
     Each chunk's header is the 64-byte `template` with its count and payload bytes, and, for the
-    k-th chunk with a record, seq + k (or seqs[k], seqs [K]); its ring offset is offsets[k]
-    (offsets [K]), or with offsets None the records lie back to back from run_start (sizes [K]);
-    -1 for a chunk without one."""
-    given = [block for block in (offsets, seqs) if block is not None]
-    for block in (rec_first, sizes, *given):
+    k-th record in ring order, seq + k; its ring offset is offsets[k] (offsets [K]), or with
+    offsets None the records lie back to back from run_start (sizes [K]); -1 for a chunk without
+    one. slots (a cached table's: its slots' template, slot_first [C + 1] and row payload, as
+    undo_cached_counts gave them): each chunk's slots' record follows its table record in ring
+    order, and (slot_offset [C], slot_headers [C, 64]) follow in the result."""
+    templates, firsts = [template], [rec_first]
+    if slots is not None:
+        templates.append(slots[0])
+        firsts.append(slots[1])
+    for block in (sizes, *firsts, *([] if offsets is None else [offsets])):
         native.check_rows(block)  # 1-D contiguous int64, as the kernel reads them
     chunks = rec_first.size - 1
-    if len(template) != layout.UNDO_HEADER.size or any(block.size != sizes.size for block in given):
-        raise ValueError("undo_chunk_headers: a 64-byte template, and an offset and seq (where given) for each "
-                         "record's size")
+    if (any(len(t) != layout.UNDO_HEADER.size for t in templates) or any(f.size != chunks + 1 for f in firsts)
+            or (offsets is not None and offsets.size != sizes.size)):
+        raise ValueError("undo_chunk_headers: 64-byte templates, the slots' chunks the table's, and an offset (where "
+                         "given) for each record's size")
     lib = writer()
-    rec_offset = np.empty(chunks, dtype=np.int64)
-    headers = np.empty((chunks, layout.UNDO_HEADER.size), dtype=np.uint8)
-    template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at, seqs_at = lib.addresses(
-        template, rec_first, sizes, offsets, rec_offset, headers, seqs)
+    rec_offset = np.empty((len(firsts), chunks), dtype=np.int64)
+    headers = np.empty((len(firsts), chunks, layout.UNDO_HEADER.size), dtype=np.uint8)
+    template_at, rec_first_at, sizes_at, offsets_at, rec_offset_at, headers_at = lib.addresses(
+        template, rec_first, sizes, offsets, rec_offset, headers)
+    slot_arguments = ()
+    if slots is not None:  # the second part of rec_offset and headers
+        slot_template_at, slot_first_at, slot_offset_at, slot_headers_at = lib.addresses(
+            slots[0], slots[1], rec_offset[1], headers[1])
+        slot_arguments = (slot_template_at, slot_first_at, slots[2], slot_offset_at, slot_headers_at)
     lib.undo_chunk_headers(template_at, seq, rec_first_at, chunks, sizes_at, offsets_at, run_start, row_payload,
-                           rec_offset_at, headers_at, seqs_at)
-    return rec_offset, headers
+                           rec_offset_at, headers_at, *slot_arguments)
+    return tuple(part for kind in range(len(firsts)) for part in (rec_offset[kind], headers[kind]))
 
 
 @dataclasses.dataclass
@@ -168,6 +231,7 @@ class FusedUndo:
     lookup_order: np.ndarray | None = None  # int64 [N]
     row_flush: native.NativePersistence | None = None
     flushed_runs: int = 0  # set after the kernel: the runs of adjacent rows row_flush wrote back
+    ring_bytes: int = 0    # its records' ring bytes (headers and padding included)
     # a hot-row cache's slots (ring.plan_chunks with slots): their records, chunked by the same
     # unique rows (its recorded [V'] are slot ids, in row order), each chunk's right after this one's
     slots: FusedUndo | None = None

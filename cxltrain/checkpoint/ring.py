@@ -44,36 +44,14 @@ class RingFull(CheckpointError):
 
 @dataclasses.dataclass(frozen=True)
 class SlotRecords:
-    """A hot-row cache's slots a fused update stores into (plan_chunks): chunk c of the update's
-    unique rows records the slots recorded[rec_first[c] : rec_first[c + 1]] (int64 slot ids [V'],
-    in the order of their rows; rec_first [C + 1]) of the slots' regions."""
+    """A hot-row cache's slots a fused update stores into (plan_chunks): slot_of int32 [R], each
+    table row's slot (-1: the row is its own copy), of the S slots of the slots' regions; fresh
+    bool [S], the slots to record (None: every one the update stores into)."""
 
     weights_region: Region
     state_region: Region
-    recorded: np.ndarray
-    rec_first: np.ndarray
-
-    def sizes(self) -> np.ndarray:
-        """Ring bytes of each chunk's record [C] (0: the chunk records no slot)."""
-        counts = np.diff(self.rec_first)
-        row_payload = layout.payload_bytes(1, self.weights_region.row_stride, self.state_region.row_stride)
-        whole = -(-(layout.UNDO_HEADER.size + counts * row_payload) // layout.RECORD_ALIGN) * layout.RECORD_ALIGN
-        return np.where(counts > 0, whole, 0).astype(np.int64)
-
-
-def _interleaved(rec_first: np.ndarray, sizes: np.ndarray, slot_first: np.ndarray,
-                 slot_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Ring order of a fused update's records with its slots': chunk by chunk, the table's record
-    (sizes [K], one per chunk with a recorded row: rec_first [C + 1]) then the slots' (slot_sizes
-    [C], 0 for none). Returns (every record's size in ring order [K + K'], where the table's
-    records are in it [K], where the slots' are [K'])."""
-    chunks = rec_first.size - 1
-    both = np.zeros((chunks, 2), dtype=np.int64)
-    both[np.diff(rec_first) > 0, 0] = sizes
-    both[:, 1] = slot_sizes
-    flat = both.reshape(-1)
-    at = np.cumsum(flat > 0).reshape(chunks, 2) - 1  # each record's place in ring order
-    return flat[flat > 0], at[both[:, 0] > 0, 0], at[both[:, 1] > 0, 1]
+    slot_of: np.ndarray
+    fresh: np.ndarray | None = None
 
 
 class UndoRing:
@@ -179,7 +157,7 @@ class UndoRing:
         return self._record_device.native_persistence() is not None
 
     def plan_chunks(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
-                    recorded: np.ndarray, chunk_rows: int, steps: tuple[str, ...] | None = None,
+                    recorded: np.ndarray | None, chunk_rows: int, steps: tuple[str, ...] | None = None,
                     slots: SlotRecords | None = None) -> tuple[FusedUndo, list[LiveRecord]]:
         """Lay out the records a fused update writes for `batch` and one table (fused.FusedUndo), in
         the order `steps` says (an Ordering's fused_steps; None: production's):
@@ -187,63 +165,56 @@ class UndoRing:
         sorted subset that needs a record (capture once per window); one record per chunk that has a
         recorded row, placed one after the other as append would place them. slots: a hot-row
         cache's slots the same update stores into (SlotRecords); each chunk's slots' record goes
-        right after the chunk's table record (FusedUndo.slots). Writes nothing and changes no
-        bookkeeping: land() does, once the kernel has written them (table and slots' records: one
-        list, in ring order). Raises RingFull when they do not all fit. Only where streams() holds."""
+        right after the chunk's table record (FusedUndo.slots), and recorded may be None: every row
+        the cache leaves in the table. Writes nothing and changes no bookkeeping: land() does, once
+        the kernel has written them (table and slots' records: one list, in ring order). Raises
+        RingFull when they do not all fit. Only where streams() holds."""
         from . import fused, ordering  # torch: the writer only
 
         steps = ordering.Ordering.fused_steps if steps is None else steps
-        row_bytes = weights_region.row_stride
-        state_bytes = state_region.row_stride if state_region is not None else 0
-        row_payload = layout.payload_bytes(1, row_bytes, state_bytes)
-        # rec_first [C + 1]: each chunk's recorded rows; sizes [K]: a record per chunk with any
-        rec_first, sizes, total = fused.undo_chunk_counts(rows, recorded, chunk_rows, layout.UNDO_HEADER.size,
-                                                            row_payload, layout.RECORD_ALIGN)
-        ring_sizes, mine = sizes, None
-        if slots is not None:
-            ring_sizes, mine, theirs = _interleaved(rec_first, sizes, slots.rec_first, slots.sizes())
-            total = int(ring_sizes.sum())
+        template, row_payload = self._template(batch, weights_region, state_region)
+        if slots is None:
+            # rec_first [C + 1]: each chunk's recorded rows; sizes [K]: a record per chunk with any
+            rec_first, sizes, total = fused.undo_chunk_counts(rows, recorded, chunk_rows, layout.UNDO_HEADER.size,
+                                                                row_payload, layout.RECORD_ALIGN)
+        else:  # both kinds' records in one pass, their sizes [K + K'] in ring order
+            slot_template, slot_payload = self._template(batch, slots.weights_region, slots.state_region)
+            counts = fused.undo_cached_counts(rows, recorded, slots.slot_of, slots.fresh,
+                                              slots.weights_region.shape[0], chunk_rows, layout.UNDO_HEADER.size,
+                                              row_payload, slot_payload, layout.RECORD_ALIGN)
+            rec_first, recorded, sizes, total = counts.rec_first, counts.recorded, counts.sizes, counts.total
         with self._lock:  # placed against the live records, tentatively: taken back before the lock goes
             head, live_bytes, seq, live = self.head, self.live_bytes, self.next_seq, len(self._live)
             try:
-                placed, offsets = self._place_records(ring_sizes, total, batch)
+                placed, offsets = self._place_records(sizes, total, batch)
             finally:
                 while len(self._live) > live:
                     self._live.pop()
                 self.head, self.live_bytes, self.next_seq = head, live_bytes, seq
         run_start = placed[0].offset if placed else 0
-        seqs = None
-        if slots is not None:  # each part's records at their places among both, with their seqs
-            if offsets is None:
-                offsets = run_start + np.concatenate(([0], np.cumsum(ring_sizes)[:-1])).astype(np.int64)
-            seqs = seq + np.arange(ring_sizes.size, dtype=np.int64)
-        undo = self._chunk_records(batch, weights_region, state_region, rows, recorded, rec_first, sizes, seq,
-                                   run_start, *((offsets, None) if mine is None else (offsets[mine], seqs[mine])),
-                                   chunk_rows, steps)
+        # every header from one template per kind: seq (in ring order), count and payload bytes differ per record
+        laid_out = fused.undo_chunk_headers(template, seq, rec_first, sizes, offsets, run_start, row_payload,
+                                            None if slots is None else (slot_template, counts.slot_first,
+                                                                        slot_payload))
+        shared = self._streaming()
+        undo = fused.FusedUndo(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_first=rec_first,
+                               rec_offset=laid_out[0], headers=laid_out[1], steps=steps,
+                               ring_bytes=total - (0 if slots is None else counts.slot_bytes), **shared)
         if slots is not None:
-            undo.slots = self._chunk_records(batch, slots.weights_region, slots.state_region, rows, slots.recorded,
-                                             slots.rec_first, ring_sizes[theirs], seq, run_start, offsets[theirs],
-                                             seqs[theirs], chunk_rows, steps)
+            undo.slots = fused.FusedUndo(rows=rows, recorded=counts.slot_ids, chunk_rows=chunk_rows,
+                                         rec_first=counts.slot_first, rec_offset=laid_out[2], headers=laid_out[3],
+                                         steps=steps, ring_bytes=counts.slot_bytes, **shared)
         # a chunk's record: payload, header, two tail mark copies
-        self._record_device.streamed_persisted(self.region.offset, total, 4 * ring_sizes.size)
+        self._record_device.streamed_persisted(self.region.offset, total, 4 * sizes.size)
         return undo, placed
 
-    def _chunk_records(self, batch: int, weights_region: Region, state_region: Region | None, rows: np.ndarray,
-                       recorded: np.ndarray, rec_first: np.ndarray, sizes: np.ndarray, seq: int, run_start: int,
-                       offsets: np.ndarray | None, seqs: np.ndarray | None, chunk_rows: int,
-                       steps: tuple[str, ...]) -> FusedUndo:
-        """One table's placed chunk records (plan_chunks), as the kernel writes them."""
-        from . import fused  # torch: the writer only
-
+    def _template(self, batch: int, weights_region: Region, state_region: Region | None) -> tuple[bytes, int]:
+        """(the header template of a table's chunk records in `batch`, the payload bytes of one row)."""
         row_bytes = weights_region.row_stride
         state_bytes = state_region.row_stride if state_region is not None else 0
-        # every header from one template: seq (in placement order), count and payload bytes differ per record
         template = layout.UndoHeader(weights_region.index, self.generation, 0, batch, 0, row_bytes, state_bytes, 0,
                                      None if state_region is None else state_region.index).template()
-        rec_offset, headers = fused.undo_chunk_headers(template, seq, rec_first, sizes, offsets, run_start,
-                                                         layout.payload_bytes(1, row_bytes, state_bytes), seqs)
-        return fused.FusedUndo(rows=rows, recorded=recorded, chunk_rows=chunk_rows, rec_offset=rec_offset,
-                               rec_first=rec_first, headers=headers, steps=steps, **self._streaming())
+        return template, layout.payload_bytes(1, row_bytes, state_bytes)
 
     def _streaming(self) -> dict:
         """What every FusedUndo of this ring shares (the ring's addresses, the generation's seeds
