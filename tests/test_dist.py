@@ -335,3 +335,24 @@ def test_one_rank_exports_what_a_single_process_run_exports(shm_dir):
     ok(cxltrain("train", "--pool", shm_dir / "one.pool", *model, timeout=CHILD_TIMEOUT))
     ok(cxltrain("export", shm_dir / "one.pool", shm_dir / "one.pt", timeout=CHILD_TIMEOUT))
     assert_same_export(export(shm_dir / "run"), torch.load(shm_dir / "one.pt"))
+
+
+ONE_RANK_THEN_THREADS = r"""
+import json, os, sys
+from cxltrain.cli.main import main
+code = main(["train", "--nproc-per-node", "1", "--pool", sys.argv[1], *sys.argv[2:]])
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print(json.dumps({"code": code, "gloo_threads": [name for name in threads if "gloo" in name]}))
+"""
+
+
+def test_a_rank_leaves_no_gloo_thread_for_the_interpreters_exit(shm_dir):
+    """Once a rank has trained, its group is gone with its threads. A group kept alive past
+    destroy_process_group (by torch.distributed.nn.functional's `group=group.WORLD` defaults, read
+    when torch first imports it, after the group exists) left gloo's threads to meet the
+    interpreter's finalization, and now and then a rank aborted at its exit. A fresh interpreter:
+    this one may have imported that module long ago."""
+    model = ["--steps", "2", "--batch-size", "96", "--num-tables", "2", "--rows", "500", "--dim", "8", "--no-progress"]
+    done = ok(subprocess.run([sys.executable, "-c", ONE_RANK_THEN_THREADS, str(shm_dir / "run"), *model],
+                             capture_output=True, text=True, timeout=CHILD_TIMEOUT))
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": 0, "gloo_threads": []}

@@ -61,6 +61,11 @@ def join_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
     or one rank in this process without it; every collective times out after timeout_s. Refuses
     (CxlTrainError) when an earlier attempt of this torchrun ended with an error no restart mends."""
     global _launcher_store
+    # before the group exists: this module's functions take `group=group.WORLD` as a default, read
+    # at import. Imported later (torch imports it lazily, e.g. with the optimizers' dynamo guard) it
+    # keeps the group alive past destroy_process_group, and gloo's threads then meet the
+    # interpreter's finalization: now and then a rank aborts at its exit (docs/testing.md)
+    import torch.distributed.nn.functional  # noqa: F401
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
