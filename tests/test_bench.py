@@ -298,6 +298,32 @@ def test_bench_tiers_runs_side_by_side_at_a_tiny_size(shm_dir):
     assert _tiers_files() <= before  # its pools are removed
 
 
+def test_tiers_ratios_carry_their_interval_once_there_are_enough_blocks():
+    """Each setup's ratio to the all-fast blocks, and its 95% interval over the block pairs: around
+    the ratio where there are MIN_BLOCKS pairs or more, none below (as --quick prints "-")."""
+    from cxltrain.bench.interval import MIN_BLOCKS
+    from cxltrain.bench.tiers import SETUPS, TiersResult, format_tiers, tier_rows
+
+    factors = (1.0, 2.4, 1.4, 1.9, 1.5, 1.42)  # each setup's cost against the baseline, SETUPS' order
+    g = torch.Generator().manual_seed(0)
+    turns = (1.0 + torch.rand(MIN_BLOCKS + 2, generator=g)).tolist()  # the load of each turn, shared
+    seconds = [[t * f * (1 + 0.05 * float(torch.rand(1, generator=g))) for t in turns] for f in factors]
+    io = [{"hits": 9.0, "lookups": 10.0} if setup.cache_share else {} for setup in SETUPS]
+    rows = tier_rows(seconds, io, block_steps=5)
+    assert [row.name for row in rows] == [setup.name for setup in SETUPS]
+    assert rows[0].ratio == 1.0 and rows[0].ratio_low == rows[0].ratio_high == 1.0
+    for row, factor in zip(rows[1:], factors[1:]):
+        assert row.ratio_low <= row.ratio <= row.ratio_high
+        assert factor / 1.05 < row.ratio_low and row.ratio_high < factor * 1.05  # the blocks vary by 5%
+    assert rows[1].hit_rate is None and rows[3].hit_rate == 0.9
+    few = tier_rows([blocks[:MIN_BLOCKS - 1] for blocks in seconds], io, block_steps=5)
+    assert all(row.ratio_low is None and row.ratio_high is None for row in few)
+    result = TiersResult(rows, 1.1, 1 << 30, MIN_BLOCKS + 2, 5, "/var/tmp", dataclasses.asdict(TrainConfig()), 1.0, 1.2)
+    text = format_tiers(result)
+    assert f"{rows[-1].ratio_low:.3f}-{rows[-1].ratio_high:.3f}" in text and "1.10x (1.000-1.200)" in text
+    assert TiersResult.from_json(json.loads(json.dumps(result.to_json()))).rows[-1]["ratio_low"] == rows[-1].ratio_low
+
+
 def test_bench_tiers_refusals_are_one_line():
     for args in (["--tiers", "--capacity-dir", "/nonexistent/folder"], ["--capacity-dir", "/var/tmp"],
                  ["--tiers", "--dist"]):

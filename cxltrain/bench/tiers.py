@@ -16,7 +16,9 @@ on all of them alike:
     steal-10%     the same, the capacity pages written back every STEAL_EVERY batches, the cold rows
                   durable by redo records in the fast tier in between (docs/tiers.md "Steal, no force")
 
-A cached setup's hit rate is its caches' hits over their lookups in the timed blocks.
+A cached setup's hit rate is its caches' hits over their lookups in the timed blocks. Every ratio
+comes with its 95% bootstrap interval over the block pairs (interval.py; none below MIN_BLOCKS
+blocks, as in --quick): block i of a setup and block i of its baseline ran in the same turn.
 
 The capacity tier's traffic is the process's storage I/O (/proc/self/io: bytes read from and
 written to block storage; the fast tier's /dev/shm does none), counted around each timed block.
@@ -33,6 +35,7 @@ import tempfile
 from ..jobs.config import TrainConfig
 from ..jobs.train import storage_io
 from ..modes import OFF
+from .interval import MIN_BLOCKS, interval_text, ratio_interval
 from .records import Record
 
 
@@ -67,8 +70,9 @@ class TiersPlan:
 
 
 def default_plan() -> TiersPlan:
-    """A minute or two here: 8 tables of 250k rows (0.5 GB of weights per configuration)."""
-    return TiersPlan(TrainConfig(rows=250_000), warmup=5, blocks=6, block_steps=5)
+    """A few minutes here: 8 tables of 250k rows (0.5 GB of weights per configuration), enough
+    blocks for every ratio to have its interval."""
+    return TiersPlan(TrainConfig(rows=250_000), warmup=5, blocks=max(12, MIN_BLOCKS), block_steps=5)
 
 
 def quick_plan() -> TiersPlan:
@@ -87,6 +91,8 @@ class TierRow(Record):
     written_bytes_per_batch: float
     pages_prefetched_per_batch: float      # cold rows' pages the prefetcher saw: read ahead, or held already (0 without a capacity pool)
     hit_rate: float | None = None          # the hot-row cache's share of the lookups (None: no cache)
+    ratio_low: float | None = None         # the ratio's 95% interval over the block pairs (None: too few blocks)
+    ratio_high: float | None = None
 
 
 @dataclasses.dataclass
@@ -98,6 +104,8 @@ class TiersResult(Record):
     block_steps: int
     capacity_dir: str
     config: dict
+    checkpoint_ratio_low: float | None = None   # its 95% interval (None: too few blocks)
+    checkpoint_ratio_high: float | None = None
 
 
 def _io_counters(rt) -> dict[str, float]:
@@ -131,28 +139,46 @@ def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
             for path in (pool, pool + ".creating"):
                 if os.path.exists(path):
                     os.unlink(path)
-    steps = plan.blocks * plan.block_steps
-    ms = {setup.name: 1000.0 * sum(s) / steps for setup, s in zip(SETUPS, seconds)}
-    rows = [TierRow(setup.name, setup.label, ms[setup.name], ms[setup.name] / ms[BASELINE],
-                    counters.get("read_bytes", 0.0) / steps, counters.get("write_bytes", 0.0) / steps,
-                    counters.get("pages", 0.0) / steps,
-                    counters["hits"] / counters["lookups"] if counters.get("lookups") else None)
-            for setup, counters in zip(SETUPS, io)]
-    return TiersResult(rows, ms[TIERED] / ms[TIERED_OFF], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                       plan.blocks, plan.block_steps, capacity_dir, dataclasses.asdict(plan.config))
+    durability = ratio_interval(seconds[_index(TIERED_OFF)], seconds[_index(TIERED)]) or (None, None)
+    return TiersResult(tier_rows(seconds, io, plan.block_steps), sum(seconds[_index(TIERED)]) /
+                       sum(seconds[_index(TIERED_OFF)]), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                       plan.blocks, plan.block_steps, capacity_dir, dataclasses.asdict(plan.config), *durability)
+
+
+def _index(name: str) -> int:
+    return [setup.name for setup in SETUPS].index(name)
+
+
+def tier_rows(seconds: list[list[float]], io: list[dict], block_steps: int) -> list[TierRow]:
+    """One row per setup (SETUPS' order) from its block times seconds[setup] [blocks] (block i of
+    every setup ran in turn i) and its summed probe counters io[setup]; each ratio is against the
+    baseline's blocks, with its interval."""
+    steps = len(seconds[0]) * block_steps
+    base = seconds[_index(BASELINE)]
+    rows = []
+    for setup, blocks, counters in zip(SETUPS, seconds, io):
+        low, high = ratio_interval(base, blocks) or (None, None)
+        rows.append(TierRow(setup.name, setup.label, 1000.0 * sum(blocks) / steps, sum(blocks) / sum(base),
+                            counters.get("read_bytes", 0.0) / steps, counters.get("write_bytes", 0.0) / steps,
+                            counters.get("pages", 0.0) / steps,
+                            counters["hits"] / counters["lookups"] if counters.get("lookups") else None,
+                            low, high))
+    return rows
 
 
 def format_tiers(result: TiersResult) -> str:
     c = result.config
-    head = (f"{'configuration':<36} {'ms/step':>8} {'vs fast':>8} {'hit rate':>9} {'read B/batch':>13} "
-            f"{'written B/batch':>16} {'pages ahead':>12}")
+    head = (f"{'configuration':<36} {'ms/step':>8} {'vs fast':>8} {'95% interval':>13} {'hit rate':>9} "
+            f"{'read B/batch':>13} {'written B/batch':>16} {'pages ahead':>12}")
     lines = [f"tiers: {c['num_tables']} tables x {c['rows']:,} rows x {c['dim']}, batch {c['batch_size']}, "
              f"{result.blocks} blocks of {result.block_steps} steps each, side by side; capacity tier in "
              f"{result.capacity_dir}", head, "-" * len(head)]
     for r in result.rows:
         hits = "-" if r.hit_rate is None else f"{r.hit_rate:.1%}"
-        lines.append(f"{r.label:<36} {r.ms_per_step:>8.1f} {r.ratio:>7.2f}x {hits:>9} {r.read_bytes_per_batch:>13,.0f} "
-                     f"{r.written_bytes_per_batch:>16,.0f} {r.pages_prefetched_per_batch:>12,.0f}")
-    lines.append(f"per-batch durability on the tiered set: {result.checkpoint_ratio:.2f}x the step time with "
-                 f"checkpoint off; peak RSS of the process {result.peak_rss_bytes / 2**20:,.0f} MiB")
+        lines.append(f"{r.label:<36} {r.ms_per_step:>8.1f} {r.ratio:>7.2f}x {interval_text(r.ratio_low, r.ratio_high):>13} "
+                     f"{hits:>9} {r.read_bytes_per_batch:>13,.0f} {r.written_bytes_per_batch:>16,.0f} "
+                     f"{r.pages_prefetched_per_batch:>12,.0f}")
+    durability = interval_text(result.checkpoint_ratio_low, result.checkpoint_ratio_high)
+    lines.append(f"per-batch durability on the tiered set: {result.checkpoint_ratio:.2f}x ({durability}) the step "
+                 f"time with checkpoint off; peak RSS of the process {result.peak_rss_bytes / 2**20:,.0f} MiB")
     return "\n".join(lines)
