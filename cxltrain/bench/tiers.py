@@ -7,8 +7,8 @@ turns in blocks of a few steps (cxltrain.bench.paired.paired_runs), so the load 
 on all of them alike:
 
     fast          all tables in the fast tier (one pool: the baseline)
-    capacity      every table in the capacity pool on the disk, no cache, every batch durable (with
-                  the default write-back interval, as cache-2%)
+    capacity      every table in the capacity pool on the disk, no cache, every batch durable (written
+                  back every STEAL_EVERY batches, as cache-2%)
     capacity-off  the same with checkpoint off: what per-batch durability costs on the tiered set
     cache-2%      every table in the capacity pool, its hottest 2% of rows in the hot-row cache
     cache-10%     the same with 10% of the rows cached (cache.py), every batch durable, the capacity
@@ -48,15 +48,18 @@ class Setup:
     cache_share: float | None = None       # rows of each table in the hot-row cache, as a share of its rows
 
 
+STEAL_EVERY = 16  # the stealing setups' write-back interval (the knob's default)
 SETUPS = (
     Setup("fast", "all tables in the fast tier", capacity=False),
-    Setup("capacity", "capacity only, no cache (steal 16)", capacity=True),
+    Setup("capacity", f"capacity only, no cache (steal {STEAL_EVERY})", capacity=True,
+          overrides={"write_back_every": STEAL_EVERY}),
     Setup("capacity-off", "capacity tier only, checkpoint off", capacity=True, overrides={"checkpoint": OFF}),
-    Setup("cache-2%", "capacity + 2% cached (steal 16)", capacity=True, cache_share=0.02),
+    Setup("cache-2%", f"capacity + 2% cached (steal {STEAL_EVERY})", capacity=True, cache_share=0.02,
+          overrides={"write_back_every": STEAL_EVERY}),
     Setup("cache-10%", "10% cached, synced every commit", capacity=True, cache_share=0.10,
           overrides={"write_back_every": 1}),
-    Setup("steal-10%", "10% cached, steal, write-back 16", capacity=True, cache_share=0.10,
-          overrides={"write_back_every": 16}),
+    Setup("steal-10%", f"10% cached, steal, write-back {STEAL_EVERY}", capacity=True, cache_share=0.10,
+          overrides={"write_back_every": STEAL_EVERY}),
 )
 BASELINE, TIERED, TIERED_OFF = "fast", "capacity", "capacity-off"
 
@@ -71,8 +74,9 @@ class TiersPlan:
 
 def default_plan() -> TiersPlan:
     """A few minutes here: 8 tables of 250k rows (0.5 GB of weights per configuration), enough
-    blocks for every ratio to have its interval."""
-    return TiersPlan(TrainConfig(rows=250_000), warmup=5, blocks=max(12, MIN_BLOCKS), block_steps=5)
+    blocks for every ratio to have its interval, each block as long as the stealing setups'
+    write-back interval: every block of theirs carries one write-back, not one block in three."""
+    return TiersPlan(TrainConfig(rows=250_000), warmup=5, blocks=max(20, MIN_BLOCKS), block_steps=STEAL_EVERY)
 
 
 def quick_plan() -> TiersPlan:
