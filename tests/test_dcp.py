@@ -104,7 +104,7 @@ def test_rows_are_read_in_any_order():
 
 
 CHILD = r"""
-import datetime, os, sys, torch
+import datetime, sys, torch
 import torch.distributed as dist, torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
