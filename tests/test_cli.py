@@ -370,6 +370,20 @@ def test_an_interrupted_pool_creation_leaves_nothing(shm_dir, monkeypatch, capsy
     assert list(shm_dir.iterdir()) == []
 
 
+def test_a_rank_sigterm_is_left_to_its_launcher_to_say(shm_dir, monkeypatch, capsys):
+    """torchrun's agent SIGTERMs every rank when a peer fails: a rank's own "terminated" line came
+    before the launcher's one line saying why (seen in CI). A rank whose launcher reports says nothing."""
+    from cxltrain.cli import main
+    from cxltrain.jobs.lifeline import RANK_ERROR_ENV, TORCHRUN_ENV
+
+    monkeypatch.setenv(TORCHRUN_ENV, "a-run")
+    monkeypatch.setenv(RANK_ERROR_ENV, str(shm_dir / "rank-errors"))
+    _interrupt_pool_creation(monkeypatch, "sigterm")
+    assert main(["pool", "create", str(shm_dir / "r.pool"), "--size", "8M"]) == 143
+    assert capsys.readouterr().err == ""
+    assert list(shm_dir.iterdir()) == []
+
+
 def test_pool_creation_errors_name_the_users_path(shm_dir, capsys):
     from cxltrain.cli import main
 

@@ -114,3 +114,30 @@ def test_pool_info_refuses_a_damaged_run_directory_in_one_line(damaged_run):
     assert done.returncode == 1 and done.stdout == "", done.stdout
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "rank-1.pool: superblock checksum mismatch" in lines[0], done.stderr
+
+
+def test_a_sigterm_to_the_launcher_is_one_line_and_the_run_resumes(tmp_path):
+    """SIGTERM to `train --nproc-per-node 2` once its ranks train: torchrun's agent stops them and
+    re-raises the signal, which reached the user as a traceback and a line from every rank."""
+    import signal
+    import subprocess
+
+    from helpers import cxltrain_command
+
+    folder = tmp_path / "run"
+    steps = ("--nproc-per-node", "2", "--steps", "100000", *SMALL[2:])
+    launcher = subprocess.Popen(cxltrain_command() + ["train", "--pool", str(folder), *steps], text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for line in launcher.stdout:
+            if "training from batch" in line:
+                break
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 143, err
+    lines = [line for line in err.strip().splitlines() if line != TEARDOWN]
+    assert lines == ["cxltrain: terminated (SIGTERM); the run resumes from its last committed batch"], err
+    resumed = cxltrain("train", "--pool", folder, *DIST)
+    assert resumed.returncode == 0 and "every rank's pool is committed at batch" in resumed.stdout, resumed.stderr

@@ -92,7 +92,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(line, file=sys.stderr)
         return EXIT_ERROR
     except stop.Terminated:
-        print("cxltrain: terminated (SIGTERM)", file=sys.stderr)
+        from ..jobs.lifeline import launcher_reports
+
+        # a rank's agent SIGTERMs it when a peer failed or the launcher was stopped: the launcher says which
+        if not launcher_reports():
+            print("cxltrain: terminated (SIGTERM)", file=sys.stderr)
         return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("cxltrain: interrupted", file=sys.stderr)

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+from ..jobs.lifeline import launcher_reports
 # A rank that a SIGTERM finds blocked in a collective ends after this long (torchrun's agent waits
 # longer, then SIGKILLs: every worker it stops would otherwise cost the group that wait).
 RANK_GRACE_S = 5.0
@@ -66,7 +67,8 @@ def end_blocked_rank_on_sigterm(exit_status: int, grace_s: float = RANK_GRACE_S)
                 return
             if signal.SIGTERM in got:
                 time.sleep(grace_s)
-                os.write(2, b"cxltrain: terminated (SIGTERM) while blocked in a collective; the rank ends now\n")
+                if not launcher_reports():  # else the launcher says how the run ended, in one line
+                    os.write(2, b"cxltrain: terminated (SIGTERM) while blocked in a collective; the rank ends now\n")
                 os._exit(exit_status)
 
     threading.Thread(target=watch, name="cxltrain-sigterm-watch", daemon=True).start()

@@ -27,13 +27,18 @@ class LauncherGone(CxlTrainError):
     """The process that launched this rank is no longer its parent."""
 
 
+def launcher_reports() -> bool:
+    """True in a rank whose launcher collects its ranks' errors and says how the run ended: such a
+    rank's own lines on stderr would come between that one line and the user."""
+    return RANK_ERROR_ENV in os.environ and TORCHRUN_ENV in os.environ
+
+
 def rank_error(line: str) -> bool:
     """In a rank of a launcher that collects its ranks' errors: append `line` to its file (whole
     lines: O_APPEND) and return True; else False (the caller prints it)."""
-    path = os.environ.get(RANK_ERROR_ENV)
-    if path is None or TORCHRUN_ENV not in os.environ:
+    if not launcher_reports():
         return False
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = os.open(os.environ[RANK_ERROR_ENV], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         os.write(fd, (line.replace("\n", " ") + "\n").encode())
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import sys
 import time
 
@@ -239,6 +240,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     import tempfile
 
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     args = ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
@@ -246,7 +248,9 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     mark_launcher()
     # torchrun warns that it sets OMP_NUM_THREADS when it is unset; the ranks set their own threads
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.run", "torch.distributed.elastic")]
+    # every elastic module sets its own logger's level: each one is quieted, not just their parent
+    quiet = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+             if name.startswith(("torch.distributed.run", "torch.distributed.elastic"))]
     levels = [logger.level for logger in quiet]
     with tempfile.TemporaryDirectory(prefix="cxltrain-launch-") as folder:
         errors = os.path.join(folder, "rank-errors")
@@ -263,6 +267,10 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
                   f"{first.exitcode} ({len(failures)} rank(s) failed, after {max_restarts} restart(s) at most)",
                   file=sys.stderr)
             return 1
+        except SignalException as e:  # the agent has stopped the ranks; each is committed at its last batch
+            said = "interrupted" if e.sigval == signal.SIGINT else f"terminated ({signal.Signals(e.sigval).name})"
+            print(f"cxltrain: {said}; the run resumes from its last committed batch", file=sys.stderr)
+            return 128 + e.sigval
         finally:
             os.environ.pop(RANK_ERROR_ENV, None)
             for logger, level in zip(quiet, levels):
