@@ -116,9 +116,11 @@ def test_pool_info_refuses_a_damaged_run_directory_in_one_line(damaged_run):
     assert len(lines) == 1 and "rank-1.pool: superblock checksum mismatch" in lines[0], done.stderr
 
 
-def test_a_sigterm_to_the_launcher_is_one_line_and_the_run_resumes(tmp_path):
-    """SIGTERM to `train --nproc-per-node 2` once its ranks train: torchrun's agent stops them and
-    re-raises the signal, which reached the user as a traceback and a line from every rank."""
+@pytest.mark.parametrize("sent,code,said", [("SIGTERM", 143, "terminated (SIGTERM)"), ("SIGINT", 130, "interrupted")])
+def test_a_signal_to_the_launcher_is_one_line_and_the_run_resumes(tmp_path, sent, code, said):
+    """SIGTERM (or Ctrl-C) to `train --nproc-per-node 2` once its ranks train: torchrun's agent
+    passes it to the ranks and re-raises it, which reached the user as a traceback (SIGTERM) and a
+    line from every rank."""
     import signal
     import subprocess
 
@@ -132,12 +134,12 @@ def test_a_sigterm_to_the_launcher_is_one_line_and_the_run_resumes(tmp_path):
         for line in launcher.stdout:
             if "training from batch" in line:
                 break
-        launcher.send_signal(signal.SIGTERM)
+        launcher.send_signal(getattr(signal, sent))
         out, err = launcher.communicate(timeout=90)
     finally:
         launcher.kill()
-    assert launcher.returncode == 143, err
+    assert launcher.returncode == code, err
     lines = [line for line in err.strip().splitlines() if line != TEARDOWN]
-    assert lines == ["cxltrain: terminated (SIGTERM); the run resumes from its last committed batch"], err
+    assert lines == [f"cxltrain: {said}; the run resumes from its last committed batch"], err
     resumed = cxltrain("train", "--pool", folder, *DIST)
     assert resumed.returncode == 0 and "every rank's pool is committed at batch" in resumed.stdout, resumed.stderr

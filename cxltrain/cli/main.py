@@ -91,16 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not rank_error(line):  # a rank's error goes to its launcher, which shows one line
             print(line, file=sys.stderr)
         return EXIT_ERROR
-    except stop.Terminated:
+    except KeyboardInterrupt as e:  # stop.Terminated included
         from ..jobs.lifeline import launcher_reports
 
-        # a rank's agent SIGTERMs it when a peer failed or the launcher was stopped: the launcher says which
+        terminated = isinstance(e, stop.Terminated)
+        # a rank's agent passes it the launcher's signal, or SIGTERMs it when a peer failed: the
+        # launcher says which, in one line
         if not launcher_reports():
-            print("cxltrain: terminated (SIGTERM)", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print("cxltrain: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+            print("cxltrain: terminated (SIGTERM)" if terminated else "cxltrain: interrupted", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
