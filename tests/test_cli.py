@@ -267,9 +267,11 @@ def test_a_closed_stdout_ends_quietly(shm_dir):
     path = shm_dir / "p.pool"
     assert cxltrain("pool", "create", path, "--size", "2M").returncode == 0
     script = Path(sys.executable).with_name("cxltrain")
-    reader_gone = subprocess.Popen([str(script), "pool", "info", str(path)], stdout=subprocess.PIPE,
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `| head` that has read enough, gone before the command writes (not after: a race)
+    reader_gone = subprocess.Popen([str(script), "pool", "info", str(path)], stdout=write_end,
                                    stderr=subprocess.PIPE)
-    reader_gone.stdout.close()  # `| head` that has read enough
+    os.close(write_end)
     _, err = reader_gone.communicate(timeout=60)
     assert reader_gone.returncode == 141 and b"Traceback" not in err and not err, err
 

@@ -11,7 +11,10 @@ from its own slice of G, then training on) are tests/test_dist.py's; here one ki
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -122,11 +125,20 @@ def killed():
     """A 2-rank run killed between the ranks' commits, not restarted: rank 0 at 5, rank 1 at 4."""
     with shm_tempdir("cxltrain-dense-shards-") as folder:
         run = f"{folder}/run"
-        done = cxltrain("train", "--nproc-per-node", "2", "--max-restarts", "0", "--pool", run, "--steps", "8",
-                        "--batch-size", "96", "--num-tables", "3", "--rows", "2000", "--dim", "16", "--sharding",
-                        "table-wise,row-wise,data-parallel", "--no-progress", env=BETWEEN_COMMITS,
-                        timeout=CHILD_TIMEOUT)
+        # rank 0 ends on the lost peer at batch 6's exchange, its 5th commit done; an agent looking
+        # every 0.1 s (the launcher's) could SIGTERM it first, still in batch 5, leaving both at 4
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "--max-restarts", "0", "--monitor-interval", "5", "-m", "cxltrain", "train", "--pool", run,
+                   "--steps", "8", "--batch-size", "96", "--num-tables", "3", "--rows", "2000", "--dim", "16",
+                   "--sharding", "table-wise,row-wise,data-parallel", "--no-progress"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
+                              env={**os.environ, **BETWEEN_COMMITS})
         assert done.returncode != 0, done.stdout
+        held = []
+        for rank in range(2):
+            with Pool.open(run_dir.pool_path(run, rank), writable=False) as pool:
+                held.append(pool.root.batches_done)
+        assert held == [5, 4], (held, done.stderr[-3000:])
         yield run
 
 

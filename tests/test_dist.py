@@ -49,12 +49,20 @@ def train(run, steps: int, ranks: int = 2, *more: str, env=None) -> subprocess.C
                     timeout=CHILD_TIMEOUT)
 
 
-def torchrun(run, steps: int, ranks: int, restarts: int, env=None) -> subprocess.CompletedProcess:
+def torchrun(run, steps: int, ranks: int, restarts: int, env=None, monitor_s: float = 0.1) -> subprocess.CompletedProcess:
+    """`cxltrain train` under torchrun, its agent looking at the ranks every `monitor_s` seconds."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "--max-restarts", str(restarts), "--monitor-interval", "0.1", "-m", "cxltrain", "train",
+               "--max-restarts", str(restarts), "--monitor-interval", str(monitor_s), "-m", "cxltrain", "train",
                "--pool", str(run), *options(steps)]
     return subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
                           env={**os.environ, **(env or {})})
+
+
+def killed_between_commits(run, env=None) -> subprocess.CompletedProcess:
+    """A 2-rank run, not restarted, whose rank 1 dies before its 5th commit's root: rank 0 at 5,
+    rank 1 at 4. Rank 0 ends on the lost peer at batch 6's exchange, its 5th commit done; an agent
+    looking every 0.1 s could SIGTERM it first, still in batch 5, leaving both at 4."""
+    return torchrun(run, STEPS, 2, restarts=0, env={**BETWEEN_COMMITS, **(env or {})}, monitor_s=5)
 
 
 def export(run) -> dict:
@@ -173,8 +181,10 @@ def test_an_error_in_a_rank_ends_the_group_without_a_restart(shm_dir):
     out = done.stdout + done.stderr
     assert out.count("training from batch 0") == 1, out[-3000:]
     assert "rank 1: RuntimeError: planted error in the step of batch 1\n" in out, out[-3000:]
-    # each of the 2 restarts: both ranks refuse with the same line, before joining
-    assert out.count("planted error in the step of batch 1 (an earlier attempt's error: not retried)") == 4, out[-3000:]
+    # each of the 2 restarts: its ranks refuse with the same line, before joining. Each refuses on its
+    # own, so the agent may SIGTERM the slower one before it gets there: one or two lines a restart
+    refusals = out.count("planted error in the step of batch 1 (an earlier attempt's error: not retried)")
+    assert 2 <= refusals <= 4, out[-3000:]
 
 
 @pytest.mark.slow
@@ -184,7 +194,7 @@ def test_a_crash_during_the_group_recovery_is_repaired_by_recovering_again(refer
     """`cxltrain recover DIR` killed inside a rank's roll-back to G (between records, before its root,
     after it), then recovered again by the export: exact at G."""
     run = shm_dir / "run"
-    assert train(run, STEPS, 2, "--max-restarts", "0", env=BETWEEN_COMMITS).returncode != 0
+    assert killed_between_commits(run).returncode != 0
     dying = cxltrain("recover", run, env={CRASH_ENV: point}, timeout=CHILD_TIMEOUT)
     assert dying.returncode == -signal.SIGKILL, dying.stderr
     assert_same_export(export(run), reference["at_g"])
@@ -196,8 +206,7 @@ def test_recovery_to_g_is_exact_and_planted_bugs_are_caught(reference, shm_dir, 
     """No restart: `cxltrain export DIR` recovers the killed run offline. Exact at G without a bug;
     with one, it refuses (a rank cannot reach G) or its export differs."""
     run = shm_dir / "run"
-    env = {**BETWEEN_COMMITS, **({FAULT_ENV: fault} if fault else {})}
-    killed = train(run, STEPS, 2, "--max-restarts", "0", env=env)
+    killed = killed_between_commits(run, {FAULT_ENV: fault} if fault else {})
     assert killed.returncode != 0
     if fault is None:
         assert_same_export(export(run), reference["at_g"])
