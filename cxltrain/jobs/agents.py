@@ -7,6 +7,7 @@ run; the group's restarts are counted from the worker processes the agents start
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,10 +43,27 @@ class AgentsRun:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the rendezvous binds it moments later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range: the rendezvous binds it
+    seconds later, and until then any process's outgoing connection could take a port of that range
+    (the agents would then fail to bind it and the rendezvous with them)."""
+    low = _ephemeral_low()
+    below = range(max(1024, low - 8192), low)
+    for port in random.sample(below, min(64, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: another listener there
+            return port
+    raise OSError(f"no free TCP port on 127.0.0.1 among 64 tried below {low}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def agent_command(endpoint: str, run_id: str, nnodes: int, max_restarts: int, pool: str,
