@@ -143,3 +143,33 @@ def test_a_signal_to_the_launcher_is_one_line_and_the_run_resumes(tmp_path, sent
     assert lines == [f"cxltrain: {said}; the run resumes from its last committed batch"], err
     resumed = cxltrain("train", "--pool", folder, *DIST)
     assert resumed.returncode == 0 and "every rank's pool is committed at batch" in resumed.stdout, resumed.stderr
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_that_lost_it(tmp_path):
+    """Rank 1 SIGKILLed (an out-of-memory kill, say), no restart: the line rank 0 wrote says only that
+    a collective failed; the launcher names the killed rank first (before: rank 0's line alone)."""
+    from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, CrashPoint
+
+    folder = tmp_path / "run"
+    done = cxltrain("train", "--pool", folder, *DIST, "--max-restarts", "0",
+                    env={CRASH_ENV: f"{CrashPoint.COMMIT_BEFORE_ROOT}:1", CRASH_RANK_ENV: "1"})
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if line != TEARDOWN]
+    assert len(lines) == 1 and lines[0].startswith("cxltrain: error: rank 1 was killed by SIGKILL"), done.stderr
+    assert "(--max-restarts 0); the same command resumes" in lines[0], done.stderr
+
+
+def test_the_launchers_line_for_each_way_a_group_ends():
+    from cxltrain.jobs.lifeline import failure_line
+
+    peer = "cxltrain: error: rank 0: a collective failed (...); a peer died or hangs"
+    refused = "cxltrain: error: rank 1: /p/rank-1.pool: superblock checksum mismatch"
+    # a rank killed: named, whatever its peers wrote; the agent's SIGTERM to the others is no cause
+    assert failure_line({0: -15, 1: -9}, [peer], 0).startswith("cxltrain: error: rank 1 was killed by SIGKILL (")
+    assert failure_line({1: -11}, [], 2).startswith("cxltrain: error: rank 1 was killed by SIGSEGV, and no restart "
+                                                    "was left (--max-restarts 2)")
+    # a rank's own error: its line, the first written
+    assert failure_line({0: -15, 1: 1}, [refused, peer], 3) == refused
+    # nothing written, nothing killed: the statuses
+    assert failure_line({1: 3, 0: 143}, [], 1) == ("cxltrain: error: rank 0 exited with status 143 (2 rank(s) "
+                                                   "failed, after 1 restart(s) at most)")

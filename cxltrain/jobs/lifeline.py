@@ -46,6 +46,30 @@ def rank_error(line: str) -> bool:
     return True
 
 
+def restarts_left() -> int:
+    """In a rank started by torchrun: how many more times its agent restarts the group (0 elsewhere)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def failure_line(exit_codes: dict[int, int], rank_lines: list[str], max_restarts: int) -> str:
+    """The one line a launcher shows for a run its ranks ended. exit_codes: rank -> exit status of the
+    last attempt's failed ranks (negative: the signal that killed it); rank_lines: the error lines the
+    ranks wrote (rank_error), in order. A rank killed by a signal other than the agent's own SIGTERM
+    wrote nothing, and its peers' lines only say they lost it: it is named first."""
+    killed = sorted(rank for rank, code in exit_codes.items() if code < 0 and -code != signal.SIGTERM)
+    if killed:
+        rank, number = killed[0], -exit_codes[killed[0]]
+        name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
+        why = " (the kernel's out-of-memory killer sends it: `dmesg` says whether it did)" if number == signal.SIGKILL else ""
+        return (f"cxltrain: error: rank {rank} was killed by {name}{why}, and no restart was left "
+                f"(--max-restarts {max_restarts}); the same command resumes from the batch every rank committed")
+    if rank_lines:
+        return rank_lines[0]
+    rank = min(exit_codes)
+    return (f"cxltrain: error: rank {rank} exited with status {exit_codes[rank]} ({len(exit_codes)} rank(s) failed, "
+            f"after {max_restarts} restart(s) at most)")
+
+
 def mark_launcher() -> None:
     """Name this process as the launcher of the ranks it starts (they inherit the environment)."""
     os.environ[LAUNCHER_ENV] = str(os.getpid())

@@ -35,7 +35,7 @@ from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .data_source import training_data
-from .lifeline import RANK_ERROR_ENV, end_with_launcher, mark_launcher
+from .lifeline import RANK_ERROR_ENV, end_with_launcher, failure_line, mark_launcher, restarts_left
 from .replication import Replication
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import GroupFacts, TrainResult, dense_optimizer, run_steps
@@ -79,8 +79,9 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
     except Exception as e:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if peer_lost(e):
-            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — torchrun "
-                           "restarts the group, which recovers to the agreed batch") from None
+            then = ("torchrun restarts the group, which recovers to the agreed batch" if restarts_left() > 0 else
+                    "no restart is left: the same command resumes from the agreed batch")
+            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — {then}") from None
         # a restart would only run into it again: the group ends here, with this line
         failure = e if isinstance(e, CxlTrainError) else CxlTrainError(f"rank {rank}: {type(e).__name__}: {line[:200]}")
         end_without_restart(str(failure))
@@ -260,12 +261,9 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
                 logger.setLevel(logging.CRITICAL)
             torchrun.main(args)
         except ChildFailedError as e:
-            failures = e.failures
-            first = failures[min(failures)]
             lines = open(errors).read().splitlines() if os.path.exists(errors) else []
-            print(lines[0] if lines else f"cxltrain: error: rank {first.local_rank} exited with status "
-                  f"{first.exitcode} ({len(failures)} rank(s) failed, after {max_restarts} restart(s) at most)",
-                  file=sys.stderr)
+            exit_codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
+            print(failure_line(exit_codes, lines, max_restarts), file=sys.stderr)
             return 1
         except SignalException as e:  # the agent has stopped the ranks; each is committed at its last batch
             said = "interrupted" if e.sigval == signal.SIGINT else f"terminated ({signal.Signals(e.sigval).name})"
