@@ -49,7 +49,8 @@ def train(run, steps: int, ranks: int = 2, *more: str, env=None) -> subprocess.C
                     timeout=CHILD_TIMEOUT)
 
 
-def torchrun(run, steps: int, ranks: int, restarts: int, env=None, monitor_s: float = 0.1) -> subprocess.CompletedProcess:
+def torchrun(run, steps: int, ranks: int, restarts: int, env=None,
+             monitor_s: float = 0.1) -> subprocess.CompletedProcess:
     """`cxltrain train` under torchrun, its agent looking at the ranks every `monitor_s` seconds."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "--max-restarts", str(restarts), "--monitor-interval", str(monitor_s), "-m", "cxltrain", "train",

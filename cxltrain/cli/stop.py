@@ -9,6 +9,7 @@ import threading
 import time
 
 from ..jobs.lifeline import launcher_reports
+
 # A rank that a SIGTERM finds blocked in a collective ends after this long (torchrun's agent waits
 # longer, then SIGKILLs: every worker it stops would otherwise cost the group that wait).
 RANK_GRACE_S = 5.0

@@ -48,7 +48,8 @@ def rank_error(line: str) -> bool:
 
 def restarts_left() -> int:
     """In a rank started by torchrun: how many more times its agent restarts the group (0 elsewhere)."""
-    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - done
 
 
 def failure_line(exit_codes: dict[int, int], rank_lines: list[str], max_restarts: int) -> str:
@@ -60,7 +61,8 @@ def failure_line(exit_codes: dict[int, int], rank_lines: list[str], max_restarts
     if killed:
         rank, number = killed[0], -exit_codes[killed[0]]
         name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
-        why = " (the kernel's out-of-memory killer sends it: `dmesg` says whether it did)" if number == signal.SIGKILL else ""
+        oom = number == signal.SIGKILL
+        why = " (the kernel's out-of-memory killer sends it: `dmesg` says whether it did)" if oom else ""
         return (f"cxltrain: error: rank {rank} was killed by {name}{why}, and no restart was left "
                 f"(--max-restarts {max_restarts}); the same command resumes from the batch every rank committed")
     if rank_lines:

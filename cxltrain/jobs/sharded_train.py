@@ -81,7 +81,8 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
         if peer_lost(e):
             then = ("torchrun restarts the group, which recovers to the agreed batch" if restarts_left() > 0 else
                     "no restart is left: the same command resumes from the agreed batch")
-            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — {then}") from None
+            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — "
+                           f"{then}") from None
         # a restart would only run into it again: the group ends here, with this line
         failure = e if isinstance(e, CxlTrainError) else CxlTrainError(f"rank {rank}: {type(e).__name__}: {line[:200]}")
         end_without_restart(str(failure))
