@@ -235,9 +235,10 @@ class ShardedStep:
 # ---------------------------------------------------------------------------------------------
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     """Run `cxltrain train ARGV` on `nproc` ranks of this machine under torchrun (--standalone:
-    a free loopback port is found for the rendezvous). Returns torchrun's exit status. A rank's
-    refusal reaches the user as one line: the ranks write their error lines to a file of this
-    launcher's (RANK_ERROR_ENV) instead of stderr, and torchrun's own log is kept to its errors."""
+    a free loopback port is found for the rendezvous). Returns 0, 1 when the ranks failed, or 128 +
+    the signal that stopped the launcher. How the run ended reaches the user as one line: the ranks
+    write their error lines to a file of this launcher's (RANK_ERROR_ENV) instead of stderr, this
+    launcher picks the line (lifeline.failure_line), and torchrun's own log is kept to its errors."""
     import logging
     import tempfile
 
