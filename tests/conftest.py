@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import faulthandler
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import shm_tempdir
+from helpers import TEST_TIMEOUT_S, shm_tempdir
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -20,7 +19,6 @@ def _fixed_threads():
 # A test that hangs (a dead rank's collective, a child that never exits) must not hang the suite: past
 # its limit the process dumps every thread's stack and exits, which fails the test (xdist reports
 # the worker crashed and goes on with a new one). Subprocesses have their own timeouts as well.
-TEST_TIMEOUT_S = float(os.environ.get("CXLTRAIN_TEST_TIMEOUT", "300"))
 SLOW_TEST_TIMEOUT_S = 4 * TEST_TIMEOUT_S
 
 

@@ -28,6 +28,8 @@ from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.crashtest import References
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# past it a test dumps its threads and its xdist worker exits (conftest); slow tests get four times it
+TEST_TIMEOUT_S = float(os.environ.get("CXLTRAIN_TEST_TIMEOUT", "300"))
 SHARED_CRITEO_SAMPLE = SHARED_DATA / "criteo_sample.csv"   # CI checks shared/ out beside the repo
 
 

@@ -36,6 +36,7 @@ from cxltrain.bench.suite import _step_row
 from cxltrain.bench.worker import config_to_json
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import build_model, build_source
+from helpers import TEST_TIMEOUT_S
 from test_cli import assert_one_line_error, cxltrain
 
 TINY = TrainConfig(batch_size=32, num_tables=2, rows=500, dim=8, bottom_mlp=(16,), top_mlp=(16,))
@@ -48,7 +49,7 @@ def test_quick_bench_end_to_end(shm_dir):
     # ~30 s on an idle machine; the limit, just under the suite's per-test one (conftest), is for a
     # shared one (this checks results, not time): past it the test fails, not the xdist worker
     result = cxltrain("bench", "--quick", "--json", *(["--plot", plot] if _has_matplotlib() else []),
-                      env={"CXLTRAIN_POOL_DIR": str(shm_dir)}, timeout=280)
+                      env={"CXLTRAIN_POOL_DIR": str(shm_dir)}, timeout=TEST_TIMEOUT_S - 20)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["quick"] and out["machine"]["threads"] == 2 and out["config"]["rows"] == 1000

@@ -98,11 +98,12 @@ def test_a_creation_still_running_is_left_alone(shm_dir):
         assert os.path.exists(path + ".creating")
 
 
-def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir):
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGINT"])
+def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir, sent):
     """Rank 1 stopped (SIGSTOP: a peer that is gone), rank 0 blocks in the next collective; torchrun's
-    agent would SIGTERM it, and it must end within seconds, not wait out the collective's timeout
-    (120 s here; before, its Python handler never ran while blocked, and the agent waited 30 s
-    before a SIGKILL)."""
+    agent would SIGTERM it (or pass on the launcher's Ctrl-C), and it must end within seconds, not
+    wait out the collective's timeout (120 s here; before, its Python handler never ran while
+    blocked, and the agent waited 30 s before a SIGKILL; for SIGINT, until this test had it)."""
     run = shm_dir / "blocked"
     command = cxltrain_command() + ["train", "--nproc-per-node", "2", "--pool", str(run), "--steps", "100000",
                                     "--batch-size", "96", "--num-tables", "3", "--rows", "2000", "--dim", "16",
@@ -117,11 +118,11 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir):
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[1], signal.SIGSTOP)
         time.sleep(1.0)  # rank 0 reaches the next collective and waits there for rank 1
-        os.kill(ranks[0], signal.SIGTERM)
+        os.kill(ranks[0], getattr(signal, sent))
         deadline = time.monotonic() + 20
         while alive(ranks[0]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not alive(ranks[0]), "rank 0 ignored the SIGTERM while blocked"
+        assert not alive(ranks[0]), f"rank 0 ignored the {sent} while blocked"
     finally:
         launcher.kill()
         for pid in ranks.values():

@@ -162,14 +162,18 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_peer_that_lost_it(tmp_path):
 def test_the_launchers_line_for_each_way_a_group_ends():
     from cxltrain.jobs.lifeline import failure_line
 
-    peer = "cxltrain: error: rank 0: a collective failed (...); a peer died or hangs"
+    peer = "cxltrain: error: rank 0: a collective failed (...); a peer died or hangs — no restart is left"
     refused = "cxltrain: error: rank 1: /p/rank-1.pool: superblock checksum mismatch"
     # a rank killed: named, whatever its peers wrote; the agent's SIGTERM to the others is no cause
     assert failure_line({0: -15, 1: -9}, [peer], 0).startswith("cxltrain: error: rank 1 was killed by SIGKILL (")
-    assert failure_line({1: -11}, [], 2).startswith("cxltrain: error: rank 1 was killed by SIGSEGV, and no restart "
-                                                    "was left (--max-restarts 2)")
-    # a rank's own error: its line, the first written
-    assert failure_line({0: -15, 1: 1}, [refused, peer], 3) == refused
-    # nothing written, nothing killed: the statuses
-    assert failure_line({1: 3, 0: 143}, [], 1) == ("cxltrain: error: rank 0 exited with status 143 (2 rank(s) "
+    assert failure_line({0: 143, 1: -11}, [], 2).startswith("cxltrain: error: rank 1 was killed by SIGSEGV, and no "
+                                                            "restart was left (--max-restarts 2)")
+    # a rank's own error: its line, even where a peer's echo of it was written first
+    assert failure_line({0: -15, 1: 1}, [peer, refused, peer], 3) == refused
+    assert failure_line({0: 1, 1: 143}, [peer], 3) == peer
+    # nothing written, nothing killed: the rank that failed, not one the agent stopped after it
+    assert failure_line({1: 3, 0: 143}, [], 1) == ("cxltrain: error: rank 1 exited with status 3 (2 rank(s) "
                                                    "failed, after 1 restart(s) at most)")
+    # every rank SIGTERMed, by no agent (it stops ranks only after a failure): from outside
+    assert failure_line({0: 143, 1: -15}, [], 0).startswith("cxltrain: error: the ranks were terminated (SIGTERM) "
+                                                            "from outside their launcher, and no restart was left")

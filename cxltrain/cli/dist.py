@@ -61,13 +61,12 @@ def run_train(args, argv: list[str]) -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ and args.nproc_per_node != 1:
         return _launch(args, argv)
     from ..jobs.sharded_train import run_rank
-    from .common import EXIT_TERMINATED
     from .stop import end_blocked_rank_on_sigterm
 
     if args.nproc_per_node == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         _launch_checks(args, 1)  # one rank runs in this process: no launcher, no port
     elif threading.current_thread() is threading.main_thread():
-        end_blocked_rank_on_sigterm(EXIT_TERMINATED)  # the agent's SIGTERM must end a blocked rank soon
+        end_blocked_rank_on_sigterm()  # the agent's SIGTERM must end a blocked rank soon
     from ..placement.replication import parse_setting
 
     result = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,

@@ -48,9 +48,10 @@ def install() -> StopOnSigterm:
     return current
 
 
-def end_blocked_rank_on_sigterm(exit_status: int, grace_s: float = RANK_GRACE_S) -> None:
-    """For a rank under torchrun: a SIGTERM that finds the rank blocked in a collective (a peer gone)
-    ends it `grace_s` later with `exit_status`, unless it has ended by then at a batch boundary.
+def end_blocked_rank_on_sigterm(grace_s: float = RANK_GRACE_S) -> None:
+    """For a rank under torchrun: a SIGTERM (or the SIGINT its agent passes on from a Ctrl-C) that
+    finds the rank blocked in a collective (a peer gone) ends it `grace_s` later with 128 + the
+    signal's number, unless it has ended by then.
 
     Blocked in C++, the main thread never returns to the interpreter, so the Python handler above
     never runs; the interpreter's C-level handler still writes the signal's number to the wakeup fd,
@@ -66,10 +67,12 @@ def end_blocked_rank_on_sigterm(exit_status: int, grace_s: float = RANK_GRACE_S)
             got = read_end.recv(64)
             if not got:
                 return
-            if signal.SIGTERM in got:
+            number = next((s for s in (signal.SIGTERM, signal.SIGINT) if s in got), None)
+            if number is not None:
                 time.sleep(grace_s)
                 if not launcher_reports():  # else the launcher says how the run ended, in one line
-                    os.write(2, b"cxltrain: terminated (SIGTERM) while blocked in a collective; the rank ends now\n")
-                os._exit(exit_status)
+                    said = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
+                    os.write(2, f"cxltrain: {said} while blocked in a collective; the rank ends now\n".encode())
+                os._exit(128 + number)
 
     threading.Thread(target=watch, name="cxltrain-sigterm-watch", daemon=True).start()

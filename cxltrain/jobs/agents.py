@@ -48,14 +48,17 @@ def free_port() -> int:
     (the agents would then fail to bind it and the rendezvous with them)."""
     low = _ephemeral_low()
     below = range(max(1024, low - 8192), low)
-    for port in random.sample(below, min(64, len(below))):
+    # not the process's `random`: seeded alike (seed_everything), two processes would pick alike
+    for port in random.SystemRandom().sample(below, min(64, len(below))):
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("", port))  # every address: the store listens on all of them
             except OSError:
                 continue  # taken: another listener there
             return port
-    raise OSError(f"no free TCP port on 127.0.0.1 among 64 tried below {low}")
+    with socket.socket() as s:  # no room below the range (an unusual ip_local_port_range)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _ephemeral_low() -> int:

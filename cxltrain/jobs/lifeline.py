@@ -19,6 +19,7 @@ from ..errors import CxlTrainError
 
 LAUNCHER_ENV = "CXLTRAIN_LAUNCHER_PID"
 TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"   # set by torchrun in every rank it starts
+PEER_LOST = "a peer died or hangs"  # in a rank's line when a collective failed: an echo of another's end
 RANK_ERROR_ENV = "CXLTRAIN_RANK_ERRORS"  # a file of the launcher's: the ranks' error lines, the first one shown
 PR_SET_PDEATHSIG = 1
 
@@ -53,11 +54,16 @@ def restarts_left() -> int:
 
 
 def failure_line(exit_codes: dict[int, int], rank_lines: list[str], max_restarts: int) -> str:
-    """The one line a launcher shows for a run its ranks ended. exit_codes: rank -> exit status of the
-    last attempt's failed ranks (negative: the signal that killed it); rank_lines: the error lines the
-    ranks wrote (rank_error), in order. A rank killed by a signal other than the agent's own SIGTERM
-    wrote nothing, and its peers' lines only say they lost it: it is named first."""
-    killed = sorted(rank for rank, code in exit_codes.items() if code < 0 and -code != signal.SIGTERM)
+    """The one line a launcher shows for a run its ranks ended, once no restart is left.
+    exit_codes: rank -> exit status of the last attempt's failed ranks (negative: the signal that
+    killed it); rank_lines: the error lines the ranks wrote (rank_error), in order, of every attempt.
+
+    By what it tells of the cause: a rank killed by a signal (it wrote nothing, and its peers' lines
+    say only that they lost it); a rank's own error; a peer lost; ranks all SIGTERMed (exit 143, or
+    -15 before their handler was in place) from outside, the agent's own SIGTERM coming only after
+    another failure; else a rank's status."""
+    stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
+    killed = sorted(rank for rank, code in exit_codes.items() if code < 0 and code not in stopped)
     if killed:
         rank, number = killed[0], -exit_codes[killed[0]]
         name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
@@ -65,9 +71,15 @@ def failure_line(exit_codes: dict[int, int], rank_lines: list[str], max_restarts
         why = " (the kernel's out-of-memory killer sends it: `dmesg` says whether it did)" if oom else ""
         return (f"cxltrain: error: rank {rank} was killed by {name}{why}, and no restart was left "
                 f"(--max-restarts {max_restarts}); the same command resumes from the batch every rank committed")
-    if rank_lines:
-        return rank_lines[0]
-    rank = min(exit_codes)
+    own = [line for line in rank_lines if PEER_LOST not in line]
+    if own or rank_lines:
+        return (own or rank_lines)[0]
+    failed = sorted(rank for rank, code in exit_codes.items() if code not in stopped)
+    if not failed:
+        return ("cxltrain: error: the ranks were terminated (SIGTERM) from outside their launcher, and no restart "
+                f"was left (--max-restarts {max_restarts}); the same command resumes from the batch every rank "
+                "committed")
+    rank = failed[0]
     return (f"cxltrain: error: rank {rank} exited with status {exit_codes[rank]} ({len(exit_codes)} rank(s) failed, "
             f"after {max_restarts} restart(s) at most)")
 

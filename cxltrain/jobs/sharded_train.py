@@ -12,10 +12,12 @@ own pool per batch, the ranks' targets for G riding on the step's first all-to-a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -35,7 +37,7 @@ from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .data_source import training_data
-from .lifeline import RANK_ERROR_ENV, end_with_launcher, failure_line, mark_launcher, restarts_left
+from .lifeline import PEER_LOST, RANK_ERROR_ENV, end_with_launcher, failure_line, mark_launcher, restarts_left
 from .replication import Replication
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import GroupFacts, TrainResult, dense_optimizer, run_steps
@@ -81,8 +83,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
         if peer_lost(e):
             then = ("torchrun restarts the group, which recovers to the agreed batch" if restarts_left() > 0 else
                     "no restart is left: the same command resumes from the agreed batch")
-            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); a peer died or hangs — "
-                           f"{then}") from None
+            raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); {PEER_LOST} — {then}") from None
         # a restart would only run into it again: the group ends here, with this line
         failure = e if isinstance(e, CxlTrainError) else CxlTrainError(f"rank {rank}: {type(e).__name__}: {line[:200]}")
         end_without_restart(str(failure))
@@ -233,6 +234,23 @@ class ShardedStep:
 # ---------------------------------------------------------------------------------------------
 # `cxltrain train --nproc-per-node N`: the same job through torch.distributed.run.
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """torchrun's agent sets handlers that raise its SignalException and leaves them set: a signal
+    after it returned (while the launcher prints its line, or to a caller of `launch`) would end in
+    that exception's traceback. The handlers before it are put back when it returns."""
+    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+    if threading.current_thread() is not threading.main_thread():
+        yield  # torchrun cannot set handlers off the main thread either
+        return
+    kept = {s: signal.getsignal(s) for s in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for number, handler in kept.items():
+            signal.signal(number, handler)
+
+
 def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
     """Run `cxltrain train ARGV` on `nproc` ranks of this machine under torchrun (--standalone:
     a free loopback port is found for the rendezvous). Returns 0, 1 when the ranks failed, or 128 +
@@ -261,7 +279,8 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
         try:
             for logger in quiet:
                 logger.setLevel(logging.CRITICAL)
-            torchrun.main(args)
+            with _signal_handlers_kept():
+                torchrun.main(args)
         except ChildFailedError as e:
             lines = open(errors).read().splitlines() if os.path.exists(errors) else []
             exit_codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
