@@ -46,6 +46,18 @@ def test_a_stealing_set_resumed_before_a_re_placement_finds_room(shm_dir):
     assert done.returncode == 0 and report["exact"] == 1, done.stdout + done.stderr
 
 
+def test_a_torture_without_a_terminal_says_how_far_it_is(shm_dir, monkeypatch, capsys):
+    """Under nohup the bar is off, and a torture of hours said nothing until its end."""
+    from cxltrain.cli import crashtest as crashtest_cli
+    from cxltrain.cli import main
+
+    monkeypatch.setattr(crashtest_cli, "LOG_EVERY_S", 0.0)  # a line after every trial
+    assert main(["crashtest", "--trials", "2", "--seed", str(SEED)]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("crashtest: ")]
+    assert [line.split(" trials/s")[0].rsplit(", ", 1)[0] for line in said] == [
+        "crashtest: 1 of 2 trial(s) done, 1 exact", "crashtest: 2 of 2 trial(s) done, 2 exact"], said
+
+
 def test_a_trial_replays_with_the_same_plan():
     with knobs.override(threads=1):
         a = Torture(trials=20, device=DeviceModel(power_loss=True), seed=SEED)

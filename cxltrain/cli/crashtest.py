@@ -11,6 +11,9 @@ from ..knobs import KNOBS
 from .common import EXIT_ERROR, non_negative_int, positive_int
 from .emulation import add_emulation_options, emulation_knobs
 
+# where no terminal shows the bar (a torture of hours under nohup): a progress line this often
+LOG_EVERY_S = 600.0
+
 
 def add_crashtest(sub) -> None:
     from ..faults import DIST_PLANTED, PLANTED
@@ -80,17 +83,24 @@ def _run_crashtest(args) -> int:
 
         with knobs.override(**device.knobs(0)):
             model = describe_model()
-        print(f"crashtest --mode {args.mode}: seed {seed}, {1 if args.trial is not None else args.trials} trial(s), "
+        total = 1 if args.trial is not None else args.trials
+        print(f"crashtest --mode {args.mode}: seed {seed}, {total} trial(s), "
               f"device models {model}" + (f", planted bug {plant}" if plant else ""), flush=True)
         started = time.perf_counter()
-        bar = tqdm(total=1 if args.trial is not None else args.trials, desc="crashtest", unit="trial",
+        bar = tqdm(total=total, desc="crashtest", unit="trial",
                    disable=None if not args.no_progress else True, file=sys.stderr, dynamic_ncols=True)
-        exact = [0]
+        exact, done, logged = [0], [0], [started]
 
         def show(result) -> None:
             exact[0] += result.exact
+            done[0] += 1
             bar.update(1)
             bar.set_postfix(exact=exact[0], refresh=False)
+            now = time.perf_counter()
+            if bar.disable and not args.no_progress and now - logged[0] >= LOG_EVERY_S:
+                logged[0] = now
+                print(f"crashtest: {done[0]} of {total} trial(s) done, {exact[0]} exact, "
+                      f"{done[0] / (now - started):.2f} trials/s", file=sys.stderr, flush=True)
             if not result.exact:
                 bar.write(f"trial {result.plan.number}: MISMATCH ({result.plan.describe()}; recovered batch "
                           f"{result.recovered_batch}): {result.problems[0]}", file=sys.stderr)
