@@ -8,6 +8,9 @@ Everything cxltrain raises on purpose derives from `CxlTrainError`; the command 
 class CxlTrainError(Exception):
     """Base of every error meant for the user."""
 
+    # True where the process must end as soon as the line is out, skipping the interpreter's exit
+    ends_process_at_once = False
+
 
 class DeviceError(CxlTrainError):
     """The pool's backing file or device cannot be created, mapped or persisted."""

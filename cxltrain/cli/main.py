@@ -90,6 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         line = f"cxltrain: error: {e}"
         if not rank_error(line):  # a rank's error goes to its launcher, which shows one line
             print(line, file=sys.stderr)
+        if e.ends_process_at_once:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt as e:  # stop.Terminated included
         from ..jobs.lifeline import launcher_reports

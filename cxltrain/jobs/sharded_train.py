@@ -76,11 +76,13 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     check_config(config, world_size)
     join_group(timeout_s)
+    lost = False
     try:
         return _run(config, directory, sharding, rank, world_size, progress, replicate_hot)
     except Exception as e:
         line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if peer_lost(e):
+            lost = True
             then = ("torchrun restarts the group, which recovers to the agreed batch" if restarts_left() > 0 else
                     "no restart is left: the same command resumes from the agreed batch")
             raise PeerLost(f"rank {rank}: a collective failed ({line[:200]}); {PEER_LOST} — {then}") from None
@@ -89,7 +91,8 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
         end_without_restart(str(failure))
         raise failure from None
     finally:
-        dist.destroy_process_group()
+        if not lost:  # a lost peer's group would hang its destroy (PeerLost says why)
+            dist.destroy_process_group()
 
 
 def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int,

@@ -39,7 +39,15 @@ _launcher_store = None  # torchrun's store, once join_group has met it
 
 
 class PeerLost(CxlTrainError):
-    """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs."""
+    """A collective failed or timed out: a rank died (torchrun restarts the group) or hangs.
+
+    Its group is not destroyed: gloo's destructor waits, holding the GIL, for the work queued on its
+    connections, the dead peer's included, to end (a rank was seen to stay 30 s after its line,
+    deaf to the agent's SIGTERM, until the SIGKILL). Left alive, its threads would meet the
+    interpreter's exit (an abort, see join_group), so the rank ends at once (os._exit), its pool as
+    committed as the Runtime left it."""
+
+    ends_process_at_once = True
 
 
 def peer_lost(error: BaseException) -> bool:
