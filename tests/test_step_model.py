@@ -121,6 +121,7 @@ def test_plan_measures_the_fast_tier_step_and_leaves_nothing_behind(folders, cap
 @pytest.mark.parametrize("extra, says", [(["--capacity-pool", "X", "--fast-step-ms", "0"], "--fast-step-ms"),
                                          (["--capacity-pool", "X", "--fast-step-ms", "abc"], "is not a number"),
                                          (["--capacity-pool", "/nonexistent/x.cap", *ARGS[:-1]], "no such folder")])
-def test_bad_step_model_input_is_refused_in_one_line(extra, says, capsys):
-    code, _, err = run_cli(capsys, "plan", *extra)
+def test_bad_step_model_input_is_refused_in_one_line(extra, says, capsys, tmp_path):
+    # a pool of its own: the default one, named after the working folder, may be another run's
+    code, _, err = run_cli(capsys, "plan", "--pool", str(tmp_path / "m.pool"), *extra)
     assert code not in (0, None) and says in err and len(err.strip().splitlines()) == 1, err
