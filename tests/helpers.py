@@ -245,7 +245,10 @@ class ForkedCommand:
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # ended and reaped by the zygote already: as Popen.send_signal, a no-op
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
