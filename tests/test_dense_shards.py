@@ -11,10 +11,7 @@ from its own slice of G, then training on) are tests/test_dist.py's; here one ki
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
-import subprocess
-import sys
 from collections import OrderedDict
 
 import pytest
@@ -23,15 +20,14 @@ from torch import nn
 
 from cxltrain.checkpoint import codec, dense, dense_slices, layout, slots
 from cxltrain.errors import CheckpointError, PoolVersionError, RecoveryError
-from cxltrain.faults import CRASH_ENV, CRASH_RANK_ENV, CrashPoint
 from cxltrain.jobs.reshard import DENSE_PREFIX, export_dir
 from cxltrain.pool import format as fmt
 from cxltrain.pool.handle import Pool, RegionSpec
 from cxltrain.runtime import manifest as run_dir
 from helpers import cxltrain, shm_tempdir
+from test_dist import killed_between_commits
 
 CHILD_TIMEOUT = 240
-BETWEEN_COMMITS = {CRASH_ENV: f"{CrashPoint.COMMIT_BEFORE_ROOT}:5", CRASH_RANK_ENV: "1"}
 
 
 def _whole_tree(metadata: dict) -> dict:
@@ -125,14 +121,7 @@ def killed():
     """A 2-rank run killed between the ranks' commits, not restarted: rank 0 at 5, rank 1 at 4."""
     with shm_tempdir("cxltrain-dense-shards-") as folder:
         run = f"{folder}/run"
-        # rank 0 ends on the lost peer at batch 6's exchange, its 5th commit done; an agent looking
-        # every 0.1 s (the launcher's) could SIGTERM it first, still in batch 5, leaving both at 4
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "--max-restarts", "0", "--monitor-interval", "5", "-m", "cxltrain", "train", "--pool", run,
-                   "--steps", "8", "--batch-size", "96", "--num-tables", "3", "--rows", "2000", "--dim", "16",
-                   "--sharding", "table-wise,row-wise,data-parallel", "--no-progress"]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT,
-                              env={**os.environ, **BETWEEN_COMMITS})
+        done = killed_between_commits(run)
         assert done.returncode != 0, done.stdout
         held = []
         for rank in range(2):

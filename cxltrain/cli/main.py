@@ -96,14 +96,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             os._exit(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt as e:  # stop.Terminated included
-        from ..jobs.lifeline import launcher_reports
+        from ..jobs.lifeline import launcher_reports, stopped_by
 
-        terminated = isinstance(e, stop.Terminated)
+        number = signal.SIGTERM if isinstance(e, stop.Terminated) else signal.SIGINT
         # a rank's agent passes it the launcher's signal, or SIGTERMs it when a peer failed: the
         # launcher says which, in one line
         if not launcher_reports():
-            print("cxltrain: terminated (SIGTERM)" if terminated else "cxltrain: interrupted", file=sys.stderr)
-        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
+            print(f"cxltrain: {stopped_by(number)}", file=sys.stderr)
+        return EXIT_TERMINATED if number == signal.SIGTERM else EXIT_INTERRUPTED
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE

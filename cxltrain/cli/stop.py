@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from ..jobs.lifeline import launcher_reports
+from ..jobs.lifeline import launcher_reports, stopped_by
 
 # A rank that a SIGTERM finds blocked in a collective ends after this long (torchrun's agent waits
 # longer, then SIGKILLs: every worker it stops would otherwise cost the group that wait).
@@ -71,8 +71,8 @@ def end_blocked_rank_on_sigterm(grace_s: float = RANK_GRACE_S) -> None:
             if number is not None:
                 time.sleep(grace_s)
                 if not launcher_reports():  # else the launcher says how the run ended, in one line
-                    said = "terminated (SIGTERM)" if number == signal.SIGTERM else "interrupted"
-                    os.write(2, f"cxltrain: {said} while blocked in a collective; the rank ends now\n".encode())
+                    os.write(2, f"cxltrain: {stopped_by(number)} while blocked in a collective; the rank ends "
+                                "now\n".encode())
                 os._exit(128 + number)
 
     threading.Thread(target=watch, name="cxltrain-sigterm-watch", daemon=True).start()

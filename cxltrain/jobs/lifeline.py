@@ -47,6 +47,12 @@ def rank_error(line: str) -> bool:
     return True
 
 
+def stopped_by(number: int) -> str:
+    """How a line says the process was stopped by signal `number`: "interrupted" for SIGINT (Ctrl-C),
+    "terminated (SIGTERM)" and the like for the others."""
+    return "interrupted" if number == signal.SIGINT else f"terminated ({signal.Signals(number).name})"
+
+
 def restarts_left() -> int:
     """In a rank started by torchrun: how many more times its agent restarts the group (0 elsewhere)."""
     done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -63,22 +69,21 @@ def failure_line(exit_codes: dict[int, int], rank_lines: list[str], max_restarts
     -15 before their handler was in place) from outside, the agent's own SIGTERM coming only after
     another failure; else a rank's status."""
     stopped = (-signal.SIGTERM, 128 + signal.SIGTERM)
+    no_restart = (f", and no restart was left (--max-restarts {max_restarts}); the same command resumes from the "
+                  "batch every rank committed")
     killed = sorted(rank for rank, code in exit_codes.items() if code < 0 and code not in stopped)
     if killed:
         rank, number = killed[0], -exit_codes[killed[0]]
         name = signal.Signals(number).name if number in signal.valid_signals() else f"signal {number}"
         oom = number == signal.SIGKILL
         why = " (the kernel's out-of-memory killer sends it: `dmesg` says whether it did)" if oom else ""
-        return (f"cxltrain: error: rank {rank} was killed by {name}{why}, and no restart was left "
-                f"(--max-restarts {max_restarts}); the same command resumes from the batch every rank committed")
+        return f"cxltrain: error: rank {rank} was killed by {name}{why}{no_restart}"
     own = [line for line in rank_lines if PEER_LOST not in line]
     if own or rank_lines:
         return (own or rank_lines)[0]
     failed = sorted(rank for rank, code in exit_codes.items() if code not in stopped)
     if not failed:
-        return ("cxltrain: error: the ranks were terminated (SIGTERM) from outside their launcher, and no restart "
-                f"was left (--max-restarts {max_restarts}); the same command resumes from the batch every rank "
-                "committed")
+        return f"cxltrain: error: the ranks were terminated (SIGTERM) from outside their launcher{no_restart}"
     rank = failed[0]
     return (f"cxltrain: error: rank {rank} exited with status {exit_codes[rank]} ({len(exit_codes)} rank(s) failed, "
             f"after {max_restarts} restart(s) at most)")

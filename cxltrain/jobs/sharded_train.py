@@ -37,7 +37,15 @@ from ..runtime.recovery_point import AgreedMinimum
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
 from .data_source import training_data
-from .lifeline import PEER_LOST, RANK_ERROR_ENV, end_with_launcher, failure_line, mark_launcher, restarts_left
+from .lifeline import (
+    PEER_LOST,
+    RANK_ERROR_ENV,
+    end_with_launcher,
+    failure_line,
+    mark_launcher,
+    restarts_left,
+    stopped_by,
+)
 from .replication import Replication
 from .sharded_settings import check_config, plan_for, settings_for
 from .train import GroupFacts, TrainResult, dense_optimizer, run_steps
@@ -290,8 +298,7 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
             print(failure_line(exit_codes, lines, max_restarts), file=sys.stderr)
             return 1
         except SignalException as e:  # the agent has stopped the ranks; each is committed at its last batch
-            said = "interrupted" if e.sigval == signal.SIGINT else f"terminated ({signal.Signals(e.sigval).name})"
-            print(f"cxltrain: {said}; the run resumes from its last committed batch", file=sys.stderr)
+            print(f"cxltrain: {stopped_by(e.sigval)}; the run resumes from its last committed batch", file=sys.stderr)
             return 128 + e.sigval
         finally:
             os.environ.pop(RANK_ERROR_ENV, None)
