@@ -121,6 +121,20 @@ class CachedRows:
     state: torch.Tensor | None
 
 
+@dataclasses.dataclass(frozen=True)
+class FileRows:
+    """A table whose rows lie in a file mapped shared (a capacity pool): sparse_update writes each
+    updated table row to the file `fd` with pwrite, at weight_offset + row * its row stride (state
+    likewise), instead of storing it through the mapping. The mapping reads the same page cache, so
+    the new values are seen at once; a page written so is never mapped writable, so syncing it
+    write-protects nothing and sends no TLB shootdown (docs/tiers.md, "Rows written to the file").
+    Cached rows are stored in their slots as ever."""
+
+    fd: int
+    weight_offset: int
+    state_offset: int
+
+
 class UndoChunks(Protocol):
     """The undo records a fused update writes as it goes, as sparse_update sees them: the writer
     and its record layout are the checkpoint layer's (cxltrain/checkpoint/fused.py FusedUndo)."""
@@ -148,7 +162,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
                   grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
                   per_sample_weights: torch.Tensor | None = None, mode: str = "sum", *, lr: float,
                   eps: float = 0.0, undo: UndoChunks | None = None,
-                  cached: CachedRows | None = None) -> torch.Tensor:
+                  cached: CachedRows | None = None, file_rows: FileRows | None = None) -> torch.Tensor:
     """The fused sparse update of one table for one batch, in place; returns the rows [U] it updated,
     sorted ascending (U <= N).
 
@@ -171,6 +185,11 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
     cache; the slots' records are undo.slots' (each chunk's written right after the table's), or
     the caller's, durable before this call; the writer writes no rows back (the caller flushes the
     slots and the table rows).
+
+    file_rows: the table rows are written to their file (FileRows) rather than stored through the
+    mapping, by the C kernel; the torch kernels store through the mapping (the same bytes, in the
+    same page cache). A failed write raises OSError with the rows before it written, as a crash
+    leaves them.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")
@@ -216,8 +235,9 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
                  grad_out.data_ptr(), dim, bags, _address(offsets), mode == "mean", _address(per_sample_weights), lr,
                  eps, out.data_ptr(), _stop_after(indices, weight.shape[0]))
     cache = None if cached is None else _cache_fields(cached)
+    file_fields = None if file_rows is None else (file_rows.fd, file_rows.weight_offset, file_rows.state_offset)
     if undo is None:
-        unique = lib.sparse_update(*arguments, None, cache)
+        unique = lib.sparse_update(*arguments, None, cache, None, file_fields)
     else:
         if not fused_available():
             raise RuntimeError("a fused undo capture needs the native kernels' streamed stores and undo writer "
@@ -225,7 +245,7 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
         fields = undo.kernel_fields(lib)
         slots = None if undo.slots is None else undo.slots.kernel_fields(lib, stops=False)
         with undo.lock:
-            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache, slots)
+            unique, stopped, runs = lib.sparse_update(*arguments, fields, cache, slots, file_fields)
         undo.kernel_done(stopped, runs)
     crash_point(CrashPoint.UPDATE_MID)  # a crash test's kill, with the kernel stopped half-way
     return out[:unique]

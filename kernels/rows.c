@@ -30,11 +30,13 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <errno.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "crc32.h"
 #include "persist.h"
@@ -196,19 +198,55 @@ struct update_args {
     const int64_t *sorted;  /* [N] the lookups by row (sort_lookups' order, from unique_rows), or NULL:
                                sorted here. Checked before use (sorted_order_holds). */
     struct cached_rows cache; /* where cached rows live instead (no row map: every row is the table's) */
+    int file_fd;            /* >= 0: table rows (not slots) are written to this file with pwrite, at */
+    int64_t file_weight;    /* these offsets of row 0, not stored through the mapping (ops.FileRows) */
+    int64_t file_state;
+    int *write_errno;       /* set when such a write fails (the loop stops there) */
 };
 
-/* Where a row lives: its slot when the row map caches it, else its table row. */
-static inline void row_home(const struct update_args *a, int64_t row, float **w, float **s)
+/* Where a row lives: its slot when the row map caches it (returns 1), else its table row (0). */
+static inline int row_home(const struct update_args *a, int64_t row, float **w, float **s)
 {
     const int64_t slot = cached_slot(&a->cache, row);
     if (slot >= 0) {
         *w = a->cache.weight + slot * a->cache.w_stride;
         *s = a->cache.state + slot * a->cache.s_stride;
-    } else {
-        *w = a->weight + row * a->w_stride;
-        *s = a->state + row * a->s_stride;
+        return 1;
     }
+    *w = a->weight + row * a->w_stride;
+    *s = a->state + row * a->s_stride;
+    return 0;
+}
+
+static int pwrite_all(int fd, const void *data, size_t length, int64_t offset)
+{
+    const char *p = data;
+    while (length) {
+        ssize_t done = pwrite(fd, p, length, (off_t)offset);
+        if (done < 0 && errno == EINTR)
+            continue;
+        if (done == 0)
+            errno = EIO; /* no progress (a full disk can say so): never loop on it */
+        if (done <= 0)
+            return -1;
+        p += done;
+        length -= (size_t)done;
+        offset += done;
+    }
+    return 0;
+}
+
+/* A table row's new values [dim] (and state) written to the file (a->file_fd), not stored through
+ * the shared mapping: a sync must write-protect every page stored through a mapping, one TLB
+ * shootdown each (docs/tiers.md, "Rows written to the file"); the page cache is the same either way,
+ * so the mapping reads the new values at once. 0, or -1 with errno set. */
+static int write_row_to_file(const struct update_args *a, int64_t row, const float *w, const float *s)
+{
+    if (pwrite_all(a->file_fd, w, (size_t)a->dim * 4, a->file_weight + row * a->w_stride * 4) != 0)
+        return -1;
+    if (a->rule != RULE_SGD && pwrite_all(a->file_fd, s, 4, a->file_state + row * a->s_stride * 4) != 0)
+        return -1;
+    return 0;
 }
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
@@ -288,7 +326,10 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
             if (a->rule != RULE_SGD)                                                              \
                 __builtin_prefetch(s, 1);                                                         \
         }                                                                                         \
-        row_home(a, row, &w, &s); /* the slot of a cached row, else the table row */              \
+        /* the slot of a cached row, else the table row: read there; stored there, or put in     \
+         * acc + dim (and s_new) and written to the file (file_fd) */                              \
+        const int to_file = !row_home(a, row, &w, &s) && a->file_fd >= 0;                         \
+        float *w_out = to_file ? acc + dim : w, s_new, *s_out = to_file ? &s_new : s;             \
         for (Py_ssize_t d = 0; d < dim; d++)                                                      \
             acc[d] = 0.0f;                                                                        \
         for (; j < a->n && a->indices[order[j]] == row; j++) {                                    \
@@ -304,15 +345,19 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
         }                                                                                         \
         if (a->rule == RULE_SGD) {                                                                \
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
-                w[d] = fmaf(-a->lr, acc[d], w[d]);                                                \
+                w_out[d] = fmaf(-a->lr, acc[d], w[d]);                                            \
         } else {                                                                                  \
             float squares = 0.0f;                                                                 \
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
                 squares += acc[d] * acc[d];                                                       \
-            *s = *s + squares / (float)dim;                                                       \
-            const float denom = sqrtf(*s) + a->eps;                                               \
+            *s_out = *s + squares / (float)dim;                                                   \
+            const float denom = sqrtf(*s_out) + a->eps;                                           \
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
-                w[d] = fmaf(-a->lr, acc[d] / denom, w[d]);                                        \
+                w_out[d] = fmaf(-a->lr, acc[d] / denom, w[d]);                                    \
+        }                                                                                         \
+        if (to_file && write_row_to_file(a, row, w_out, s_out) != 0) {                            \
+            *a->write_errno = errno;                                                              \
+            break;                                                                                \
         }                                                                                         \
         a->out_rows[unique++] = row;                                                              \
     }                                                                                             \
@@ -360,7 +405,7 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
     int64_t *order = a->sorted ? NULL : malloc(n * sizeof *order); /* given: sorted once, by unique_rows */
     int64_t *bag_of = malloc(n * sizeof *bag_of);
     float *scale_of = malloc(n * sizeof *scale_of);
-    float *acc = malloc((size_t)(a->dim ? a->dim : 1) * sizeof *acc);
+    float *acc = malloc((size_t)(a->dim ? 2 * a->dim : 1) * sizeof *acc); /* the sum, then a new row */
     int status = -1;
     if ((!a->sorted && !order) || !bag_of || !scale_of || !acc)
         goto out;
@@ -480,11 +525,18 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     struct fused_undo u, slots_undo;
     unsigned long long weight, state, indices, grad_out, offsets, psw, out_rows;
     long long table_rows;
-    PyObject *undo_fields = Py_None, *cache_fields = Py_None, *slots_fields = Py_None;
-    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|OOO", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
+    PyObject *undo_fields = Py_None, *cache_fields = Py_None, *slots_fields = Py_None, *file_fields = Py_None;
+    if (!PyArg_ParseTuple(args, "iKnKnLnKnKnnKpKffKn|OOOO", &a.rule, &weight, &a.w_stride, &state, &a.s_stride,
                           &table_rows, &a.dim, &indices, &a.n, &grad_out, &a.g_stride, &a.bags, &offsets,
                           &a.mean, &psw, &a.lr, &a.eps, &out_rows, &a.stop_after, &undo_fields, &cache_fields,
-                          &slots_fields))
+                          &slots_fields, &file_fields))
+        return NULL;
+    int write_errno = 0;
+    a.write_errno = &write_errno;
+    a.file_fd = -1;
+    a.file_weight = a.file_state = 0;
+    if (file_fields != Py_None && !PyArg_ParseTuple(file_fields, "iLL:sparse_update's file rows", &a.file_fd,
+                                                    &a.file_weight, &a.file_state))
         return NULL;
     if (cached_rows_read(cache_fields, &a.cache, a.rule != RULE_SGD) < 0)
         return NULL;
@@ -591,6 +643,10 @@ static PyObject *sparse_update(PyObject *self, PyObject *args)
     }
     if (status < 0)
         return PyErr_NoMemory();
+    if (write_errno) {
+        errno = write_errno;
+        return PyErr_SetFromErrno(PyExc_OSError); /* rows before it are written, as a crash leaves them */
+    }
     if (a.undo)
         return Py_BuildValue("nin", unique, u.stopped, u.flush_runs);
     return PyLong_FromSsize_t(unique);

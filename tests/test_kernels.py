@@ -9,10 +9,13 @@ rounds the root correctly), and bit-equal to itself run to run.
 from __future__ import annotations
 
 import ctypes
+import errno
+import mmap
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -156,6 +159,91 @@ def test_the_cached_update_equals_the_split_update_bit_for_bit(seed, rows, dim, 
     assert torch.equal(rows_done, torch.unique(indices))
     for want, have in zip(expected, got):
         assert torch.equal(want, have)
+
+
+class FileTable:
+    """A table's weights [R, P] and state [R, 1] in a file mapped shared (as a capacity pool's), at
+    page-aligned offsets after a page the update must leave alone; `fd` is opened for writing."""
+
+    def __init__(self, folder: str, weight: torch.Tensor, state: torch.Tensor) -> None:
+        page = mmap.PAGESIZE
+        self.weight_offset = page
+        self.state_offset = page + -(-weight.numel() * 4 // page) * page
+        size = self.state_offset + -(-state.numel() * 4 // page) * page
+        self.fd = os.open(os.path.join(folder, "table"), os.O_RDWR | os.O_CREAT)
+        os.ftruncate(self.fd, size)
+        self.mapping = mmap.mmap(self.fd, size)
+        whole = np.frombuffer(self.mapping, dtype=np.uint8)
+        whole[:page] = 0xAB
+        self.weight = torch.from_numpy(whole[self.weight_offset :].view(np.float32)[: weight.numel()]).view(weight.shape)
+        self.state = torch.from_numpy(whole[self.state_offset :].view(np.float32)[: state.numel()]).view(state.shape)
+        self.weight.copy_(weight)
+        self.state.copy_(state)
+        self.first_page = whole[:page]
+
+    def rows(self, fd: int | None = None) -> ops.FileRows:
+        return ops.FileRows(self.fd if fd is None else fd, self.weight_offset, self.state_offset)
+
+    def close(self) -> None:
+        del self.weight, self.state, self.first_page
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass  # a traceback still holds a view: the mapping goes with it
+        os.close(self.fd)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 200), dim=st.integers(1, 70), pad=st.integers(0, 9),
+       lookups=st.integers(0, 300), bags=st.integers(1, 50), mode=st.sampled_from(["sum", "mean", "weighted"]),
+       rule=st.sampled_from(["sgd", "rowwise_adagrad"]), cached=st.floats(0, 1), native_flag=st.sampled_from([1, 0]))
+def test_rows_written_to_the_file_are_the_rows_stores_would_leave(seed, rows, dim, pad, lookups, bags, mode, rule,
+                                                                  cached, native_flag):
+    """FileRows: the C kernel writes each updated table row to the file, not through the mapping
+    (the torch kernels store through it); the mapping then reads exactly what stores in memory leave,
+    cached rows updated in their slots, nothing else in the file touched."""
+    g = torch.Generator().manual_seed(seed)
+    weight, state, indices, offsets, grad_out, psw = random_update(g, rows, dim, pad, lookups, bags, mode)
+    kept = torch.nonzero(torch.rand(rows, generator=g) < cached).reshape(-1)
+    slot_of = torch.full((rows,), -1, dtype=torch.int64)
+    slot_of[kept] = torch.arange(kept.numel())
+    slot_weight, slot_state = random_table(g, kept.numel() + 1, dim + pad), torch.rand(kept.numel() + 1, 2, generator=g)
+    mode_of, adagrad = ("mean" if mode == "mean" else "sum"), rule == "rowwise_adagrad"
+    with tempfile.TemporaryDirectory() as folder, knobs.override(native_kernels=native_flag):
+        want = [t.clone() for t in (weight, state, slot_weight, slot_state)]
+        ops.sparse_update(rule, want[0], want[1] if adagrad else None, indices, grad_out, offsets, psw, mode_of,
+                          lr=0.3, eps=1e-6, cached=ops.CachedRows(slot_of, want[2], want[3] if adagrad else None))
+        table = FileTable(folder, weight, state)
+        slots = ops.CachedRows(slot_of, slot_weight.clone(), slot_state.clone() if adagrad else None)
+        try:
+            done = ops.sparse_update(rule, table.weight, table.state if adagrad else None, indices, grad_out, offsets,
+                                     psw, mode_of, lr=0.3, eps=1e-6, cached=slots, file_rows=table.rows())
+            assert torch.equal(done, torch.unique(indices))
+            assert torch.equal(table.weight, want[0]) and torch.equal(table.state, want[1])
+            assert torch.equal(slots.weights, want[2])
+            assert not adagrad or torch.equal(slots.state, want[3])
+            assert (table.first_page == 0xAB).all()
+        finally:
+            table.close()
+
+
+@needs_native
+def test_a_row_the_file_refuses_stops_the_update_with_oserror():
+    """The kernel writes the rows through the file descriptor it is given: one that cannot write
+    (opened read-only) fails the first row's write, which raises, and no row has changed."""
+    weight, state = torch.rand(50, 8), torch.rand(50, 1)
+    with tempfile.TemporaryDirectory() as folder:
+        table = FileTable(folder, weight, state)
+        read_only = os.open(os.path.join(folder, "table"), os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as refused:
+                ops.sparse_update("rowwise_adagrad", table.weight, table.state, torch.tensor([3, 7, 3]),
+                                  torch.ones(3, 8), lr=0.1, eps=1e-8, file_rows=table.rows(read_only))
+            assert refused.value.errno == errno.EBADF
+            assert torch.equal(table.weight, weight) and torch.equal(table.state, state)
+        finally:
+            os.close(read_only)
+            table.close()
 
 
 @pytest.mark.parametrize("native_flag", [1, 0])

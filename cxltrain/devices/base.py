@@ -179,6 +179,12 @@ class Device(abc.ABC):
         for start, count in zip(starts.tolist(), counts.tolist()):
             self.flush(offset + start * stride, count * stride)  # counted there
 
+    def row_file(self) -> int | None:
+        """A file descriptor the row kernels write updated table rows to, with pwrite at the rows'
+        offsets in this mapping, instead of storing them through it (kernels/ops.FileRows); None:
+        they store in place."""
+        return None
+
     def native_persistence(self) -> native.NativePersistence | None:
         """How native code that stores into this mapping makes its stores durable by itself, as this
         device's flush and persist_streamed would (kernels/native.NativePersistence), or None where a

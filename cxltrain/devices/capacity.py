@@ -2,8 +2,9 @@
 too large for memory live in (docs/tiers.md, Devices).
 
   CapacityDevice       mmap(MAP_SHARED) of the file. A flush notes nothing, drain is one
-                       fdatasync of the file, which writes back every page dirtied through the
-                       mapping: one system call per commit instead of one msync per run of rows.
+                       fdatasync of the file, which writes back every dirty page: one system call
+                       per commit instead of one msync per run of rows. The row kernels write
+                       updated rows to the file (row_file), not through the mapping.
                        persist(range) is msync of that range's pages alone (a root, a region).
                        The kernel may drop clean pages at any time, so resident memory stays
                        bounded by what the process touches between commits.
@@ -50,6 +51,12 @@ class CapacityDevice(MsyncDevice):
     def _write_back(self, offset: int, length: int) -> None:
         pass  # the page is already in the page cache: the drain's fdatasync writes it
 
+    def row_file(self) -> int:
+        # a page stored through this shared mapping must be write-protected by every sync, one TLB
+        # shootdown each, on every core this process runs on; a page written with pwrite never
+        # is (docs/tiers.md, "Rows written to the file")
+        return self._fd
+
     def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int:
         return 0 if rows.size == 0 else 1  # as _write_back: nothing until the drain
 
@@ -77,6 +84,9 @@ class CapacityCrashDevice(CapacityDevice):
         self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self._queued: dict[int, bytes] = {}  # page offset -> its bytes when flushed
+
+    def row_file(self) -> None:
+        return None  # the model's view is private: every store goes through it, to be queued at flush
 
     def _write_back(self, offset: int, length: int) -> None:
         start, span = page_range(offset, length)

@@ -1,6 +1,7 @@
 """A short probe of the two tiers for the step model (placement/step_model.py, docs/planner.md):
-random 256-byte row reads and writes in a file mapped from each tier's folder, as the tables are,
-and the write-back of clean capacity pages one row dirtied (each: a write fault, then fdatasync).
+random 256-byte row reads and writes in a file mapped from each tier's folder, as the tables are
+(a capacity row read through the mapping and written to the file with pwrite, as the update
+writes it: docs/tiers.md), and the write-back of clean capacity pages one row dirtied each.
 
     speeds = measure_speeds("/dev/shm", "/var/tmp")     # about half a second; the files removed
 """
@@ -28,10 +29,10 @@ def measure_speeds(fast_dir: str, capacity_dir: str) -> TierSpeeds:
     rng = np.random.default_rng(0)
 
     def fast(fd: int, rows: np.ndarray) -> float:
-        return _row_seconds(rows, rng)
+        return _row_seconds(rows, rng, None)
 
     def capacity(fd: int, rows: np.ndarray) -> tuple[float, float, float]:
-        row = _row_seconds(rows, rng)  # its pages cached and dirty: no fault, no disk
+        row = _row_seconds(rows, rng, fd)  # its pages cached: no disk
         os.fdatasync(fd)
         return row, _write_back_seconds(fd, rows, FEW_PAGES, rng), _write_back_seconds(fd, rows, MANY_PAGES, rng)
 
@@ -72,15 +73,26 @@ def _in_probe_file(folder: str, work):
         os.unlink(path)
 
 
-def _row_seconds(rows: np.ndarray, rng) -> float:
-    """Seconds a random row takes to read and write back (a gather and a scatter of PROBE_ROWS)."""
+def _row_seconds(rows: np.ndarray, rng, fd: int | None) -> float:
+    """Seconds a random row takes to read and write back, of PROBE_ROWS: stored through the
+    mapping (fd None: the fast tier), or written to the file `fd` (the capacity tier)."""
     times = []
     for _ in range(REPEATS):
         picked = rng.integers(0, rows.shape[0], PROBE_ROWS)
         started = time.perf_counter()
-        rows[picked] = rows[picked] + 1.0
+        _add_one(rows, picked, fd)
         times.append(time.perf_counter() - started)
     return float(np.median(times)) / PROBE_ROWS
+
+
+def _add_one(rows: np.ndarray, picked: np.ndarray, fd: int | None) -> None:
+    """rows[picked] += 1, each row read through the mapping and written back as the update does."""
+    if fd is None:
+        rows[picked] = rows[picked] + 1.0
+        return
+    row_bytes = rows.shape[1] * rows.itemsize
+    for row, values in zip(picked.tolist(), rows[picked] + 1.0):
+        os.pwrite(fd, values, row * row_bytes)
 
 
 def _write_back_seconds(fd: int, rows: np.ndarray, pages: int, rng) -> float:
@@ -90,7 +102,7 @@ def _write_back_seconds(fd: int, rows: np.ndarray, pages: int, rng) -> float:
     for _ in range(REPEATS):
         picked = rng.choice(rows.shape[0] // per_page, pages, replace=False) * per_page
         started = time.perf_counter()
-        rows[picked] = rows[picked] + 1.0
+        _add_one(rows, picked, fd)
         os.fdatasync(fd)
         times.append(time.perf_counter() - started)
     return float(np.median(times))

@@ -512,7 +512,21 @@ class PersistentEmbeddingBag(nn.Module):
         cached = None if self.cache is None else self.cache.locations()
         with torch.no_grad():
             return self.optimizer.update(storage, self._state, indices.contiguous(), _dense_gradient(grad_out),
-                                         offsets.contiguous(), weights, self.mode, undo, cached)
+                                         offsets.contiguous(), weights, self.mode, undo, cached, self._file_rows())
+
+    def _file_rows(self) -> row_ops.FileRows | None:
+        """The file the fused update writes this table's rows to, where its pool's device offers one
+        (Device.row_file: a capacity pool), or None: it stores them through the mapping."""
+        pool = self.pool
+        if pool is None or not pool.members:
+            return None
+        weights = pool.region(self.weight_region)
+        device = pool.device_for(weights)
+        fd = device.row_file()
+        state = pool.region(self.state_region) if self.optimizer.state_columns else None
+        if fd is None or (state is not None and pool.device_for(state) is not device):
+            return None
+        return row_ops.FileRows(fd, weights.offset, 0 if state is None else state.offset)
 
     def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
                       grad_out: torch.Tensor, last_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:

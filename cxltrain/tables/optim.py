@@ -34,13 +34,14 @@ class SGD:
     def update(self, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
                per_sample_weights: torch.Tensor | None = None, mode: str = "sum", undo=None,
-               cached: row_ops.CachedRows | None = None) -> torch.Tensor:
+               cached: row_ops.CachedRows | None = None, file_rows: row_ops.FileRows | None = None) -> torch.Tensor:
         """The fused update from a batch's lookups (kernels.ops.sparse_update); returns rows [U].
         weight [R, P], indices [N], grad_out [B, D] (D <= P), offsets [B] or None (B = N); undo:
         the undo records the kernel writes as it goes (ops.UndoChunks), or None; cached: the
-        table's hot-row cache (row map and slots), whose rows are updated in their slots."""
+        table's hot-row cache (row map and slots), whose rows are updated in their slots; file_rows:
+        the file the table rows are written to instead of stored through the mapping (ops.FileRows)."""
         return row_ops.sparse_update("sgd", weight, None, indices, grad_out, offsets, per_sample_weights, mode,
-                                     lr=self.lr, undo=undo, cached=cached)
+                                     lr=self.lr, undo=undo, cached=cached, file_rows=file_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +65,11 @@ class RowWiseAdagrad:
     def update(self, weight: torch.Tensor, state: torch.Tensor | None, indices: torch.Tensor,
                grad_out: torch.Tensor, offsets: torch.Tensor | None = None,
                per_sample_weights: torch.Tensor | None = None, mode: str = "sum", undo=None,
-               cached: row_ops.CachedRows | None = None) -> torch.Tensor:
+               cached: row_ops.CachedRows | None = None, file_rows: row_ops.FileRows | None = None) -> torch.Tensor:
         """As SGD.update, with state [R, 1]."""
         return row_ops.sparse_update("rowwise_adagrad", weight, state, indices, grad_out, offsets,
-                                     per_sample_weights, mode, lr=self.lr, eps=self.eps, undo=undo, cached=cached)
+                                     per_sample_weights, mode, lr=self.lr, eps=self.eps, undo=undo, cached=cached,
+                                     file_rows=file_rows)
 
 
 SparseOptimizer = SGD | RowWiseAdagrad
