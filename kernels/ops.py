@@ -188,8 +188,8 @@ def sparse_update(rule: str, weight: torch.Tensor, state: torch.Tensor | None, i
 
     file_rows: the table rows are written to their file (FileRows) rather than stored through the
     mapping, by the C kernel; the torch kernels store through the mapping (the same bytes, in the
-    same page cache). A failed write raises OSError with the rows before it written, as a crash
-    leaves them.
+    same page cache). A failed write raises OSError with the rows before it written (the failing
+    row's weights perhaps without its state), as a crash leaves them.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {', '.join(RULES)}, got {rule!r}")

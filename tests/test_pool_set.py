@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import os
 import re
@@ -23,6 +24,7 @@ from cxltrain import knobs
 from cxltrain.checkpoint import verify
 from cxltrain.checkpoint.recovery import to_redo
 from cxltrain.checkpoint.stats import summary_line
+from cxltrain.devices.capacity import CapacityDevice
 from cxltrain.errors import CxlTrainError, PoolError
 from cxltrain.faults import CRASH_ENV, FAULT_ENV, CrashPoint, Planted
 from cxltrain.jobs.config import TrainConfig
@@ -80,6 +82,31 @@ def test_a_set_opens_whole_and_holds_the_tables_on_the_disk(sets):
         assert pool.members[0].root.batches_done == pool.root.batches_done == 3
     report = inspect(primary)
     assert report.ok and [m.path for m in report.members] == [capacity]
+
+
+def test_the_update_writes_cold_rows_to_the_capacity_file_not_the_mapping(folders, monkeypatch):
+    """A capacity table's fused update, undo-logged by the checkpointer, writes each row to the file
+    the device names (Device.row_file, docs/tiers.md "Rows written to the file"): given a descriptor
+    that cannot write, the first update fails with EBADF, where stores through the mapping would
+    succeed. The crash model names none: its stores go to its private view."""
+    opened = []
+
+    def read_only(device):  # the same file, opened again for reading only
+        opened.append(os.open(f"/proc/self/fd/{device._fd}", os.O_RDONLY))
+        return opened[-1]
+
+    monkeypatch.setattr(CapacityDevice, "row_file", read_only)
+    try:
+        with pytest.raises(OSError) as refused:
+            make_set(*folders, "w", steps=2)
+        assert refused.value.errno == errno.EBADF
+    finally:
+        for fd in opened:
+            os.close(fd)
+    monkeypatch.undo()
+    primary, _ = make_set(*folders, "x", steps=1)
+    with knobs.override(capacity_crash=1), Pool.open(primary) as pool:
+        assert pool.members[0].device.row_file() is None
 
 
 @pytest.mark.slow
