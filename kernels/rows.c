@@ -315,7 +315,8 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
     for (Py_ssize_t j = 0; j < a->n && unique != a->stop_after;) {                                \
         /* ORDERING U1h: the chunk's undo record (and a cached table's slots' record of it) is    \
          * written, durably, by its step list (undo.c) before this loop stores into the chunk's   \
-         * first row, or slot (a crash test's stop step stops it) */                              \
+         * first row or slot, or writes the row to the file (file_fd) (a crash test's stop step   \
+         * stops it) */                                                                           \
         if (a->undo && unique == a->undo->next_start && undo_next_chunk(a->undo, a->out_rows, unique)) \
             break;                                                                                \
         const int64_t row = a->indices[order[j]];                                                 \
@@ -355,6 +356,7 @@ static int sorted_order_holds(const int64_t *keys, Py_ssize_t n, const int64_t *
             for (Py_ssize_t d = 0; d < dim; d++)                                                  \
                 w_out[d] = fmaf(-a->lr, acc[d] / denom, w[d]);                                    \
         }                                                                                         \
+        /* a write to the file is a store by other means: after its chunk's record (U1h above) */ \
         if (to_file && write_row_to_file(a, row, w_out, s_out) != 0) {                            \
             *a->write_errno = errno;                                                              \
             break;                                                                                \

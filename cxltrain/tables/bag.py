@@ -516,17 +516,17 @@ class PersistentEmbeddingBag(nn.Module):
 
     def _file_rows(self) -> row_ops.FileRows | None:
         """The file the fused update writes this table's rows to, where its pool's device offers one
-        (Device.row_file: a capacity pool), or None: it stores them through the mapping."""
+        (Device.row_file: a capacity pool), or None: it stores them through the mapping. A table's
+        regions are added to one pool together, so its state lies in its weights' file."""
         pool = self.pool
         if pool is None or not pool.members:
             return None
         weights = pool.region(self.weight_region)
-        device = pool.device_for(weights)
-        fd = device.row_file()
-        state = pool.region(self.state_region) if self.optimizer.state_columns else None
-        if fd is None or (state is not None and pool.device_for(state) is not device):
+        fd = pool.device_for(weights).row_file()
+        if fd is None:
             return None
-        return row_ops.FileRows(fd, weights.offset, 0 if state is None else state.offset)
+        state = pool.region(self.state_region).offset if self.optimizer.state_columns else 0
+        return row_ops.FileRows(fd, weights.offset, state)
 
     def row_gradients(self, indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
                       grad_out: torch.Tensor, last_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
