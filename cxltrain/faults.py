@@ -54,6 +54,8 @@ class CrashPoint:
     CAPACITY_MID_WRITE_BACK = "capacity:mid-write-back"    # devices/capacity.py (crash model): half the queued pages written
     CAPACITY_BEFORE_SYNC = "capacity:before-sync"          # devices/capacity.py (crash model): every queued page written, unsynced
     COMMIT_AFTER_WRITE_BACK = "commit:after-write-back"    # checkpoint/commit.py: capacity pools synced, the root not yet moved past the redo records
+    # checkpoint/commit.py: a commit's root written while a write-back is still in flight (armed, it holds the write-back)
+    COMMIT_WHILE_WRITING_BACK = "commit:while-writing-back"
     RECOVER_MID_REDO = "recover:mid-redo"                  # checkpoint/recovery.py: one redo record applied
     # distributed runs, reached on every rank; CXLTRAIN_CRASH_RANK picks the one that dies
     DIST_AFTER_LOCAL_COMMIT = "dist:after-local-commit"    # runtime/recovery_point.py: committed here, not at peers
@@ -98,7 +100,7 @@ class Planted:
     RENORM_UNLOGGED = "renorm-unlogged"              # U1: max_norm's renorm stores rows before their record is taken
     # U2 across pools, in recovery: its root retires the records before the cold rows they restored are synced
     RECOVERY_ROOT_BEFORE_CAPACITY_SYNC = "recovery-root-before-capacity-sync"
-    # U3c (steal): a write-back's root lets the ring reuse the redo records before the capacity pools are synced
+    # U3c (steal): a write-back counted when it starts, so a root lets the ring reuse the redo records before it has synced
     RECLAIM_BEFORE_WRITE_BACK = "reclaim-before-write-back"
     # U2f (steal): a batch's redo records are written only after the commit naming it is durable
     REDO_AFTER_COMMIT = "redo-after-commit"

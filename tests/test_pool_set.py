@@ -265,12 +265,14 @@ def test_a_stealing_run_counts_its_last_write_back(folders):
 @pytest.mark.parametrize("point", [f"{CrashPoint.CAPACITY_MID_WRITE_BACK}:2",
                                    f"{CrashPoint.CAPACITY_BEFORE_SYNC}:2",
                                    f"{CrashPoint.COMMIT_AFTER_WRITE_BACK}:1",
-                                   f"{CrashPoint.COMMIT_AFTER_ROOT}:2"])
+                                   f"{CrashPoint.COMMIT_AFTER_ROOT}:2",
+                                   f"{CrashPoint.COMMIT_WHILE_WRITING_BACK}:2"])
 def test_a_stealing_set_killed_inside_a_write_back_resumes_bit_exactly(folders, reference, point):
     """Killed half-way through the write-back's page writes, with every page written and none
-    synced, synced with the root still keeping the redo records, and right after its root:
-    recovery redoes what is live (absolute values: pages that did reach the file are written again
-    with the same bytes)."""
+    synced, synced with the root still keeping the redo records, right after the root of the
+    commit that started it, and after the next commit's root with the write-back held back (a slow
+    disk): recovery redoes what is live (absolute values: pages that did reach the file are written
+    again with the same bytes)."""
     assert_same_export(killed_and_resumed(*folders, point, write_back_every=2), reference)
 
 
@@ -289,11 +291,11 @@ def test_a_stealing_set_killed_inside_its_redo_recovers_again_bit_exactly(folder
 
 
 @pytest.mark.parametrize("fault, point, every", [
-    (Planted.RECLAIM_BEFORE_WRITE_BACK, f"{CrashPoint.COMMIT_AFTER_ROOT}:2", 2),
+    (Planted.RECLAIM_BEFORE_WRITE_BACK, f"{CrashPoint.COMMIT_WHILE_WRITING_BACK}:2", 2),
     (Planted.REDO_AFTER_COMMIT, f"{CrashPoint.COMMIT_AFTER_ROOT}:3", 8)])
 def test_the_crash_test_catches_a_stealing_set_s_planted_bugs(folders, reference, fault, point, every):
-    """Planted: the write-back's root frees the redo records before the capacity pools are synced
-    (U3c); a batch's redo records are written after its commit (U2f). Either way the crash model
+    """Planted: a write-back counted from its start, so the next root frees the redo records while
+    the capacity pools are not yet synced (U3c, the write-back held back until the kill); a batch's redo records are written after its commit (U2f). Either way the crash model
     loses cold rows no durable record holds, and the resumed run differs from the reference."""
     resumed = killed_and_resumed(*folders, point, fault, write_back_every=every)
     with pytest.raises(AssertionError):

@@ -117,7 +117,8 @@ class Checkpointer(BatchGuard):
         # a pool set steals (redo records for cold rows, capacity write-back deferred) where one
         # thread appends every record: not with background captures (the worker appends those)
         self._commits = CommitPipeline(pool, self.ring, self.stats, self._ordering, relaxed=mode == RELAXED,
-                                       write_back_every=1 if options.captures_on_worker else options.write_back_every)
+                                       write_back_every=1 if options.captures_on_worker else options.write_back_every,
+                                       write_back_beside=options.pipeline)
         self.committed = root.batches_done      # the batch of the last commit handed over (embeddings)
         self.dense_committed = root.dense_batch  # ... of the last one with a dense snapshot
         self._worker = BackgroundWorker() if options.pipeline else InlineWorker()
@@ -336,6 +337,7 @@ class Checkpointer(BatchGuard):
         except CheckpointError:
             pass
         finally:
+            self._commits.close()
             super().detach()
 
     def _hand_over_commit(self, done: int, snapshot: bool, write_back: bool = False) -> None:

@@ -13,11 +13,12 @@ The order of the first three is the Ordering strategy's (ordering.py: U2); the r
 all of them (U3). Steps are yielded so the worker can serve captures of b + 1 between them.
 
 A pool set that steals (write_back_every > 1, docs/tiers.md "Steal, no force"): the cold rows'
-redo records are durable in the ring before the commit is handed over, so a commit syncs the
-capacity pools only when a write-back is due (every write_back_every batches since the last one,
-when the ring is half full, or when the caller asks: the run's last commit, an early one for
-room); until then the root keeps the ring's live start at the last write-back, so every redo
-record since stays live for recovery.
+redo records are durable in the ring before the commit is handed over, so no commit syncs the
+capacity pools for its own batch. Every write_back_every batches a commit starts a write-back
+beside the commits (write_back.py), which the first commit after it has returned counts; when the
+ring is half full, or when the caller asks (the run's last commit, an early one for room), the
+commit waits for any in flight and writes back itself. Until a write-back is counted the root keeps
+the ring's live start at the last one counted, so every redo record since stays live for recovery.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from ..devices.base import Device
+from ..errors import CheckpointError
 from ..faults import CrashPoint, crash_point
 from ..pool.format import ROOT_RELAXED, Region
 from ..pool.handle import Pool
@@ -37,6 +39,7 @@ from .ordering import Ordering
 from .ring import UndoRing
 from .seam import LoggedTable
 from .stats import CheckpointStats
+from .write_back import BackgroundWriteBack
 
 # (table, rows [U] int64 sorted) updated in place and not yet persisted
 DirtyRows = list[tuple[LoggedTable, torch.Tensor]]
@@ -47,7 +50,7 @@ class CommitPipeline:
     last durable root names (read by the training thread, written by whoever runs the steps)."""
 
     def __init__(self, pool: Pool, ring: UndoRing, stats: CheckpointStats, ordering: Ordering, *,
-                 relaxed: bool, write_back_every: int = 1) -> None:
+                 relaxed: bool, write_back_every: int = 1, write_back_beside: bool = True) -> None:
         self.pool, self.ring, self.stats, self.ordering = pool, ring, stats, ordering
         self._root_flags = ROOT_RELAXED if relaxed else 0
         self.durable = pool.root.batches_done
@@ -55,7 +58,11 @@ class CommitPipeline:
         # a pool set's cold rows are made durable by redo records between write-backs (steal)
         self.write_back_every = write_back_every if pool.members else 1
         self.written_back = pool.root.batches_done  # batches the capacity pools hold durably (recovered: all)
-        self._write_back = True  # whether the commit in flight syncs the capacity pools
+        self._write_back = True  # whether the commit in flight syncs the capacity pools itself
+        self.write_back_started = self.written_back  # batches the last write-back started covers
+        self._start_write_back: int | None = None  # the commit in flight starts one covering these batches
+        self.background = BackgroundWriteBack(self._sync_members)
+        self._beside = write_back_beside  # False: a due write-back runs in its commit (no pipeline)
 
     @property
     def steals(self) -> bool:
@@ -73,23 +80,45 @@ class CommitPipeline:
 
     def _steps(self, done: int, dirty: DirtyRows, written: tuple[int, int, int] | None,
                agreed: int | None, write_back: bool) -> Iterator[None]:
-        self._write_back = (not self.steals or write_back or done - self.written_back >= self.write_back_every
-                            or 2 * self.ring.free_bytes < self.ring.capacity)
+        self._count_write_back(self.background.finished())
+        due = done - self.write_back_started >= self.write_back_every
+        self._write_back = (not self.steals or write_back or 2 * self.ring.free_bytes < self.ring.capacity
+                            or (due and not self._beside))
+        if self._write_back:
+            self._count_write_back(self.background.join())
+        self._start_write_back = done if due and not self._write_back and not self.background.in_flight else None
         self._keep_from = self.ordering.keep_from(done, agreed)
         if not self._write_back:
-            # ORDERING U3c: the redo records of every batch since the last write-back stay live
-            # (the root's ring start does not pass them) until a commit has synced the capacity
-            # pools: they are what makes those batches' cold rows durable.
-            self._keep_from = min(self._keep_from, self.written_back)
+            # ORDERING U3c: the redo records of every batch since the last write-back counted stay
+            # live (the root's ring start does not pass them) until a write-back has returned from
+            # syncing the capacity pools: they are what makes those batches' cold rows durable.
+            self._keep_from = min(self._keep_from, self.ordering.written_back(self))
         yield from self.ordering.commit(self, done, dirty, written)
+        if self.background.in_flight:
+            crash_point(CrashPoint.COMMIT_WHILE_WRITING_BACK)
         # ORDERING U3a: records of batches < done (< G in a distributed run) are forgotten (their
         # ring space reused) only now that a durable root no longer needs them.
         self.ring.reclaim(self._keep_from)
         if self._write_back:
-            self.written_back = done
-            self.stats.write_backs += bool(self.pool.members)
+            self.write_back_started = done
+            self._count_write_back(done)
         self.durable = done
         self.stats.commits += 1
+
+    def _count_write_back(self, done: int | None) -> None:
+        """A write-back covering the batches < done has returned (None: none has)."""
+        if done is not None:
+            self.written_back = done
+            self.stats.write_backs += bool(self.pool.members)
+            self.stats.write_back_seconds = self.background.seconds
+
+    def close(self) -> None:
+        """Wait for the write-back in flight, if any (the pools close after this). A failure is
+        dropped here, as the worker's are at detach: its commit never counted it."""
+        try:
+            self.background.join()
+        except CheckpointError:
+            pass
 
     def seal_and_write_root(self, done: int, written: tuple[int, int, int] | None) -> None:
         """Make the snapshot at `done` valid (when one is due), then write the root naming `done`."""
@@ -116,13 +145,22 @@ class CommitPipeline:
             yield
         self.pool.device.drain()
         if self.pool.members and self._write_back:
-            crash_point(CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC)
             # ORDERING U2d: the capacity pools' dirty pages (cold rows) are durable (fdatasync)
             # before the root that names `done` is written (U2 across the pool set), at every
-            # commit without steal, at each write-back with it (between those, U2f: redo records).
-            self.ordering.sync_capacity(self.pool)
-            if self.steals:
-                crash_point(CrashPoint.COMMIT_AFTER_WRITE_BACK)  # synced; the root still keeps the redo records
+            # commit without steal, at a write-back waited for with it (between write-backs,
+            # U2f: redo records).
+            self._sync_members()
+        elif self._start_write_back is not None:
+            # after this commit's rows are flushed: the write-back covers every batch before it
+            self.background.start(self._start_write_back)
+            self.write_back_started = self._start_write_back
+
+    def _sync_members(self) -> None:
+        """The capacity pools' pages written back and synced (on the worker, or beside it)."""
+        crash_point(CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC)
+        self.ordering.sync_capacity(self.pool)
+        if self.steals:
+            crash_point(CrashPoint.COMMIT_AFTER_WRITE_BACK)  # synced; the root still keeps the redo records
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
         """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""

@@ -12,7 +12,7 @@ subclass that breaks one rule, picked once when the checkpointer is built (for_p
     HeaderBeforePayload  U1  (fused capture) a chunk's header is durable before its payload is stored
     UpdateBeforeHeader   U1  (fused capture) a chunk's rows are updated before its header is written
     KernelSkipsRowFlush  U2  (fused capture) the kernel's row write-back writes nothing
-    ReclaimBeforeWriteBack U3c (stealing sets) a write-back's root frees the redo records before the sync
+    ReclaimBeforeWriteBack U3c (stealing sets) a write-back is counted when it starts, not when its sync returns
     RedoAfterCommit      U2f (stealing sets) a batch's redo records are written after its commit is durable
     CachedUpdateUnlogged U1f (hot-row cache) the slots' record is taken after the update stored into them
 
@@ -55,6 +55,9 @@ class CommitSteps(Protocol):
     def persist_rows(self, dirty: list) -> Iterator[None]: ...
 
     def seal_and_write_root(self, done: int, written: tuple[int, int, int] | None) -> None: ...
+
+    written_back: int          # batches the capacity pools hold durably: the last write-back returned covers them
+    write_back_started: int    # batches the last write-back started covers
 
 
 class Ordering:
@@ -101,6 +104,11 @@ class Ordering:
         """Make a pool set's capacity pools durable (their pages written back and synced)."""
         pool.drain_members()
 
+    def written_back(self, pipeline: CommitSteps) -> int:
+        """The batches a stealing set's capacity pools hold durably, for U3c: those the last
+        write-back that has returned covers."""
+        return pipeline.written_back
+
     def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
         """A commit's steps up to its durable root: the rows, then the snapshot and the root."""
         yield from pipeline.persist_rows(dirty)
@@ -132,17 +140,11 @@ class SkipCapacitySync(Ordering):
 
 
 class ReclaimBeforeWriteBack(Ordering):
-    """Planted U3c bug: a write-back commit writes its root, which moves the ring's live start past
-    the redo records, and only then syncs the capacity pools."""
+    """Planted U3c bug: a write-back beside the commits counts from its start, so the next commit's
+    root moves the ring's live start past the redo records while the sync may still be running."""
 
-    def sync_capacity(self, pool) -> None:
-        self._late = pool
-
-    def commit(self, pipeline: CommitSteps, done: int, dirty: list, written) -> Iterator[None]:
-        self._late = None
-        yield from super().commit(pipeline, done, dirty, written)
-        if self._late is not None:
-            self._late.drain_members()
+    def written_back(self, pipeline: CommitSteps) -> int:
+        return pipeline.write_back_started
 
 
 class RedoAfterCommit(Ordering):

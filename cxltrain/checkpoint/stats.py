@@ -22,7 +22,8 @@ class CheckpointStats:
     row_bytes: int = 0               # table bytes (weights and optimizer state) flushed at commits
     rows_persisted: int = 0          # table rows flushed at commits
     redo_bytes: int = 0              # ring bytes of redo records (a pool set's cold rows, new values)
-    write_backs: int = 0             # commits that wrote back and synced the capacity pools
+    write_backs: int = 0             # write-backs (the capacity pools synced) counted by commits
+    write_back_seconds: float = 0.0  # write-back thread: the syncs run beside the commits
     ring_full_commits: int = 0       # commits taken early because the ring was nearly full
     ring_wait_seconds: float = 0.0   # training thread: what those early commits cost it
     ring_full_waits: int = 0         # worker: captures that found the ring full and first ran the

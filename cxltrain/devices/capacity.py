@@ -23,6 +23,7 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import threading
 
 import numpy as np
 
@@ -84,20 +85,24 @@ class CapacityCrashDevice(CapacityDevice):
         self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self._queued: dict[int, bytes] = {}  # page offset -> its bytes when flushed
+        # the write-back may drain on a thread of its own while the commits flush more pages
+        self._queue_lock = threading.Lock()
 
     def row_file(self) -> None:
         return None  # the model's view is private: every store goes through it, to be queued at flush
 
     def _write_back(self, offset: int, length: int) -> None:
         start, span = page_range(offset, length)
-        for page in range(start, min(start + span, self.size), PAGE):
-            self._queued[page] = self._array[page : min(page + PAGE, self.size)].tobytes()
+        with self._queue_lock:
+            for page in range(start, min(start + span, self.size), PAGE):
+                self._queued[page] = self._array[page : min(page + PAGE, self.size)].tobytes()
 
     def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
         return None  # flush() per run of rows: each run's pages are queued
 
     def _fence(self) -> None:
-        queued, self._queued = self._queued, {}
+        with self._queue_lock:
+            queued, self._queued = self._queued, {}
         pages = sorted(queued)  # in file order: the write-back is one sweep over the file
         for i, page in enumerate(pages):
             if i == len(pages) // 2 and i:
@@ -112,7 +117,8 @@ class CapacityCrashDevice(CapacityDevice):
         # this range's pages written and synced; pages flushed earlier stay queued until a drain
         start, span = page_range(offset, length)
         for page in range(start, min(start + span, self.size), PAGE):
-            self._queued.pop(page, None)
+            with self._queue_lock:
+                self._queued.pop(page, None)
             crash_point(PAGE_WRITE_POINT)
             os.pwrite(self._fd, self._array[page : min(page + PAGE, self.size)], page)
         os.fdatasync(self._fd)

@@ -71,7 +71,8 @@ PROTOCOL_POINTS = dict(CrashPoint.REACHED_PER)
 # the capacity write-back's points are reached at most once a commit (every commit when forcing)
 SET_POINTS = {**PROTOCOL_POINTS, **CrashPoint.SET_REACHED_PER, CrashPoint.CACHE_MID_ADMISSION: "admissions",
               CrashPoint.CACHE_AFTER_WRITE_BACK: "replacements", CrashPoint.CAPACITY_MID_WRITE_BACK: "commits",
-              CrashPoint.CAPACITY_BEFORE_SYNC: "commits", CrashPoint.COMMIT_AFTER_WRITE_BACK: "commits"}
+              CrashPoint.CAPACITY_BEFORE_SYNC: "commits", CrashPoint.COMMIT_AFTER_WRITE_BACK: "commits",
+              CrashPoint.COMMIT_WHILE_WRITING_BACK: "commits"}
 SET_CACHE_ROWS, SET_REPLACE_EVERY = 300, 4  # 10% of each table's rows, re-placed every 4 batches
 # A set trial forces (writes the capacity pages back at every commit) or steals with a write-back
 # every 3 batches, so that a 10-batch run reaches several write-backs and redo records live between them.

@@ -25,6 +25,7 @@ TRAINING_THREAD = (
 ANY_THREAD = (
     ("capture_seconds", "capture: old rows into the ring, persisted"),
     ("commit_seconds", "commit: rows and snapshot persisted, root written"),
+    ("write_back_seconds", "capacity write-back beside the commits (a stealing set)"),
 )
 BYTES = (("undo_bytes", "undo records"), ("dense_bytes", "dense snapshots"), ("row_bytes", "table rows"))
 

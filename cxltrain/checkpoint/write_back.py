@@ -1,0 +1,82 @@
+"""A stealing pool set's write-back, on a thread of its own beside the commits.
+
+Between write-backs a batch's cold rows are durable through their redo records (U2f); a write-back
+(every capacity pool's dirty pages synced) makes no batch durable. It only lets the ring's live start
+move past those records, and only once it has returned (U3c). So the commit it falls due at starts
+it after that commit's rows are flushed (it then covers every batch before that commit), and nobody
+waits for it: the first commit to find it returned counts it, and from then on may pass the records
+of the batches it covers. Those who need it done (the run's last commit, a ring short of room) join it.
+
+    write_back = BackgroundWriteBack(sync)   # sync(): the capacity pools' pages synced
+    write_back.start(done)                   # covers the batches < done
+    write_back.finished()                    # done, once it has returned (None until then); raises its error
+    write_back.join()                        # waits for it first
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from ..errors import CheckpointError
+from ..faults import CrashPoint, crash_armed
+
+
+class BackgroundWriteBack:
+    """At most one write-back in flight, on a daemon thread; `seconds` sums the time they took."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self._sync = sync
+        self._thread: threading.Thread | None = None
+        self._done = -1
+        self._error: BaseException | None = None
+        # A crash test armed at COMMIT_WHILE_WRITING_BACK holds the sync until a join (a slow disk):
+        # the commits after the start run, and the crash lands, while it is still in flight.
+        self._held = crash_armed(CrashPoint.COMMIT_WHILE_WRITING_BACK)
+        self._release = threading.Event()
+        self.seconds = 0.0
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None
+
+    def start(self, done: int) -> None:
+        """Sync the capacity pools now, beside the caller: the write-back of the batches < done."""
+        if self._thread is not None:
+            raise CheckpointError("a capacity write-back is already in flight")
+        self._done, self._error = done, None
+        self._release.clear()
+        self._thread = threading.Thread(target=self._run, name="cxltrain-write-back", daemon=True)
+        self._thread.start()
+
+    def finished(self) -> int | None:
+        """The batch count the write-back in flight covers, if it has returned (once); else None."""
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self._collect()
+
+    def join(self) -> int | None:
+        """Wait for the write-back in flight, if any; returns what finished() would then."""
+        if self._thread is None:
+            return None
+        self._release.set()
+        self._thread.join()
+        return self._collect()
+
+    def _collect(self) -> int:
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            raise CheckpointError(f"the capacity write-back failed: {self._error}") from self._error
+        return self._done
+
+    def _run(self) -> None:
+        if self._held:
+            self._release.wait()
+        started = time.perf_counter()
+        try:
+            self._sync()
+        except BaseException as e:  # noqa: BLE001 — raised by the commit that collects it
+            self._error = e
+        self.seconds += time.perf_counter() - started
