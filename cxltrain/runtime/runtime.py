@@ -512,7 +512,8 @@ class Runtime:
                 item = ahead[1] if ahead is not None and ahead[0] == b else get(b)
                 if self.prefetcher is not None and (stop is None or b + 1 < stop):
                     ahead = b + 1, get(b + 1)
-                    self.prefetcher.submit(self._cold_ids(ahead[1]))
+                    if self.prefetcher.due():
+                        self.prefetcher.submit(self._cold_ids(ahead[1]))
             else:
                 item = next(items, _END)
                 if item is _END:

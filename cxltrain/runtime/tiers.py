@@ -108,7 +108,15 @@ class ColdRowPrefetcher:
     Readahead is switched off for these reads (POSIX_FADV_RANDOM): rows are scattered, so reading
     ahead would fetch pages nobody asked for. `pages_read` counts the reads, `pages_resident` the
     pages skipped as already held.
+
+    Finding what to read costs the training thread a few ms a batch (the misses of every table,
+    their pages, mincore), all wasted while the page cache holds the whole set. So after a batch
+    whose pages were all held the next `due()` batches are skipped, one more after each such batch
+    in a row, up to MAX_SKIP; a batch with a page to read resets it. A page dropped meanwhile is
+    read by the lookup that needs it, as without a prefetcher. `batches_skipped` counts them.
     """
+
+    MAX_SKIP = 16
 
     def __init__(self, primary: Pool, tables: list, threads: int = 8) -> None:
         self._targets = {}  # table name -> [(fd, offset, row stride, residency)] of its weights and optimizer state
@@ -128,6 +136,17 @@ class ColdRowPrefetcher:
         self._pending: list = []
         self.pages_read = 0
         self.pages_resident = 0
+        self.batches_skipped = 0
+        self._held_in_a_row = 0  # batches in a row whose pages were all held
+        self._skip = 0           # batches still to skip
+
+    def due(self) -> bool:
+        """Whether the next batch's rows should be looked for (submit); False: skip this one."""
+        if self._skip:
+            self._skip -= 1
+            self.batches_skipped += 1
+            return False
+        return True
 
     def submit(self, ids: dict) -> None:
         """Start reading the pages of rows `ids` ({table name: int64 tensor [N]}); returns at once.
@@ -144,6 +163,8 @@ class ColdRowPrefetcher:
                 self.pages_resident += pages.size - absent.size
                 work += [(fd, int(page) * PAGE) for page in absent]
         self.pages_read += len(work)
+        self._held_in_a_row = 0 if work else self._held_in_a_row + 1
+        self._skip = min(self._held_in_a_row, self.MAX_SKIP)
         chunk = -(-len(work) // self._threads) if work else 0
         self._pending = [self._executor.submit(_read_pages, work[i : i + chunk]) for i in range(0, len(work), chunk or 1)]
 
