@@ -81,6 +81,9 @@ class CrashPoint:
         CAPACITY_PAGE_WRITE: "commits",   # at least once per commit (the sync), more with the crash model
     }
     RECOVERY = (RECOVER_MID, RECOVER_BEFORE_ROOT, RECOVER_AFTER_ROOT)
+    # reached by a write-back (on its own thread, checkpoint/write_back.py) or by the pages it writes
+    WRITE_BACK = (COMMIT_BEFORE_CAPACITY_SYNC, CAPACITY_MID_WRITE_BACK, CAPACITY_BEFORE_SYNC, COMMIT_AFTER_WRITE_BACK,
+                  CAPACITY_PAGE_WRITE)
 
 
 class Planted:

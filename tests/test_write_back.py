@@ -6,11 +6,15 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import signal
 import threading
+import time
+import types
 
 import pytest
 import torch
 
+from cxltrain.checkpoint.commit import CommitPipeline
 from cxltrain.checkpoint.ordering import Ordering
 from cxltrain.checkpoint.write_back import BackgroundWriteBack
 from cxltrain.errors import CheckpointError
@@ -109,3 +113,27 @@ def test_a_write_back_that_fails_beside_the_commits_fails_the_run_at_the_next_co
             for batch in rt.batches(build_source(config), stop=config.steps):
                 train_step(model, batch, rt.optimizers, rt.batch)
     assert rt._guard._commits.written_back == 0  # never counted
+
+
+def test_a_ctrl_c_while_closing_is_raised_only_once_the_sync_has_returned():
+    """The pools close right after CommitPipeline.close: a sync still running then would write to a
+    closed (or reused) descriptor. A SIGINT during the wait is held until the sync returns."""
+    gate, returned = threading.Event(), threading.Event()
+
+    def sync():
+        assert gate.wait(WAIT)
+        returned.set()
+
+    write_back = BackgroundWriteBack(sync)
+    write_back.start(2)
+
+    def interrupt_then_release():
+        time.sleep(0.2)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.2)
+        gate.set()
+
+    threading.Thread(target=interrupt_then_release, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        CommitPipeline.close(types.SimpleNamespace(background=write_back))
+    assert returned.is_set() and not write_back.in_flight

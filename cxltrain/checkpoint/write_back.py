@@ -34,7 +34,14 @@ class BackgroundWriteBack:
         # A crash test armed at COMMIT_WHILE_WRITING_BACK holds the sync until a join (a slow disk):
         # the commits after the start run, and the crash lands, while it is still in flight.
         self._held = crash_armed(CrashPoint.COMMIT_WHILE_WRITING_BACK)
+        # A crash test armed at a point inside the write-back (or at a page write, which the commits
+        # reach too) needs those points reached in one order, run after run: the commit that starts
+        # the write-back then waits for it before its root, as when it ran in the commit.
+        self.serial = any(crash_armed(point) for point in CrashPoint.WRITE_BACK)
         self._release = threading.Event()
+        # set by the thread as it ends: an Event's wait can be interrupted (Ctrl-C) and waited
+        # again, where Thread.join interrupted takes a live thread for ended (CPython 3.11)
+        self._returned = threading.Event()
         self.seconds = 0.0
 
     @property
@@ -47,12 +54,13 @@ class BackgroundWriteBack:
             raise CheckpointError("a capacity write-back is already in flight")
         self._done, self._error = done, None
         self._release.clear()
+        self._returned.clear()
         self._thread = threading.Thread(target=self._run, name="cxltrain-write-back", daemon=True)
         self._thread.start()
 
     def finished(self) -> int | None:
         """The batch count the write-back in flight covers, if it has returned (once); else None."""
-        if self._thread is None or self._thread.is_alive():
+        if self._thread is None or not self._returned.is_set():
             return None
         return self._collect()
 
@@ -61,7 +69,7 @@ class BackgroundWriteBack:
         if self._thread is None:
             return None
         self._release.set()
-        self._thread.join()
+        self._returned.wait()
         return self._collect()
 
     def _collect(self) -> int:
@@ -79,4 +87,6 @@ class BackgroundWriteBack:
             self._sync()
         except BaseException as e:  # noqa: BLE001 — raised by the commit that collects it
             self._error = e
-        self.seconds += time.perf_counter() - started
+        finally:
+            self.seconds += time.perf_counter() - started
+            self._returned.set()
