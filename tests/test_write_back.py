@@ -96,6 +96,38 @@ def test_commits_go_on_beside_a_held_write_back_and_keep_its_records_until_it_re
     assert rt.stats.write_backs >= 2 and rt.stats.write_back_seconds > 0
 
 
+def test_wait_idle_waits_for_the_write_back_in_flight_and_counts_it(folders, monkeypatch):
+    """wait_durable leaves the write-back running (it makes no batch durable); wait_idle, where a
+    benchmark's block ends, returns only once it has returned, and counts it, so the next commit's
+    root may pass the redo records it covers."""
+    gate = threading.Event()
+
+    def sync(self, pool, real=Ordering.sync_capacity):
+        if threading.current_thread().name == "cxltrain-write-back":
+            assert gate.wait(WAIT)
+        real(self, pool)
+
+    monkeypatch.setattr(Ordering, "sync_capacity", sync)
+    config = dataclasses.replace(CONFIG, capacity_pool=os.path.join(folders[1], "idle.cap"))
+    model = build_model(config)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
+    source = build_source(config)
+    with make_runtime(config, model, dense_opt, os.path.join(folders[0], "idle.pool")) as rt:
+        pipeline = rt._guard._commits
+        for batch in rt.batches(source, stop=2):
+            train_step(model, batch, rt.optimizers, rt.batch)
+        rt.wait_durable()
+        assert pipeline.background.in_flight and pipeline.written_back == 0
+        threading.Timer(0.2, gate.set).start()
+        assert rt.wait_idle() >= 0.15
+        assert not pipeline.background.in_flight and pipeline.written_back == 2 and rt.stats.write_backs == 1
+        start = pipeline.pool.root.ring_start
+        for batch in rt.batches(source, stop=3):
+            train_step(model, batch, rt.optimizers, rt.batch)
+        rt.wait_durable()
+        assert pipeline.pool.root.ring_start != start  # the records of batches 0 and 1 passed
+
+
 def test_a_write_back_that_fails_beside_the_commits_fails_the_run_at_the_next_commit(folders, monkeypatch):
     """The disk refuses the sync (EIO) on the write-back's thread: the commit that collects it
     fails, and the training thread gets that failure at its next batch end, naming the cause."""

@@ -8,7 +8,7 @@ job: {"config": TrainConfig as a dict, "dirs": [off's run folder, durable's], "w
 "block_steps"}. Each run is `cxltrain train`'s rank job (jobs/sharded_train.py: its own run folder,
 recovery point, model, DDP and exchange) on the run's one gloo group; every rank takes the same
 turns, so their collectives meet in the same order. A block ends once every rank's commits are
-durable (wait_durable, then a barrier). Rank 0 prints one JSON line: DistPaired.
+durable (wait_idle, then a barrier). Rank 0 prints one JSON line: DistPaired.
 """
 
 from __future__ import annotations

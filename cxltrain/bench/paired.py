@@ -5,8 +5,9 @@ Run-to-run noise on a shared 2-core machine (which memory a process gets, what t
 meanwhile) moves one run's mean step by more than the 5% the strict target allows.
 Alternating blocks inside one process puts both runs under the same conditions, so what differs
 between their block times is what the method costs. A block's time includes its run's work still
-in flight when the block ends (Runtime.wait_durable): a background commit is never billed to the
-other run. Each run keeps its own pool, model and optimizer; they share the data source.
+in flight when the block ends (Runtime.wait_idle: a commit, a capacity write-back): a run's
+background work is never billed to another run. Each run keeps its own pool, model and optimizer;
+they share the data source.
 
     paired_steps(TrainConfig(checkpoint="off"), TrainConfig(), ("/dev/shm/a.pool", "/dev/shm/b.pool"),
                  warmup=5, blocks=8, block_steps=10)
@@ -101,8 +102,9 @@ def take_turns(runs: list[Turns], *, warmup: int, blocks: int, block_steps: int,
                settle: Callable[[], None] | None = None) -> list[SideBySide]:
     """The runs in turn, `blocks` blocks of `block_steps` steps each after `warmup` steps each;
     who goes first rotates from block to block. A block ends once its run's commits are durable
-    (rt.wait_durable, then settle(): a group's barrier, so no rank's commit is billed to the next
-    block). The batch in flight is committed at the end (the runs' batches run out)."""
+    and its capacity write-back has returned (rt.wait_idle, then settle(): a group's barrier), so
+    no run's background work is billed to the next block. The batch in flight is committed at the
+    end (the runs' batches run out)."""
     seconds: list[list[float]] = [[] for _ in runs]
     totals: list[dict] = [{} for _ in runs]
 
@@ -110,7 +112,7 @@ def take_turns(runs: list[Turns], *, warmup: int, blocks: int, block_steps: int,
         started = time.perf_counter()
         for _ in range(steps):
             run.step(next(run.batches), run.rt)
-        run.rt.wait_durable()
+        run.rt.wait_idle()
         if settle is not None:
             settle()
         return time.perf_counter() - started

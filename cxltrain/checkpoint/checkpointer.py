@@ -327,6 +327,11 @@ class Checkpointer(BatchGuard):
         self.stats.lag_wait_seconds += waited
         return waited
 
+    def wait_idle(self) -> float:
+        """wait_durable, then a stealing set's capacity write-back in flight (counted here, as a
+        commit would: with no commit in flight, nothing else counts it meanwhile)."""
+        return self.wait_durable() + self._commits.join_write_back()
+
     def detach(self) -> None:
         """Stop the worker (what it has queued still runs: at most the commit handed over last and
         captures of the batch in flight, which is never committed), then let go of the tables.

@@ -112,6 +112,13 @@ class CommitPipeline:
             self.stats.write_backs += bool(self.pool.members)
             self.stats.write_back_seconds = self.background.seconds
 
+    def join_write_back(self) -> float:
+        """Wait for the write-back in flight, if any, and count it; returns the seconds waited.
+        Only with no commit in flight (the count is otherwise the commits' own, on the worker)."""
+        started = time.perf_counter()
+        self._count_write_back(self.background.join())
+        return time.perf_counter() - started
+
     def close(self) -> None:
         """Wait for the write-back in flight, if any: the pools close after this, and a sync still
         running must not see its descriptor closed (or reused). A failure is dropped here, as the

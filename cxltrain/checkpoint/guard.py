@@ -162,6 +162,10 @@ class BatchGuard(abc.ABC):
         """Wait for the commit in flight, if any; returns the seconds waited."""
         return 0.0
 
+    def wait_idle(self) -> float:
+        """wait_durable, then whatever else runs beside the training thread; returns the seconds."""
+        return self.wait_durable()
+
 
 class NoCheckpoint(BatchGuard):
     """checkpoint="off": the guard alone. The first in-place change makes the pool's root stop

@@ -543,6 +543,14 @@ class Runtime:
         self._require_open()
         return self._guard.wait_durable()
 
+    def wait_idle(self) -> float:
+        """wait_durable, then the work still running beside the training thread: a stealing pool
+        set's capacity write-back (which makes no batch durable, so wait_durable leaves it). A
+        benchmark ends its blocks here, so no run's background work is billed to another run's
+        block. Returns the seconds waited."""
+        self._require_open()
+        return self._guard.wait_idle()
+
     @property
     def dense_state(self) -> dense.DenseState:
         """What a dense snapshot captures: the dense modules, optimizers, schedulers, metadata."""
