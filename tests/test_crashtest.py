@@ -58,6 +58,14 @@ def test_a_torture_without_a_terminal_says_how_far_it_is(shm_dir, monkeypatch, c
         "crashtest: 1 of 2 trial(s) done, 1 exact", "crashtest: 2 of 2 trial(s) done, 2 exact"], said
 
 
+def test_a_plan_runs_in_parts_from_first(shm_dir):
+    """--first K runs trials K..N-1 of the seed's plan of N (a long torture split across runs)."""
+    done, report = crashtest("--trials", "4", "--first", "3", "--seed", str(SEED))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 trial(s) (trials 3 to 3 of its plan)" in done.stdout
+    assert report["trials"] == report["exact"] == report["asked"] == 1 and list(report["by_kind"]) == [KINDS[3]]
+
+
 def test_a_trial_replays_with_the_same_plan():
     with knobs.override(threads=1):
         a = Torture(trials=20, device=DeviceModel(power_loss=True), seed=SEED)
@@ -106,6 +114,7 @@ def test_planted_bug_is_caught_within_50_trials(fault, tmp_path):
 
 
 def test_bad_arguments_are_one_line():
-    for args in (["--trials", "0"], ["--evict-rate", "10"], ["--plant", "nonsense"], ["--domain", "eadr"]):
+    for args in (["--trials", "0"], ["--evict-rate", "10"], ["--plant", "nonsense"], ["--domain", "eadr"],
+                 ["--trials", "3", "--first", "3"], ["--first", "1", "--trial", "2"]):
         done = cxltrain(*CLI, *args, timeout=120)
         assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, (args, done.stderr)

@@ -32,6 +32,9 @@ def add_crashtest(sub) -> None:
     c.add_argument("--seed", type=non_negative_int, default=None, help="plan of the trials (default: random, printed)")
     c.add_argument("--trial", type=non_negative_int, default=None, metavar="K",
                    help="run only trial K of the seed's plan (to replay one)")
+    c.add_argument("--first", type=non_negative_int, default=0, metavar="K",
+                   help="start at trial K of the seed's plan of --trials N: trials K to N-1 (one long plan run "
+                        "in parts, one after another or side by side)")
     c.add_argument("--plant", choices=PLANTED + DIST_PLANTED, default="",
                    help="plant a bug that breaks a persistence rule, to see the torture catch it (the "
                         "distributed runs' bugs with --mode ranks)")
@@ -60,6 +63,8 @@ def _run_crashtest(args) -> int:
     if args.samples is not None or args.exhaustive_atoms is not None:
         raise ConfigError("--samples and --exhaustive-atoms need --enumerate")
     args.trials = 50 if args.trials is None else args.trials
+    if args.first and args.trial is not None:
+        raise ConfigError("--first and --trial: give one or the other")
     import random
     import time
 
@@ -72,8 +77,8 @@ def _run_crashtest(args) -> int:
         device = DeviceModel(bool(KNOBS.power_loss), KNOBS.domain, KNOBS.evict_rate, KNOBS.persist_bandwidth)
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)
     with knobs.override(threads=1):  # references and resumes in this process, as in the children
-        common = dict(trials=args.trials, device=device, seed=seed, only=args.trial, fail_fast=args.fail_fast,
-                      keep_dir=args.keep)
+        common = dict(trials=args.trials, device=device, seed=seed, only=args.trial, first=args.first,
+                      fail_fast=args.fail_fast, keep_dir=args.keep)
         if args.mode == "ranks":
             torture = RankTorture(plant=args.plant, **common)
         else:
@@ -83,8 +88,9 @@ def _run_crashtest(args) -> int:
 
         with knobs.override(**device.knobs(0)):
             model = describe_model()
-        total = 1 if args.trial is not None else args.trials
-        print(f"crashtest --mode {args.mode}: seed {seed}, {total} trial(s), "
+        total = 1 if args.trial is not None else args.trials - args.first
+        part = f" (trials {args.first} to {args.trials - 1} of its plan)" if args.first else ""
+        print(f"crashtest --mode {args.mode}: seed {seed}, {total} trial(s){part}, "
               f"device models {model}" + (f", planted bug {plant}" if plant else ""), flush=True)
         started = time.perf_counter()
         bar = tqdm(total=total, desc="crashtest", unit="trial",
@@ -111,7 +117,7 @@ def _run_crashtest(args) -> int:
             bar.close()
             torture.close()
     report = summary(results, time.perf_counter() - started)
-    asked = 1 if args.trial is not None else args.trials
+    asked = 1 if args.trial is not None else args.trials - args.first
     kinds = ", ".join(f"{k} {v['exact']}/{v['trials']}" for k, v in report["by_kind"].items())
     print(f"{report['exact']}/{report['trials']} exact in {report['seconds']:.0f} s, "
           f"{report['trials'] / max(report['seconds'], 1e-9):.2f} trials/s ({kinds}; "
@@ -137,7 +143,7 @@ def _run_enumeration(args) -> int:
     given = [flag for flag, value in (("--trials", args.trials), ("--trial", args.trial), ("--keep", args.keep),
                                       ("--power-loss", args.power_loss), ("--domain", args.domain),
                                       ("--evict-rate", args.evict_rate), ("--persist-bandwidth", args.persist_bandwidth))
-             if value is not None] + (["--fail-fast"] if args.fail_fast else [])
+             if value is not None] + (["--fail-fast"] if args.fail_fast else []) + (["--first"] if args.first else [])
     if given:
         raise ConfigError(f"--enumerate runs no trials and chooses its own device models: drop {', '.join(given)}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 31)

@@ -298,10 +298,10 @@ class Torture:
     plants = faults.PLANTED
 
     def __init__(self, *, trials: int, device: DeviceModel, seed: int, plant: str = "", only: int | None = None,
-                 fail_fast: bool = False, keep_dir: str | None = None, config: TrainConfig = TRIAL_CONFIG,
-                 pool_set: bool = False) -> None:
+                 first: int = 0, fail_fast: bool = False, keep_dir: str | None = None,
+                 config: TrainConfig = TRIAL_CONFIG, pool_set: bool = False) -> None:
         self.mode = "set" if pool_set else self.mode
-        self._settle(trials, device, seed, plant, only, fail_fast, keep_dir)
+        self._settle(trials, device, seed, plant, only, first, fail_fast, keep_dir)
         self.path = os.path.join(self.work, "trial.pool")
         self.disk_work = None
         if pool_set:  # the capacity tier on the real disk, as `train --capacity-pool` is meant to be used
@@ -316,18 +316,22 @@ class Torture:
         self.run_seconds = 0.0      # an uninterrupted child's training time (calibrated)
         self.flushes = 0            # an uninterrupted child's device flushes (calibrated)
 
-    def _settle(self, trials: int, device: DeviceModel, seed: int, plant: str, only: int | None, fail_fast: bool,
-                keep_dir: str | None) -> None:
-        """Check and keep what every mode is given; make the work folder."""
+    def _settle(self, trials: int, device: DeviceModel, seed: int, plant: str, only: int | None, first: int,
+                fail_fast: bool, keep_dir: str | None) -> None:
+        """Check and keep what every mode is given; make the work folder. The trials run are
+        [only], or first..trials-1 of the seed's plan (a trial's plan is its seed's and number's alone,
+        so one plan of many trials may be run in parts, one after another or side by side)."""
         if trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {trials}")
+        if not 0 <= first < trials:
+            raise ConfigError(f"--first {first}: the plan of --trials {trials} has trials 0 to {trials - 1}")
         if plant and plant not in self.plants:
             raise ConfigError(f"unknown planted fault {plant!r} for --mode {self.mode}; choose one of "
                               f"{', '.join(self.plants)}")
         with knobs.override(**device.knobs(0)):
             KNOBS.validate()
         self.trials, self.device, self.seed, self.plant = trials, device, seed, plant
-        self.only, self.fail_fast = only, fail_fast
+        self.only, self.first, self.fail_fast = only, first, fail_fast
         self.work = tempfile.mkdtemp(prefix="cxltrain-crashtest-", dir=memory_dir())
         self.keep_dir = keep_dir or os.path.join(tempfile.gettempdir(), f"cxltrain-crashtest-{seed}")
 
@@ -479,10 +483,10 @@ class Torture:
         return lines
 
     def run(self, on_trial: Callable[[TrialResult], None] = lambda r: None) -> list[TrialResult]:
-        """Calibrate, then run the trials (or only --trial K); stops early with fail_fast, or at
-        Ctrl-C with the trials done so far."""
+        """Calibrate, then run the trials (--first K on, or only --trial K); stops early with
+        fail_fast, or at Ctrl-C with the trials done so far."""
         self.calibrate()
-        numbers = [self.only] if self.only is not None else range(self.trials)
+        numbers = [self.only] if self.only is not None else range(self.first, self.trials)
         results = []
         for number in numbers:
             try:

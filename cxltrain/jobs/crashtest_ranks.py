@@ -141,8 +141,9 @@ class RankTorture(Torture):
     plants = faults.PLANTED + faults.DIST_PLANTED
 
     def __init__(self, *, trials: int, device: DeviceModel, seed: int, plant: str = "", only: int | None = None,
-                 fail_fast: bool = False, keep_dir: str | None = None, config: TrainConfig = RANKS_CONFIG) -> None:
-        self._settle(trials, device, seed, plant, only, fail_fast, keep_dir)
+                 first: int = 0, fail_fast: bool = False, keep_dir: str | None = None,
+                 config: TrainConfig = RANKS_CONFIG) -> None:
+        self._settle(trials, device, seed, plant, only, first, fail_fast, keep_dir)
         self.config, self.disk_work = config, None
         self.path = os.path.join(self.work, "run")
         self.references = RankReferences(config, self.work)
