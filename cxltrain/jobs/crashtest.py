@@ -28,8 +28,9 @@ A trial is defined by (seed, trial number), so `--seed S --trial K` replays it w
 are exact). A mismatch keeps the pool as it was right after the kill, and prints the commands that
 replay it.
 
-Children are forked from a server process that has imported torch and cxltrain already (the
-multiprocessing forkserver), so a trial costs its training, not an interpreter start. Every process
+Children are forked from a server process that has imported torch, torch._dynamo (which a torch
+optimizer imports when first built) and cxltrain already (the multiprocessing forkserver), so a
+trial costs its training, not an interpreter start. Every process
 runs torch with one thread: results stay reproducible, and the evictor thread does not fight
 torch's thread pool for the two cores.
 """
@@ -312,7 +313,8 @@ class Torture:
         self.points = SET_POINTS if pool_set else PROTOCOL_POINTS
         self.references = References(config, self.work, self.disk_work)
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["cxltrain.jobs.train", "cxltrain.jobs.crashtest"])
+        # torch._dynamo too: each child's first torch optimizer would otherwise import it itself
+        self._context.set_forkserver_preload(["cxltrain.jobs.train", "cxltrain.jobs.crashtest", "torch._dynamo"])
         self.run_seconds = 0.0      # an uninterrupted child's training time (calibrated)
         self.flushes = 0            # an uninterrupted child's device flushes (calibrated)
 
