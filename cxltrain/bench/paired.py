@@ -6,7 +6,7 @@ meanwhile) moves one run's mean step by more than the 5% the strict target allow
 Alternating blocks inside one process puts both runs under the same conditions, so what differs
 between their block times is what the method costs. A block's time includes its run's work still
 in flight when the block ends (Runtime.wait_idle: a commit, a capacity write-back): a run's
-background work is never billed to another run. Each run keeps its own pool, model and optimizer;
+commits and write-backs are never billed to another run (its prefetcher's reads ahead may be). Each run keeps its own pool, model and optimizer;
 they share the data source.
 
     paired_steps(TrainConfig(checkpoint="off"), TrainConfig(), ("/dev/shm/a.pool", "/dev/shm/b.pool"),

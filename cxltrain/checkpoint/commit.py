@@ -15,9 +15,9 @@ all of them (U3). Steps are yielded so the worker can serve captures of b + 1 be
 A pool set that steals (write_back_every > 1, docs/tiers.md "Steal, no force"): the cold rows'
 redo records are durable in the ring before the commit is handed over, so no commit syncs the
 capacity pools for its own batch. Every write_back_every batches a commit starts a write-back
-beside the commits (write_back.py), which the first commit after it has returned counts; when the
-ring is half full, or when the caller asks (the run's last commit, an early one for room), the
-commit waits for any in flight and writes back itself. Until a write-back is counted the root keeps
+beside the commits (write_back.py), which the first commit after it has returned counts (or
+join_write_back, for Runtime.wait_idle); when the ring is half full, or when the caller asks (the
+run's last commit, an early one for room), the commit waits for any in flight and writes back itself. Until a write-back is counted the root keeps
 the ring's live start at the last one counted, so every redo record since stays live for recovery.
 """
 

@@ -3,9 +3,10 @@
 Between write-backs a batch's cold rows are durable through their redo records (U2f); a write-back
 (every capacity pool's dirty pages synced) makes no batch durable. It only lets the ring's live start
 move past those records, and only once it has returned (U3c). So the commit it falls due at starts
-it after that commit's rows are flushed (it then covers every batch before that commit), and nobody
-waits for it: the first commit to find it returned counts it, and from then on may pass the records
-of the batches it covers. Those who need it done (the run's last commit, a ring short of room) join it.
+it after that commit's rows are flushed (it then covers every batch before that commit), and training
+goes on beside it: the first commit to find it returned counts it, and from then on may pass the
+records of the batches it covers. Those who need it done join it, and count it: the run's last
+commit, a ring short of room, and Runtime.wait_idle (a benchmark's block end).
 
     write_back = BackgroundWriteBack(sync)   # sync(): the capacity pools' pages synced
     write_back.start(done)                   # covers the batches < done
