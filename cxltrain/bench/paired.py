@@ -6,8 +6,8 @@ meanwhile) moves one run's mean step by more than the 5% the strict target allow
 Alternating blocks inside one process puts both runs under the same conditions, so what differs
 between their block times is what the method costs. A block's time includes its run's work still
 in flight when the block ends (Runtime.wait_idle: a commit, a capacity write-back): a run's
-commits and write-backs are never billed to another run (its prefetcher's reads ahead may be). Each run keeps its own pool, model and optimizer;
-they share the data source.
+commits and write-backs are never billed to another run (its prefetcher's reads ahead may be).
+Each run keeps its own pool, model and optimizer; they share the data source.
 
     paired_steps(TrainConfig(checkpoint="off"), TrainConfig(), ("/dev/shm/a.pool", "/dev/shm/b.pool"),
                  warmup=5, blocks=8, block_steps=10)
@@ -103,7 +103,7 @@ def take_turns(runs: list[Turns], *, warmup: int, blocks: int, block_steps: int,
     """The runs in turn, `blocks` blocks of `block_steps` steps each after `warmup` steps each;
     who goes first rotates from block to block. A block ends once its run's commits are durable
     and its capacity write-back has returned (rt.wait_idle, then settle(): a group's barrier), so
-    no run's background work is billed to the next block. The batch in flight is committed at the
+    no run's commits or write-backs are billed to the next block. The batch in flight is committed at the
     end (the runs' batches run out)."""
     seconds: list[list[float]] = [[] for _ in runs]
     totals: list[dict] = [{} for _ in runs]

@@ -17,8 +17,9 @@ redo records are durable in the ring before the commit is handed over, so no com
 capacity pools for its own batch. Every write_back_every batches a commit starts a write-back
 beside the commits (write_back.py), which the first commit after it has returned counts (or
 join_write_back, for Runtime.wait_idle); when the ring is half full, or when the caller asks (the
-run's last commit, an early one for room), the commit waits for any in flight and writes back itself. Until a write-back is counted the root keeps
-the ring's live start at the last one counted, so every redo record since stays live for recovery.
+run's last commit, an early one for room), the commit waits for any in flight and writes back
+itself. Until a write-back is counted the root keeps the ring's live start at the last one
+counted, so every redo record since stays live for recovery.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class CommitPipeline:
         self._write_back = (not self.steals or write_back or 2 * self.ring.free_bytes < self.ring.capacity
                             or (due and not self._beside))
         if self._write_back:
-            self._count_write_back(self.background.join())
+            self.join_write_back()
         self._start_write_back = done if due and not self._write_back and not self.background.in_flight else None
         self._keep_from = self.ordering.keep_from(done, agreed)
         if not self._write_back:
@@ -114,7 +115,7 @@ class CommitPipeline:
 
     def join_write_back(self) -> float:
         """Wait for the write-back in flight, if any, and count it; returns the seconds waited.
-        Only with no commit in flight (the count is otherwise the commits' own, on the worker)."""
+        Called by a commit's steps, or with no commit in flight (Runtime.wait_idle): never beside one."""
         started = time.perf_counter()
         self._count_write_back(self.background.join())
         return time.perf_counter() - started
@@ -171,7 +172,7 @@ class CommitPipeline:
             self.background.start(self._start_write_back)
             self.write_back_started = self._start_write_back
             if self.background.serial:  # a crash test's fixed order (write_back.py)
-                self._count_write_back(self.background.join())
+                self.join_write_back()
 
     def _sync_members(self) -> None:
         """The capacity pools' pages written back and synced (on the worker, or beside it)."""

@@ -65,6 +65,7 @@ def _run_crashtest(args) -> int:
     args.trials = 50 if args.trials is None else args.trials
     if args.first and args.trial is not None:
         raise ConfigError("--first and --trial: give one or the other")
+    asked = 1 if args.trial is not None else args.trials - args.first  # trials this run is to make
     import random
     import time
 
@@ -88,12 +89,11 @@ def _run_crashtest(args) -> int:
 
         with knobs.override(**device.knobs(0)):
             model = describe_model()
-        total = 1 if args.trial is not None else args.trials - args.first
         part = f" (trials {args.first} to {args.trials - 1} of its plan)" if args.first else ""
-        print(f"crashtest --mode {args.mode}: seed {seed}, {total} trial(s){part}, "
+        print(f"crashtest --mode {args.mode}: seed {seed}, {asked} trial(s){part}, "
               f"device models {model}" + (f", planted bug {plant}" if plant else ""), flush=True)
         started = time.perf_counter()
-        bar = tqdm(total=total, desc="crashtest", unit="trial",
+        bar = tqdm(total=asked, desc="crashtest", unit="trial",
                    disable=None if not args.no_progress else True, file=sys.stderr, dynamic_ncols=True)
         exact, done, logged = [0], [0], [started]
 
@@ -105,7 +105,7 @@ def _run_crashtest(args) -> int:
             now = time.perf_counter()
             if bar.disable and not args.no_progress and now - logged[0] >= LOG_EVERY_S:
                 logged[0] = now
-                print(f"crashtest: {done[0]} of {total} trial(s) done, {exact[0]} exact, "
+                print(f"crashtest: {done[0]} of {asked} trial(s) done, {exact[0]} exact, "
                       f"{done[0] / (now - started):.2f} trials/s", file=sys.stderr, flush=True)
             if not result.exact:
                 bar.write(f"trial {result.plan.number}: MISMATCH ({result.plan.describe()}; recovered batch "
@@ -117,7 +117,6 @@ def _run_crashtest(args) -> int:
             bar.close()
             torture.close()
     report = summary(results, time.perf_counter() - started)
-    asked = 1 if args.trial is not None else args.trials - args.first
     kinds = ", ".join(f"{k} {v['exact']}/{v['trials']}" for k, v in report["by_kind"].items())
     print(f"{report['exact']}/{report['trials']} exact in {report['seconds']:.0f} s, "
           f"{report['trials'] / max(report['seconds'], 1e-9):.2f} trials/s ({kinds}; "

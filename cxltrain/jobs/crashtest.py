@@ -30,9 +30,9 @@ replay it.
 
 Children are forked from a server process that has imported torch, torch._dynamo (which a torch
 optimizer imports when first built) and cxltrain already (the multiprocessing forkserver), so a
-trial costs its training, not an interpreter start. Every process
-runs torch with one thread: results stay reproducible, and the evictor thread does not fight
-torch's thread pool for the two cores.
+trial costs its training, not an interpreter start. Every process runs torch with one thread:
+results stay reproducible, and the evictor thread does not fight torch's thread pool for the two
+cores.
 """
 
 from __future__ import annotations

@@ -546,8 +546,8 @@ class Runtime:
     def wait_idle(self) -> float:
         """wait_durable, then the work still running beside the training thread: a stealing pool
         set's capacity write-back (which makes no batch durable, so wait_durable leaves it). A
-        benchmark ends its blocks here, so no run's background work is billed to another run's
-        block. Returns the seconds waited."""
+        benchmark ends its blocks here, so no run's commits or write-backs are billed to another
+        run's block. Returns the seconds waited."""
         self._require_open()
         return self._guard.wait_idle()
 
