@@ -50,9 +50,22 @@ def assert_same_export(a: dict, b: dict) -> None:
     """Two `export_state` results are equal: batch, every model tensor, optimizers and schedulers."""
     assert a["batch"] == b["batch"]
     assert a["model"].keys() == b["model"].keys()
-    for key in a["model"]:
-        assert torch.equal(a["model"][key], b["model"][key]), key
+    differ = [key for key in a["model"] if not torch.equal(a["model"][key], b["model"][key])]
+    assert not differ, "tensors differ: " + "; ".join(_difference(key, a["model"][key], b["model"][key]) for key in differ)
     assert repr(a["optimizers"]) == repr(b["optimizers"]) and a["schedulers"] == b["schedulers"]
+
+
+def _difference(key: str, a: torch.Tensor, b: torch.Tensor) -> str:
+    """How two tensors differ, for a failure message: every differing key with where, so a rare
+    inexact recovery says which rows it touched (the first differing key alone would not)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"{key} {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    if a.dim() == 0:
+        return f"{key} {a.item()!r} vs {b.item()!r}"
+    unequal = a != b
+    where = torch.nonzero(unequal.reshape(a.shape[0], -1).any(dim=1)).reshape(-1)
+    gap = (a.double() - b.double()).abs().max().item()
+    return f"{key} {int(unequal.sum())} element(s) in rows {where[:8].tolist()}, largest gap {gap:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------

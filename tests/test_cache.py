@@ -408,7 +408,14 @@ def test_the_crash_test_catches_a_re_placement_not_logged_first(folders, replaci
 
 def test_killed_after_the_write_back_resumes_bit_exactly(folders, replacing):
     primary, capacity = killed(folders, f"{CrashPoint.CACHE_AFTER_WRITE_BACK}:1", power_loss="1", replace_every=4)
-    assert_same_export(resumed(primary, capacity, "1", REPLACING), replacing[0])
+    with Pool.open(primary, writable=False) as pool:
+        # batch 3's commit may or may not be durable when batch 4's re-placement is killed, a race
+        # with the commit worker: a failure says which (docs/testing.md, a failure not reproduced)
+        committed = pool.root.batches_done
+    try:
+        assert_same_export(resumed(primary, capacity, "1", REPLACING), replacing[0])
+    except AssertionError as e:
+        raise AssertionError(f"killed with {committed} batches committed: {e}") from None
 
 
 def test_the_crash_test_catches_capacity_pages_never_synced_at_the_write_back(folders, replacing):
