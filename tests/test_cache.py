@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -412,10 +413,21 @@ def test_killed_after_the_write_back_resumes_bit_exactly(folders, replacing):
         # batch 3's commit may or may not be durable when batch 4's re-placement is killed, a race
         # with the commit worker: a failure says which (docs/testing.md, a failure not reproduced)
         committed = pool.root.batches_done
+    killed_files = {path: f"{path}.killed" for path in (primary, capacity)}
+    for path, copy in killed_files.items():
+        shutil.copyfile(path, copy)
+    first = resumed(primary, capacity, "1", REPLACING)
     try:
-        assert_same_export(resumed(primary, capacity, "1", REPLACING), replacing[0])
+        assert_same_export(first, replacing[0])
     except AssertionError as e:
-        raise AssertionError(f"killed with {committed} batches committed: {e}") from None
+        # resumed again from the same killed files: the same result blames what the kill left,
+        # a different one the resume itself
+        for path, copy in killed_files.items():
+            shutil.copyfile(copy, path)
+        again = resumed(primary, capacity, "1", REPLACING)
+        same = all(torch.equal(first["model"][k], again["model"][k]) for k in first["model"])
+        raise AssertionError(f"killed with {committed} batches committed; resumed twice from the killed files, "
+                             f"{'the same' if same else 'differently'}: {e}") from None
 
 
 def test_the_crash_test_catches_capacity_pages_never_synced_at_the_write_back(folders, replacing):
