@@ -87,12 +87,15 @@ class Replicas:
         ids = self.ids[t]
         if not ids.numel():
             return values, offsets, None
-        hot = torch.isin(values, ids)
+        # one binary search in the sorted ids says both whether a lookup's row is replicated and
+        # where its copy is: no torch.isin pass, then a second search of the replicated ones
+        at = torch.searchsorted(ids, values).clamp_(max=ids.numel() - 1)
+        hot = ids[at] == values
         ends = torch.cat([offsets, torch.tensor([values.numel()])])
         counted = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(hot.to(torch.int64), 0)])
         hot_lengths = counted[ends[1:]] - counted[ends[:-1]]
         cold_lengths = ends[1:] - ends[:-1] - hot_lengths
-        positions = torch.searchsorted(ids, values[hot])
+        positions = at[hot]
         self.lookups[t] = positions, torch.repeat_interleave(torch.arange(offsets.numel()), hot_lengths)
         # no autograd here: the exchange's backward takes the gradient of these bags (gradient)
         pooled = F.embedding_bag(positions, self.rows[t], torch.cumsum(hot_lengths, 0) - hot_lengths, mode="sum")
