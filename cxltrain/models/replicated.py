@@ -88,7 +88,7 @@ class Replicas:
         if not ids.numel():
             return values, offsets, None
         # one binary search in the sorted ids says both whether a lookup's row is replicated and
-        # where its copy is: no torch.isin pass, then a second search of the replicated ones
+        # where its copy is (rather than a torch.isin pass, then a second search of the hot ones)
         at = torch.searchsorted(ids, values).clamp_(max=ids.numel() - 1)
         hot = ids[at] == values
         ends = torch.cat([offsets, torch.tensor([values.numel()])])
