@@ -213,8 +213,6 @@ class ShardedStep:
         if not bool(torch.isfinite(loss)):
             raise NonFiniteError(f"rank {comm.rank}, batch {b}: the loss is {loss.item()}; stopped before its backward")
         loss.backward()
-        if exchange is self.replicated:
-            exchange.replicas.apply_gradients()  # collective: summed in rank order, then every copy and owner
         self.dense_opt.step()
         self.dense_opt.zero_grad(set_to_none=True)
         return logits, local.labels, loss

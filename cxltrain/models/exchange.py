@@ -53,7 +53,8 @@ class Comm:
         rank c sums the c-th chunk of rows (chunk_bounds) from every rank in rank order (a
         reduce-scatter as an all-to-all: sum_in_rank_order), then sends its sum to every rank
         (gather_chunks). A ring all-reduce would add each element in an order that depends on its
-        position. The replicated step (replicated.py) sends the first half inside its backward."""
+        position. The replicated step (replicated.py) sums its rows the same way, by owner, and
+        sends the sums with its next step's rows; the link probe (jobs/replication.py) times this."""
         if self.world_size == 1:
             return x.clone()
         bounds = chunk_bounds(x.shape[0], self.world_size)
@@ -129,11 +130,12 @@ class SparseExchange:
         pooled = self._look_up(received)
         return list(_Exchange.apply(self, *pooled)), targets
 
-    def _look_up(self, received: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _look_up(self, received: list[torch.Tensor], own: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Each held table looked up for the whole batch, in table order: [B, D] per table of bags
         (every source's B_r bag lengths, then the ids), [U, D] per table of unique rows (every
         source's count U_r, then its U_r distinct ids, each a bag of its own: served says which
-        rows answer which source)."""
+        rows answer which source); then own[t] (local ids [O]), a bag of one each, the last O rows:
+        rows whose gradient the exchange's backward brings, taken by the table's one update."""
         cursors = [0] * len(received)
         pooled = []
         for t in self.model.table_index:
@@ -151,6 +153,9 @@ class SparseExchange:
                 lengths.append(bag_lengths)
                 cursors[source] = at + count
             self.lengths_seen[t] = lengths  # per source: which bags held ids of t (replicated.py)
+            if own and t in own:
+                ids.append(own[t])
+                lengths = [*lengths, torch.ones(own[t].numel(), dtype=torch.int64)]
             # no id at all: one empty bag, as a lookup needs an offset
             all_lengths = torch.cat(lengths) if any(x.numel() for x in lengths) else torch.zeros(1, dtype=torch.int64)
             offsets = torch.cumsum(all_lengths, 0) - all_lengths
