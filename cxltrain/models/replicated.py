@@ -96,16 +96,24 @@ class Replicas:
                       for rows in self.owned_rows]
         self.summed, self.due = None, False
 
-    def look_up(self, t: int, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Table t's bags (values [N], offsets [B_r]) split: (the ids not replicated, their offsets
-        [B_r]); the lookups of the copies are kept for `pooled` and `gradient`."""
+    def find(self, t: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Which of table t's lookups (values [N]) hit a copy, and which: (hot [N] bool, the copy
+        of each [N], meaningful where hot), or None when t has no copies."""
         ids = self.ids[t]
         if not ids.numel():
-            return values, offsets
+            return None
         # one binary search in the sorted ids says both whether a lookup's row is replicated and
         # where its copy is (rather than a torch.isin pass, then a second search of the hot ones)
         at = torch.searchsorted(ids, values).clamp_(max=ids.numel() - 1)
-        hot = ids[at] == values
+        return ids[at] == values, at
+
+    def look_up(self, t: int, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Table t's bags (values [N], offsets [B_r]) split: (the ids not replicated, their offsets
+        [B_r]); the lookups of the copies are kept for `pooled` and `gradient`."""
+        found = self.find(t, values)
+        if found is None:
+            return values, offsets
+        hot, at = found
         ends = torch.cat([offsets, torch.tensor([values.numel()])])
         counted = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(hot.to(torch.int64), 0)])
         hot_lengths = counted[ends[1:]] - counted[ends[:-1]]
@@ -123,13 +131,15 @@ class Replicas:
         # no autograd here: the exchange's backward takes the gradient of these bags (gradient)
         return F.embedding_bag(positions, self.rows[t], offsets, mode="sum")
 
-    def gradient(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def gradient(self, grads: list[torch.Tensor], given: dict[int, torch.Tensor]) -> torch.Tensor:
         """The copies' gradient [H, D] (every replicated table's rows, in table order) from this
         slice's bag gradients grads[t] [B_r, D]: each lookup's bag gradient added to its row, in
-        lookup order."""
+        lookup order; given[t] [H_t, D]: table t's, made so by its AskedRows."""
         parts = []
         for t, ids in enumerate(self.ids):
-            if ids.numel():
+            if t in given:
+                parts.append(given[t])
+            elif ids.numel():
                 grad = torch.zeros(ids.numel(), self.dim)
                 if self.lookups[t] is not None:
                     positions, bags, _ = self.lookups[t]
@@ -174,36 +184,48 @@ class Replicas:
 
 
 class AskedRows:
-    """Table t's ids of this rank's slice that are not replicated, asked of their holders as
-    distinct rows (the unique-row exchange): ids[o] [U_o] sorted, local to holder o's rows;
-    positions [N]: each id's row in the holders' answers put together in rank order [U, D];
-    offsets [B_r] and bags [N], the slice's bags over those ids."""
+    """Table t's lookups of this rank's slice (values [N], offsets [B_r]) for the unique-row
+    exchange: the ids not replicated asked of their holders as distinct rows, ids[o] [U_o] sorted,
+    local to holder o's rows (U of them in all, answered in rank order); the others served by the
+    H_t copies. positions [N]: each lookup's row in the answers and then the copies, [U + H_t, D];
+    bags [N]: its bag. So a bag is pooled from both at once, and one pass lays out the gradients
+    of both."""
 
-    def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor) -> None:
-        self.positions = torch.empty_like(values)
+    def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor,
+                 found: tuple[torch.Tensor, torch.Tensor] | None, copies: int) -> None:
+        cold = values if found is None else values[~found[0]]
+        asked = torch.empty_like(cold)
         self.ids: dict[int, torch.Tensor] = {}
-        at = 0
+        self.rows = 0
         for o in table.ranks:  # rank order, as the answers are put together
             lo, hi = table.rows_of(o)
-            inside = (values >= lo) & (values < hi)
-            self.ids[o], inverse = torch.unique(values[inside] - lo, sorted=True, return_inverse=True)
-            self.positions[inside] = at + inverse
-            at += self.ids[o].numel()
+            inside = (cold >= lo) & (cold < hi)
+            self.ids[o], inverse = torch.unique(cold[inside] - lo, sorted=True, return_inverse=True)
+            asked[inside] = self.rows + inverse
+            self.rows += self.ids[o].numel()
+        self.copies = copies
+        if found is None:
+            self.positions = asked
+        else:
+            hot, at = found
+            self.positions = torch.empty_like(values)
+            self.positions[~hot] = asked
+            self.positions[hot] = self.rows + at[hot]
         self.offsets = offsets
         ends = torch.cat([offsets, torch.tensor([values.numel()])])
         self.bags = torch.repeat_interleave(torch.arange(offsets.numel()), ends[1:] - ends[:-1])
 
-    def pooled(self, rows: torch.Tensor) -> torch.Tensor:
-        """The slice's bags [B_r, D] summed from the answered rows [U, D]."""
-        if not rows.shape[0]:
+    def pooled(self, rows: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+        """The slice's bags [B_r, D] summed from the answered rows [U, D] and the copies [H_t, D]."""
+        weight = torch.cat([rows, copies]) if self.copies else rows
+        if not weight.shape[0]:
             return torch.zeros(self.offsets.numel(), rows.shape[1])
-        return F.embedding_bag(self.positions, rows, self.offsets, mode="sum")
+        return F.embedding_bag(self.positions, weight, self.offsets, mode="sum")
 
     def gradient(self, grad: torch.Tensor) -> torch.Tensor:
-        """Each answered row's gradient [U, D] from the bags' grad [B_r, D]: every lookup's bag
-        gradient added to its row in lookup order (the same bits every run)."""
-        rows = sum(ids.numel() for ids in self.ids.values())
-        return torch.zeros(rows, grad.shape[1]).index_add_(0, self.positions, grad[self.bags])
+        """Each answered row's gradient, then each copy's [U + H_t, D], from the bags' grad [B_r,
+        D]: every lookup's bag gradient added to its row in lookup order (the same bits every run)."""
+        return torch.zeros(self.rows + self.copies, grad.shape[1]).index_add_(0, self.positions, grad[self.bags])
 
     def span(self, owner: int) -> slice:
         """The rows of [U, D] that `owner` answers."""
@@ -228,10 +250,13 @@ class ReplicatedExchange(SparseExchange):
 
     def forward(self, local: Batch, target: int) -> tuple[list[torch.Tensor], list[int]]:
         comm, plan = self.comm, self.plan
-        split = [self.replicas.look_up(t, v, o) if plan.tables[t].kind != DATA_PARALLEL else (v, o)
-                 for t, (v, o) in enumerate(zip(local.values, local.offsets))]
-        self.asked = {t: AskedRows(plan.tables[t], *split[t]) for t in range(len(plan.tables))
-                      if self.unique[t] and plan.tables[t].kind != DATA_PARALLEL}
+        replicas = self.replicas
+        sharded = [t for t, table in enumerate(plan.tables) if table.kind != DATA_PARALLEL]
+        self.asked = {t: AskedRows(plan.tables[t], local.values[t], local.offsets[t],
+                                   replicas.find(t, local.values[t]), replicas.ids[t].numel())
+                      for t in sharded if self.unique[t]}
+        split = {t: replicas.look_up(t, v, o) if t in sharded else (v, o)  # a data-parallel table: none replicated
+                 for t, (v, o) in enumerate(zip(local.values, local.offsets)) if t not in self.asked}
         messages = []
         for owner in range(comm.world_size):
             parts = []
@@ -250,9 +275,9 @@ class ReplicatedExchange(SparseExchange):
         received_header = torch.cat(comm.all_to_all(list(header), [2] * comm.world_size)).view(-1, 2)
         targets = received_header[:, 1].tolist()
         pooled = self._look_up(comm.all_to_all(messages, received_header[:, 0].tolist()), self.replicas.own_rows())
-        cold = _ColdExchange.apply(self, *pooled)  # the copies have taken the last step's sums in it
-        hot = [self.replicas.pooled(t) for t in range(len(plan.tables))]
-        return [c if h is None else c + h for c, h in zip(cold, hot)], targets
+        embedded = _ColdExchange.apply(self, *pooled)  # the copies have taken the last step's sums in it
+        hot = {t: replicas.pooled(t) for t in split if t in sharded}  # bag tables' (AskedRows pooled their own)
+        return [e if hot.get(t) is None else e + hot[t] for t, e in enumerate(embedded)], targets
 
     def answers(self, t: int, owner: int) -> int:
         """How many rows `owner` sends this rank for sharded table t (and gets gradients for)."""
@@ -260,11 +285,12 @@ class ReplicatedExchange(SparseExchange):
 
 
 class _ColdExchange(torch.autograd.Function):
-    """pooled (held tables, [B, D] or [U, D] each: SparseExchange._look_up) -> the not-replicated
-    part of every table's embeddings for this rank's slice ([B_r, D] each): a holder sends back the
-    rows that answer each rank (served: the bags that sent it ids, or the distinct rows asked; a
-    data-parallel table: none, every rank looked it up), the asking rank adds up a row-wise
-    table's bags in rank order or pools its bags from the rows; backward sends the gradients of
+    """pooled (held tables, [B, D] or [U, D] each: SparseExchange._look_up) -> every table's
+    embeddings for this rank's slice ([B_r, D] each), but for a bag table's copies (added after
+    it): a holder sends back the rows that answer each rank (served: the bags that sent it ids, or
+    the distinct rows asked; a data-parallel table: none, every rank looked it up), the asking rank
+    adds up a row-wise table's bags in rank order or pools its bags from the rows and its copies
+    (AskedRows); backward sends the gradients of
     those rows (a unique row's summed over its lookups; all of a data-parallel table's bags) to the
     holders, and this rank's replicated rows' gradient, each row's to its owner, which sums them in
     rank order (a reduce-scatter by owner) and returns the sums as the gradient of its own lookups
@@ -295,7 +321,7 @@ class _ColdExchange(torch.autograd.Function):
 
         def from_holders(t: int, table) -> torch.Tensor:
             if t in exchange.asked:  # the distinct rows, put together in rank order, pooled here
-                return exchange.asked[t].pooled(torch.cat([answer(o, t) for o in table.ranks]))
+                return exchange.asked[t].pooled(torch.cat([answer(o, t) for o in table.ranks]), replicas.rows[t])
             total = torch.zeros(hi - lo, dim)
             for o in table.ranks:  # rank order: a row-wise table's partial sums add up the same on every run
                 total.index_add_(0, exchange.sent[t, o], answer(o, t))
@@ -310,8 +336,10 @@ class _ColdExchange(torch.autograd.Function):
         scale = 1.0 / comm.world_size
         grads = [torch.zeros(hi - lo, dim) if g is None else g * scale for g in grads]
         replicas = exchange.replicas
-        hot = replicas.gradient(grads)  # [H, D], already times 1/W
-        rows_grad = {t: asked.gradient(grads[t]) for t, asked in exchange.asked.items()}
+        both = {t: asked.gradient(grads[t]) for t, asked in exchange.asked.items()}  # [U + H_t, D]
+        rows_grad = {t: g[: exchange.asked[t].rows] for t, g in both.items()}
+        hot = replicas.gradient(grads, {t: g[exchange.asked[t].rows :] for t, g in both.items()
+                                        if exchange.asked[t].copies})  # [H, D], already times 1/W
         pieces = []
         for o in range(comm.world_size):
             parts = [(grads[t] if plan.tables[t].kind == DATA_PARALLEL else rows_grad[t][exchange.asked[t].span(o)]
