@@ -6,18 +6,18 @@ state, volatile). A lookup of one of them is served from the copy on the rank th
 other ids go to their holders, in one of two forms per table (the cost model's choice,
 placement/replication.py): bags (exchange.py's messages: every bag's length, then the ids; only the
 bags holding one of them get a pooled row back and send a gradient), or unique rows (`AskedRows`:
-each distinct id once, its row back, the bags pooled here from those rows, one gradient per row
-back, summed over its lookups in lookup order; the holder applies the rows' gradients as a lookup
-of each row, so its update, undo log and commit are its table's as ever). In backward each rank
+each distinct id once, its row back, the bags pooled here from those rows and the copies, one
+gradient per row back, summed over its lookups in lookup order; the holder applies the rows'
+gradients as a lookup of each row, so its update, undo log and commit are its table's as ever). In backward each rank
 sends the copies' gradients to the rows' owners inside the exchange's gradient all-to-all, and
 each owner sums them in rank order; its table's lookup of the batch looked each of its replicated
 rows up as a bag of its own, which takes the sum as its gradient, so the table's one fused update
 applies it, undo-logged and committed with the batch: a row is logged once, by its owner. The
-owner's sums reach every
-rank in the next step's rows all-to-all, and every rank applies the same fused update to its copies
-before their lookups: no collective of their own. The copies are never durable: they are rebuilt
-from the owners' rows at every start (after the group's recovery) and whenever the chosen rows
-change, and the sums in flight are then dropped (the owners' rows hold them).
+owner's sums reach every rank in the next step's rows all-to-all, and every rank applies the same
+fused update to its copies before their lookups: no collective of their own. The copies are never
+durable: they are rebuilt from the owners' rows at every start (after the group's recovery) and
+whenever the chosen rows change, and the sums in flight are then dropped (the owners' rows hold
+them).
 
 Shape letters: B samples of the global batch, B_r of this rank's slice, D dims, H_t replicated rows
 of table t (H of every table, H_o of them owned by rank o), U distinct rows asked of a table's
@@ -290,9 +290,8 @@ class _ColdExchange(torch.autograd.Function):
     it): a holder sends back the rows that answer each rank (served: the bags that sent it ids, or
     the distinct rows asked; a data-parallel table: none, every rank looked it up), the asking rank
     adds up a row-wise table's bags in rank order or pools its bags from the rows and its copies
-    (AskedRows); backward sends the gradients of
-    those rows (a unique row's summed over its lookups; all of a data-parallel table's bags) to the
-    holders, and this rank's replicated rows' gradient, each row's to its owner, which sums them in
+    (AskedRows); backward sends the gradients of those rows (a unique row's summed over its
+    lookups; all of a data-parallel table's bags) to the holders, and this rank's replicated rows' gradient, each row's to its owner, which sums them in
     rank order (a reduce-scatter by owner) and returns the sums as the gradient of its own lookups
     of those rows (Replicas.own_rows): its tables' one update takes them. The forward's rows carry
     the owners' sums of the last step to every rank, for its copies (Replicas.take_sums)."""
