@@ -238,27 +238,32 @@ def _table_costs(plan: ShardingPlan, t: int, lookups: tuple[np.ndarray, np.ndarr
     values, offsets = lookups
     ends = np.append(offsets, values.size)
     costs = np.zeros((len(candidates), 3))
+    # sorted copies of the candidate sets, for a binary search per distinct id
+    sets = [None if hot is None or not hot.size or table.kind == DATA_PARALLEL else np.sort(hot) for hot in candidates]
     for r in range(w):
         lengths = np.diff(ends[r * per : (r + 1) * per + 1])
         slice_ids, slice_bags = values[ends[r * per] : ends[(r + 1) * per]], np.repeat(np.arange(per), lengths)
-        for c, hot in enumerate(candidates):
-            mine, bag = slice_ids, slice_bags
-            if hot is not None and hot.size and table.kind != DATA_PARALLEL:
-                cold = ~np.isin(mine, hot)
-                mine, bag = mine[cold], bag[cold]
-            for owner in table.ranks:
-                if owner == r:
-                    continue
-                ids, bags = mine, bag
-                if table.kind == ROW_WISE:
-                    lo, hi = table.rows_of(owner)
-                    inside = (mine >= lo) & (mine < hi)
-                    ids, bags = mine[inside], bag[inside]
-                if table.kind == DATA_PARALLEL:
-                    costs[c, :2] += ID_BYTES * (per + ids.size) + row * per  # gradients only
-                    continue
-                costs[c, 0] += ID_BYTES * (per + ids.size) + 2 * row * (per if hot is None else np.unique(bags).size)
-                distinct = np.unique(ids).size
+        # the slice's distinct ids once: each candidate then asks only which of them it holds
+        seen, inverse, counts = np.unique(slice_ids, return_inverse=True, return_counts=True)
+        for owner in table.ranks:
+            if owner == r:
+                continue
+            inside = np.ones(seen.size, bool)  # of the distinct ids, those this owner holds
+            if table.kind == ROW_WISE:
+                lo, hi = table.rows_of(owner)
+                inside = (seen >= lo) & (seen < hi)
+            if table.kind == DATA_PARALLEL:
+                costs[:, :2] += ID_BYTES * (per + int(counts[inside].sum())) + row * per  # gradients only
+                continue
+            for c, hot in enumerate(sets):
+                asked = inside
+                if hot is not None:  # not replicated
+                    at = np.minimum(np.searchsorted(hot, seen), hot.size - 1)
+                    asked = inside & (hot[at] != seen)
+                lookups_asked = int(counts[asked].sum())
+                bags = per if candidates[c] is None else np.count_nonzero(np.bincount(slice_bags[asked[inverse]]))
+                costs[c, 0] += ID_BYTES * (per + lookups_asked) + 2 * row * bags
+                distinct = int(np.count_nonzero(asked))
                 costs[c, 1] += ID_BYTES * (1 + distinct) + 2 * row * distinct
     for c, hot in enumerate(candidates):
         costs[c, 2] = 0 if hot is None else 2 * (w - 1) * row * hot.size
