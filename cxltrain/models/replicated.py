@@ -96,24 +96,16 @@ class Replicas:
                       for rows in self.owned_rows]
         self.summed, self.due = None, False
 
-    def find(self, t: int, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Which of table t's lookups (values [N]) hit a copy, and which: (hot [N] bool, the copy
-        of each [N], meaningful where hot), or None when t has no copies."""
-        ids = self.ids[t]
-        if not ids.numel():
-            return None
-        # one binary search in the sorted ids says both whether a lookup's row is replicated and
-        # where its copy is (rather than a torch.isin pass, then a second search of the hot ones)
-        at = torch.searchsorted(ids, values).clamp_(max=ids.numel() - 1)
-        return ids[at] == values, at
-
     def look_up(self, t: int, values: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Table t's bags (values [N], offsets [B_r]) split: (the ids not replicated, their offsets
         [B_r]); the lookups of the copies are kept for `pooled` and `gradient`."""
-        found = self.find(t, values)
-        if found is None:
+        ids = self.ids[t]
+        if not ids.numel():
             return values, offsets
-        hot, at = found
+        # one binary search in the sorted ids says both whether a lookup's row is replicated and
+        # where its copy is (rather than a torch.isin pass, then a second search of the hot ones)
+        at = torch.searchsorted(ids, values).clamp_(max=ids.numel() - 1)
+        hot = ids[at] == values
         ends = torch.cat([offsets, torch.tensor([values.numel()])])
         counted = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(hot.to(torch.int64), 0)])
         hot_lengths = counted[ends[1:]] - counted[ends[:-1]]
@@ -191,26 +183,30 @@ class AskedRows:
     bags [N]: its bag. So a bag is pooled from both at once, and one pass lays out the gradients
     of both."""
 
-    def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor,
-                 found: tuple[torch.Tensor, torch.Tensor] | None, copies: int) -> None:
-        cold = values if found is None else values[~found[0]]
-        asked = torch.empty_like(cold)
+    def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor, copies: torch.Tensor) -> None:
+        # the slice's distinct ids once; each is a copy (copies [H_t], sorted) or asked of a holder
+        seen, inverse = torch.unique(values, sorted=True, return_inverse=True)
+        self.copies = copies.numel()
+        hot = torch.zeros(seen.numel(), dtype=torch.bool)
+        if self.copies:
+            at = torch.searchsorted(copies, seen).clamp_(max=self.copies - 1)
+            hot = copies[at] == seen
+        cold = seen[~hot]
+        # each holder's ids, a run of the sorted ids; answered in rank order, one row per id
         self.ids: dict[int, torch.Tensor] = {}
+        answer = torch.full((cold.numel(),), -1, dtype=torch.int64)  # each asked id's row of [U, D]
         self.rows = 0
-        for o in table.ranks:  # rank order, as the answers are put together
+        for o in table.ranks:
             lo, hi = table.rows_of(o)
-            inside = (cold >= lo) & (cold < hi)
-            self.ids[o], inverse = torch.unique(cold[inside] - lo, sorted=True, return_inverse=True)
-            asked[inside] = self.rows + inverse
-            self.rows += self.ids[o].numel()
-        self.copies = copies
-        if found is None:
-            self.positions = asked
-        else:
-            hot, at = found
-            self.positions = torch.empty_like(values)
-            self.positions[~hot] = asked
-            self.positions[hot] = self.rows + at[hot]
+            start, end = torch.searchsorted(cold, torch.tensor([lo, hi])).tolist()
+            self.ids[o] = cold[start:end] - lo
+            answer[start:end] = torch.arange(self.rows, self.rows + end - start)
+            self.rows += end - start
+        row = torch.empty(seen.numel(), dtype=torch.int64)  # each distinct id's row of [U + H_t, D]
+        row[~hot] = answer
+        if self.copies:
+            row[hot] = self.rows + at[hot]
+        self.positions = row[inverse]
         self.offsets = offsets
         ends = torch.cat([offsets, torch.tensor([values.numel()])])
         self.bags = torch.repeat_interleave(torch.arange(offsets.numel()), ends[1:] - ends[:-1])
@@ -252,8 +248,7 @@ class ReplicatedExchange(SparseExchange):
         comm, plan = self.comm, self.plan
         replicas = self.replicas
         sharded = [t for t, table in enumerate(plan.tables) if table.kind != DATA_PARALLEL]
-        self.asked = {t: AskedRows(plan.tables[t], local.values[t], local.offsets[t],
-                                   replicas.find(t, local.values[t]), replicas.ids[t].numel())
+        self.asked = {t: AskedRows(plan.tables[t], local.values[t], local.offsets[t], replicas.ids[t])
                       for t in sharded if self.unique[t]}
         split = {t: replicas.look_up(t, v, o) if t in sharded else (v, o)  # a data-parallel table: none replicated
                  for t, (v, o) in enumerate(zip(local.values, local.offsets)) if t not in self.asked}
