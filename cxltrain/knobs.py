@@ -35,6 +35,10 @@ class Knobs:
     dir_capacity: int = 256
     # Threads torch uses for training; fixed so reductions are reproducible (docs/architecture.md §4).
     threads: int = 2
+    # Threads torch uses in each rank of a group of two or more ranks: a host's ranks share its cores
+    # (as torchrun's OMP_NUM_THREADS=1 has them), and more threads than cores spin against each other
+    # (docs/distributed.md, Measured). A group of one rank uses `threads`, as one process does.
+    rank_threads: int = 1
     # 1 = the emulated CXL device models power loss: the process stores into a private view and only
     # what it persists reaches the file, so a killed process loses every unpersisted store. 0 = a
     # kill loses nothing (the page cache is the media). Other backends ignore it (cxltrain.emulation).
@@ -84,6 +88,8 @@ class Knobs:
             raise ConfigError(f"dir_capacity {self.dir_capacity} must be in [1, 65536]")
         if self.threads < 1:
             raise ConfigError(f"threads {self.threads} must be at least 1")
+        if self.rank_threads < 1:
+            raise ConfigError(f"rank_threads {self.rank_threads} must be at least 1")
         if self.undo_ring_bytes < 0:
             raise ConfigError(f"undo_ring_bytes {self.undo_ring_bytes} must be >= 0")
         if not 0 <= self.undo_chunk_rows <= 1 << 20:
@@ -107,6 +113,11 @@ class Knobs:
                               "(--power-loss, --domain adr): elsewhere no store waits to be written back")
         if self.native_kernels not in (0, 1):
             raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
+
+
+def torch_threads(world_size: int = 1) -> int:
+    """The torch threads of a process of a group of `world_size` ranks (1: a single process)."""
+    return KNOBS.threads if world_size == 1 else KNOBS.rank_threads
 
 
 # The device backends (knob `device`): "auto" picks one of the others per path. Named here, with the

@@ -160,6 +160,7 @@ def test_a_pool_with_part_of_the_model_is_refused_untouched(shm_dir):
 @pytest.mark.parametrize("env,match", [
     ({"CXLTRAIN_THREADS": "abc"}, "CXLTRAIN_THREADS='abc' is not an integer"),
     ({"CXLTRAIN_THREADS": "0"}, "threads 0 must be at least 1"),
+    ({"CXLTRAIN_RANK_THREADS": "0"}, "rank_threads 0 must be at least 1"),
     ({"CXLTRAIN_ROW_ALIGN": "0"}, "row_align 0"),
     ({"CXLTRAIN_DEVICE": "floppy"}, "device 'floppy'"),
 ])

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..jobs.data_source import training_data
 from ..jobs.sharded_train import ShardedStep, build, seed_everything, start_run_dir
-from ..knobs import KNOBS
+from ..knobs import torch_threads
 from ..models.exchange import Comm
 from ..modes import OFF, UNDO
 from ..placement.sharding import ShardingPlan
@@ -48,8 +48,8 @@ def _opened(stack: contextlib.ExitStack, config, directory: str, rank: int, worl
 
 def run(job: dict) -> DistPaired | None:
     """Both runs side by side on this rank; rank 0's figures (None on the other ranks)."""
-    torch.set_num_threads(KNOBS.threads)
     rank, world_size = join_group()
+    torch.set_num_threads(torch_threads(world_size))
     config = config_from_json(job["config"])
     warmup, blocks, block_steps = job["warmup"], job["blocks"], job["block_steps"]
     stop = warmup + blocks * block_steps

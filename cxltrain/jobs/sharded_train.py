@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..errors import CxlTrainError, NonFiniteError
 from ..faults import PlantedDist, planted
-from ..knobs import KNOBS
+from ..knobs import torch_threads
 from ..models.exchange import Comm, SparseExchange, local_slice
 from ..models.replicated import Replicas, ReplicatedExchange
 from ..models.sharded import RankModel
@@ -105,7 +105,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
 
 def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int,
          progress: bool, replicate_hot: str | float) -> TrainResult:
-    torch.set_num_threads(KNOBS.threads)
+    torch.set_num_threads(torch_threads(world_size))
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
     plan = ShardingPlan.from_json(m["plan"])
