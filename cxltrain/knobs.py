@@ -37,7 +37,7 @@ class Knobs:
     threads: int = 2
     # Threads torch uses in each rank of a group of two or more ranks: a host's ranks share its cores
     # (as torchrun's OMP_NUM_THREADS=1 has them), and more threads than cores spin against each other
-    # (docs/distributed.md, Measured). A group of one rank uses `threads`, as one process does.
+    # (docs/distributed.md, "Threads"). A group of one rank uses `threads`, as one process does.
     rank_threads: int = 1
     # 1 = the emulated CXL device models power loss: the process stores into a private view and only
     # what it persists reaches the file, so a killed process loses every unpersisted store. 0 = a
@@ -115,7 +115,7 @@ class Knobs:
             raise ConfigError(f"native_kernels {self.native_kernels} must be 0 or 1")
 
 
-def torch_threads(world_size: int = 1) -> int:
+def torch_threads(world_size: int) -> int:
     """The torch threads of a process of a group of `world_size` ranks (1: a single process)."""
     return KNOBS.threads if world_size == 1 else KNOBS.rank_threads
 
