@@ -286,10 +286,11 @@ class _ColdExchange(torch.autograd.Function):
     the distinct rows asked; a data-parallel table: none, every rank looked it up), the asking rank
     adds up a row-wise table's bags in rank order or pools its bags from the rows and its copies
     (AskedRows); backward sends the gradients of those rows (a unique row's summed over its
-    lookups; all of a data-parallel table's bags) to the holders, and this rank's replicated rows' gradient, each row's to its owner, which sums them in
-    rank order (a reduce-scatter by owner) and returns the sums as the gradient of its own lookups
-    of those rows (Replicas.own_rows): its tables' one update takes them. The forward's rows carry
-    the owners' sums of the last step to every rank, for its copies (Replicas.take_sums)."""
+    lookups; all of a data-parallel table's bags) to the holders, and this rank's replicated rows'
+    gradient, each row's to its owner, which sums them in rank order (a reduce-scatter by owner)
+    and returns the sums as the gradient of its own lookups of those rows (Replicas.own_rows): its
+    tables' one update takes them. The forward's rows carry the owners' sums of the last step to
+    every rank, for its copies (Replicas.take_sums)."""
 
     @staticmethod
     def forward(ctx, exchange: ReplicatedExchange, *pooled: torch.Tensor):

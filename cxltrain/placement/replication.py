@@ -239,7 +239,8 @@ def _table_costs(plan: ShardingPlan, t: int, lookups: tuple[np.ndarray, np.ndarr
     ends = np.append(offsets, values.size)
     costs = np.zeros((len(candidates), 3))
     # sorted copies of the candidate sets, for a binary search per distinct id
-    sets = [None if hot is None or not hot.size or table.kind == DATA_PARALLEL else np.sort(hot) for hot in candidates]
+    sets = [None if hot is None or not hot.size or table.kind == DATA_PARALLEL else np.sort(hot)
+            for hot in candidates]
     for r in range(w):
         lengths = np.diff(ends[r * per : (r + 1) * per + 1])
         slice_ids, slice_bags = values[ends[r * per] : ends[(r + 1) * per]], np.repeat(np.arange(per), lengths)
