@@ -117,8 +117,8 @@ def counted_plainly(plan, t, lookups, batch_size, dim, candidates) -> np.ndarray
                     continue
                 costs[c, 0] += 8 * (per + mine.sum()) + 2 * row * (per if hot is None else np.unique(bags[mine]).size)
                 costs[c, 1] += 8 * (1 + np.unique(ids[mine]).size) + 2 * row * np.unique(ids[mine]).size
-        for c, hot in enumerate(candidates):
-            costs[c, 2] = 0 if hot is None else 2 * (w - 1) * row * hot.size
+    for c, hot in enumerate(candidates):
+        costs[c, 2] = 0 if hot is None else 2 * (w - 1) * row * hot.size
     return costs
 
 
