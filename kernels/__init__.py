@@ -9,6 +9,7 @@
     persist.c      generic persistence primitives (copy, write back, fence) over a NativePersistence
     undo.c         the fused capture's undo-record writer (layout and driver: cxltrain/checkpoint/fused.py)
     crc32.c        zlib's CRC-32, folded with carry-less multiply
+    cpu_threads.py torch's CPU threads for a process, with oneMKL VML's kernels chosen before any op can split
 
 CuPy GPU kernels belong here too.
 """

@@ -18,6 +18,7 @@ import torch
 from ..jobs.config import TrainConfig
 from ..jobs.train import build_source
 from ..kernels import ops
+from ..kernels.cpu_threads import set_cpu_threads
 from .records import Bandwidth
 
 
@@ -45,7 +46,7 @@ def _torch_threads(threads: int) -> Iterator[None]:
     """torch's intra-op threads set to `threads` for the block, then back: a measurement made
     before a training run (tools/bench_floors.py) must not leave that run on another thread count."""
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    set_cpu_threads(threads)
     try:
         yield
     finally:

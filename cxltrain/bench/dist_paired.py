@@ -18,11 +18,11 @@ import dataclasses
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
 from ..jobs.data_source import training_data
 from ..jobs.sharded_train import ShardedStep, build, seed_everything, start_run_dir
+from ..kernels.cpu_threads import set_cpu_threads
 from ..knobs import torch_threads
 from ..models.exchange import Comm
 from ..modes import OFF, UNDO
@@ -49,7 +49,7 @@ def _opened(stack: contextlib.ExitStack, config, directory: str, rank: int, worl
 def run(job: dict) -> DistPaired | None:
     """Both runs side by side on this rank; rank 0's figures (None on the other ranks)."""
     rank, world_size = join_group()
-    torch.set_num_threads(torch_threads(world_size))
+    set_cpu_threads(torch_threads(world_size))
     config = config_from_json(job["config"])
     warmup, blocks, block_steps = job["warmup"], job["blocks"], job["block_steps"]
     stop = warmup + blocks * block_steps

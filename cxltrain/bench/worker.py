@@ -30,6 +30,7 @@ import torch
 
 from ..jobs.config import TrainConfig
 from ..jobs.train import build_source
+from ..kernels.cpu_threads import set_cpu_threads
 from ..knobs import KNOBS
 from ..modes import OFF
 from . import plain
@@ -94,7 +95,7 @@ def _load(config: TrainConfig, path: str, load) -> LoadTime:
 
 def run_job(job: dict) -> Record:
     """Run one job; its record's to_json() is what reaches the suite."""
-    torch.set_num_threads(KNOBS.threads)
+    set_cpu_threads(KNOBS.threads)
     kind = job["job"]
     config = config_from_json(job["config"]) if "config" in job else None
     if kind in ("ours-steps", "ours-crash"):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..errors import CxlTrainError, NonFiniteError
 from ..faults import PlantedDist, planted
+from ..kernels.cpu_threads import set_cpu_threads
 from ..knobs import torch_threads
 from ..models.exchange import Comm, SparseExchange, local_slice
 from ..models.replicated import Replicas, ReplicatedExchange
@@ -105,7 +106,7 @@ def run_rank(config: TrainConfig, directory: str, *, sharding: str = "auto", tim
 
 def _run(config: TrainConfig, directory: str, sharding: str, rank: int, world_size: int,
          progress: bool, replicate_hot: str | float) -> TrainResult:
-    torch.set_num_threads(torch_threads(world_size))
+    set_cpu_threads(torch_threads(world_size))
     seed_everything(config.seed)
     m, fresh = start_run_dir(directory, config, sharding, rank, world_size)
     plan = ShardingPlan.from_json(m["plan"])

@@ -30,6 +30,7 @@ from ..data.prefetch import Prefetcher
 from ..devices import DeviceCounters
 from ..devices.gpu_mapping import gpu_problem
 from ..errors import ConfigError, NonFiniteError, TrainingStopped
+from ..kernels.cpu_threads import set_cpu_threads
 from ..knobs import KNOBS
 from ..models import DLRM
 from ..models.metrics import logloss, roc_auc
@@ -221,7 +222,7 @@ def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
     at the next batch boundary, with the batches done committed: TrainingStopped says which."""
     config.validate()
     KNOBS.validate()
-    torch.set_num_threads(KNOBS.threads)
+    set_cpu_threads(KNOBS.threads)
     check_metrics_path(config.metrics)  # written only once the pool is open: checked before it is
     data = training_data(config)  # first: a bad data file is refused before any pool is touched
     if data.steps != config.steps:  # --epochs: the steps are the epochs' batches

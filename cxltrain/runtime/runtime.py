@@ -54,6 +54,7 @@ from ..checkpoint.offline import check_checkpoint, recover_pool  # noqa: F401 (r
 from ..checkpoint.seam import dense_only
 from ..data.loader import batches_from
 from ..errors import ConfigError, CxlTrainError, PoolError, RecoveryError
+from ..kernels.cpu_threads import resolve_vml_dispatch
 from ..knobs import KNOBS
 from ..modes import CHECKPOINTS, MODES, OFF, STRICT, UNDO
 from ..placement import planner
@@ -165,6 +166,7 @@ class Runtime:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if metadata is not None and not isinstance(metadata, dict):
             raise ConfigError(f"metadata must be a dict, got {type(metadata).__name__}")
+        resolve_vml_dispatch()  # before this run's first op can split across threads (kernels/cpu_threads.py)
         self.path = os.fspath(pool)
         self.model = model
         self.recovery_point = recovery_point if recovery_point is not None else OwnBatch()
