@@ -12,7 +12,7 @@ thread splits, settles every choice before an op can run on several threads.
 
 from __future__ import annotations
 
-import threading
+import functools
 
 import torch
 
@@ -22,23 +22,16 @@ VML_OPS = ("abs", "acos", "asin", "atan", "cos", "cosh", "erf", "erfc", "erfinv"
            "log", "log10", "log1p", "log2", "reciprocal", "rsqrt", "sigmoid", "sin", "sinh", "sqrt", "tan",
            "tanh", "trunc")
 
-_lock = threading.Lock()
-_resolved = False
 
-
+@functools.cache  # no lock: two threads resolving at once make one-element calls, which never split
 def resolve_vml_dispatch() -> None:
     """Call every op of VML_OPS once on a one-element float and double tensor; once per process (a
     forked child inherits the settled choice with the parent's memory)."""
-    global _resolved
-    with _lock:
-        if _resolved:
-            return
-        with torch.no_grad():
-            for dtype in (torch.float32, torch.float64):
-                one = torch.full((1,), 0.5, dtype=dtype)
-                for name in VML_OPS:
-                    getattr(torch, name)(one)
-        _resolved = True
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float64):
+            one = torch.full((1,), 0.5, dtype=dtype)
+            for name in VML_OPS:
+                getattr(torch, name)(one)
 
 
 def set_cpu_threads(threads: int) -> None:
