@@ -14,6 +14,7 @@ from ..checkpoint import pending, pending_words, verify
 from ..checkpoint.seam import dense_only
 from ..data.files import open_criteo
 from ..errors import ConfigError
+from ..kernels.cpu_threads import resolve_vml_dispatch
 from ..pool.handle import Pool
 from ..tables import cache as hot_cache
 from .config import TrainConfig
@@ -23,6 +24,7 @@ from .train import build_model, evaluate
 def evaluate_pool(pool_path: str, data_path: str, batches: int | None = None) -> dict:
     """{"batch", "auc", "logloss", "batches", "samples", "which"} of the pool's model on the data's
     last `batches` batches, or with None on the batches its run never trained on (held_out)."""
+    resolve_vml_dispatch()  # the figures the same every time: the forward's first VML call never splits badly
     with Pool.open(pool_path, writable=False) as pool:
         live, snapshot = verify(pool)
         if pending(live, pool.root.batches_done):
