@@ -21,8 +21,8 @@ setup(
     ext_modules=[
         Extension(
             "cxltrain.kernels._rows",
-            sources=["kernels/rows.c", "kernels/persist.c", "kernels/undo.c", "kernels/crc32.c"],
-            depends=["kernels/persist.h", "kernels/undo.h", "kernels/crc32.h", "kernels/rowset.h"],
+            sources=["kernels/rows.c", "kernels/lookups.c", "kernels/persist.c", "kernels/undo.c", "kernels/crc32.c"],
+            depends=["kernels/persist.h", "kernels/undo.h", "kernels/crc32.h", "kernels/rowset.h", "kernels/lookups.h"],
             # -ffp-contract=off: no implicit FMA, so float results do not depend on the compiler's
             # choices; the kernels use explicit fmaf where they want one rounding.
             # -flto: the sources share small hot functions (persist.c, crc32.c) that were one file's before

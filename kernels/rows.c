@@ -11,6 +11,7 @@
  *                                undo writer's fields (undo.c), the undo capture folded in: chunk by
  *                                chunk of the unique rows, their records written, then their update
  *   unique_rows                  the sorted distinct row ids of a lookup list (an undo record's rows)
+ *   asked_rows, add_bags_to_rows the unique-row exchange's per-table work on a slice (lookups.c)
  *   all_finite                   whether a float32 block holds no inf or NaN (gradients, before an update)
  *   capture_undo                 old weights, old state and row ids into an undo-record payload,
  *                                with non-temporal stores and one fence
@@ -19,8 +20,9 @@
  *   stream_pieces                a dense snapshot's payload, stored and made durable in one pass
  *   crc32                        zlib's CRC-32 (crc32.c)
  *
- * The other sources of this module: persist.c (generic persistence primitives: copy, write back,
- * fence), undo.c (the undo-record writer, in the checkpoint layer's layout), crc32.c.
+ * The other sources of this module: lookups.c (the exchange's per-table work), persist.c (generic
+ * persistence primitives: copy, write back, fence), undo.c (the undo-record writer, in the
+ * checkpoint layer's layout), crc32.c.
  *
  * Determinism: floats are added in a fixed order (a row's gradients in lookup order), the build
  * turns off implicit FMA contraction (-ffp-contract=off), and the update steps use explicit fmaf,
@@ -39,12 +41,13 @@
 #include <unistd.h>
 
 #include "crc32.h"
+#include "lookups.h"
 #include "persist.h"
 #include "rowset.h"
 #include "undo.h"
 
 /* A first pass over the rows: the index of the first one outside [0, limit), or -1. */
-static Py_ssize_t first_bad_row(const int64_t *rows, Py_ssize_t count, int64_t limit)
+Py_ssize_t first_bad_row(const int64_t *rows, Py_ssize_t count, int64_t limit)
 {
     for (Py_ssize_t i = 0; i < count; i++)
         if (rows[i] < 0 || rows[i] >= limit)
@@ -52,7 +55,7 @@ static Py_ssize_t first_bad_row(const int64_t *rows, Py_ssize_t count, int64_t l
     return -1;
 }
 
-static PyObject *raise_bad_row(const int64_t *rows, Py_ssize_t at, int64_t limit)
+PyObject *raise_bad_row(const int64_t *rows, Py_ssize_t at, int64_t limit)
 {
     PyErr_Format(PyExc_IndexError, "row index %lld is out of range [0, %lld); nothing was written",
                  (long long)rows[at], (long long)limit);
@@ -251,7 +254,7 @@ static int write_row_to_file(const struct update_args *a, int64_t row, const flo
 
 /* Stable LSD radix sort of lookup positions by row id (11-bit digits, only as many passes as the
  * table's row count needs): `order` ends up listing lookups by row, each row's in lookup order. */
-static int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, int64_t *order)
+int sort_lookups(const int64_t *keys, Py_ssize_t n, int64_t table_rows, int64_t *order)
 {
     enum { BITS = 11, BUCKETS = 1 << BITS };
     int64_t *scratch = malloc((size_t)(n ? n : 1) * sizeof *scratch);
@@ -1039,6 +1042,13 @@ static PyMethodDef methods[] = {
     {"unique_rows", unique_rows, METH_VARARGS,
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "
      "sorted [n], when given, receives the lookups' positions by row (what sparse_update would sort)"},
+    {"asked_rows", asked_rows, METH_VARARGS,
+     "asked_rows(keys, n, table_rows, copies, h, spans, w, cold, starts, counts, positions) -> U: the distinct keys "
+     "not among the copies into cold [U] (ascending), each holder span's run of them (starts, counts [w]), and each "
+     "key's row of the holders' answers (in span order) then the copies, into positions [n]"},
+    {"add_bags_to_rows", add_bags_to_rows, METH_VARARGS,
+     "add_bags_to_rows(grad, bags, g_stride, offsets, positions, n, out, rows, dim): out[positions[i]] += the "
+     "gradient of lookup i's bag, in lookup order"},
     {"undo_chunk_counts", undo_chunk_counts, METH_VARARGS,
      "undo_chunk_counts(rows, U, recorded, V, chunk_rows, header_bytes, row_payload, align, rec_first, sizes[, "
      "slots]) -> (records, total bytes[, V, slots recorded, slots' bytes]): the fused update's undo records, per "

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ..data.batch import Batch
 from ..faults import CrashPoint, crash_point
+from ..kernels.lookups import add_bags_to_rows, asked_rows
 from ..placement.sharding import DATA_PARALLEL, ShardingPlan
 from .exchange import Comm, SparseExchange, _bags_for, slice_embeddings, sum_in_rank_order
 from .sharded import RankModel
@@ -184,32 +185,14 @@ class AskedRows:
     of both."""
 
     def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor, copies: torch.Tensor) -> None:
-        # the slice's distinct ids once; each is a copy (copies [H_t], sorted) or asked of a holder
-        seen, inverse = torch.unique(values, sorted=True, return_inverse=True)
-        self.copies = copies.numel()
-        hot = torch.zeros(seen.numel(), dtype=torch.bool)
-        if self.copies:
-            at = torch.searchsorted(copies, seen).clamp_(max=self.copies - 1)
-            hot = copies[at] == seen
-        cold = seen[~hot]
-        # each holder's ids, a run of the sorted ids; answered in rank order, one row per id
-        self.ids: dict[int, torch.Tensor] = {}
-        answer = torch.full((cold.numel(),), -1, dtype=torch.int64)  # each asked id's row of [U, D]
-        self.rows = 0
-        for o in table.ranks:
-            lo, hi = table.rows_of(o)
-            start, end = torch.searchsorted(cold, torch.tensor([lo, hi])).tolist()
-            self.ids[o] = cold[start:end] - lo
-            answer[start:end] = torch.arange(self.rows, self.rows + end - start)
-            self.rows += end - start
-        row = torch.empty(seen.numel(), dtype=torch.int64)  # each distinct id's row of [U + H_t, D]
-        row[~hot] = answer
-        if self.copies:
-            row[hot] = self.rows + at[hot]
-        self.positions = row[inverse]
+        # the slice's distinct ids once, in one native pass: each is a copy (copies [H_t], sorted)
+        # or asked of its holder; each holder's ids a run of them, answered in rank order
+        spans = [table.rows_of(o) for o in table.ranks]
+        cold, starts, counts, self.positions = asked_rows(values, table.rows, copies, spans)
+        self.ids: dict[int, torch.Tensor] = {o: cold[start : start + count] - lo
+                                             for o, (lo, _), start, count in zip(table.ranks, spans, starts, counts)}
+        self.rows, self.copies = cold.numel(), copies.numel()
         self.offsets = offsets
-        ends = torch.cat([offsets, torch.tensor([values.numel()])])
-        self.bags = torch.repeat_interleave(torch.arange(offsets.numel()), ends[1:] - ends[:-1])
 
     def pooled(self, rows: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
         """The slice's bags [B_r, D] summed from the answered rows [U, D] and the copies [H_t, D]."""
@@ -221,7 +204,7 @@ class AskedRows:
     def gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """Each answered row's gradient, then each copy's [U + H_t, D], from the bags' grad [B_r,
         D]: every lookup's bag gradient added to its row in lookup order (the same bits every run)."""
-        return torch.zeros(self.rows + self.copies, grad.shape[1]).index_add_(0, self.positions, grad[self.bags])
+        return add_bags_to_rows(grad.contiguous(), self.offsets, self.positions, self.rows + self.copies)
 
     def span(self, owner: int) -> slice:
         """The rows of [U, D] that `owner` answers."""
