@@ -110,6 +110,7 @@ class SparseExchange:
         self.slices = [slice_of(batch_size, comm.world_size, r) for r in range(comm.world_size)]
         self.dim = model.dense.embedding_dim
         self.lengths_seen: dict[int, list[torch.Tensor]] = {}
+        self._served: dict[tuple[int, int], torch.Tensor] = {}  # served's answers for this batch's lookup
         # per table: its holders get distinct ids, a bag of one each (replicated.py), or bags (here always)
         self.unique: tuple[bool, ...] = tuple(False for _ in plan.tables)
 
@@ -138,6 +139,7 @@ class SparseExchange:
         rows whose gradient the exchange's backward brings, taken by the table's one update."""
         cursors = [0] * len(received)
         pooled = []
+        self._served = {}
         for t in self.model.table_index:
             ids, lengths = [], []
             for source, message in enumerate(received):
@@ -165,9 +167,11 @@ class SparseExchange:
     def served(self, t: int, source: int) -> torch.Tensor:
         """The rows of held table t's lookup (_look_up) that answer `source`: the bags of its slice
         that sent ids of t, or one row per distinct id it asked for."""
-        lengths = self.lengths_seen[t]
-        start = sum(x.numel() for x in lengths[:source])
-        return start + torch.nonzero(lengths[source]).view(-1)
+        if (t, source) not in self._served:  # asked for in forward and twice in backward
+            lengths = self.lengths_seen[t]
+            start = sum(x.numel() for x in lengths[:source])
+            self._served[t, source] = start + torch.nonzero(lengths[source]).view(-1)
+        return self._served[t, source]
 
 
 def _bags_for(plan: ShardingPlan, t: int, owner: int, values: torch.Tensor,

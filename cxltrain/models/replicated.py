@@ -41,7 +41,7 @@ from .sharded import RankModel
 
 class Replicas:
     """This rank's copies of the replicated rows: per table, ids [H_t] (sorted, global), rows
-    [H_t, D] and optimizer state [H_t, K] (None for SGD)."""
+    [H_t, D] and optimizer state [H_t, K] (None for SGD), runs of one block [H, D] and [H, K]."""
 
     def __init__(self, plan: ShardingPlan, model: RankModel, comm: Comm) -> None:
         self.plan, self.model, self.comm = plan, model, comm
@@ -51,6 +51,7 @@ class Replicas:
         self.ids = [empty] * len(plan.tables)
         self.rows: list[torch.Tensor] = [torch.empty(0, self.dim)] * len(plan.tables)
         self.state: list[torch.Tensor | None] = [None] * len(plan.tables)
+        self.block, self.block_state = torch.empty(0, self.dim), None  # every table's rows and state (rebuild)
         # per rank o: (table, positions in ids[t]) of the rows o owns, in table order (rebuild)
         self.owned_rows: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(comm.world_size)]
         # per rank o: the same rows' positions in [H], every table's rows in table order
@@ -71,9 +72,16 @@ class Replicas:
         in flight are dropped: the owners' rows hold them."""
         k = self.optimizer.state_columns
         self.owned_rows = [[] for _ in range(self.comm.world_size)]
+        every = [torch.as_tensor(np.sort(np.asarray(hot[t], dtype=np.int64))) for t in range(len(self.plan.tables))]
+        bases = np.cumsum([0] + [ids.numel() for ids in every]).tolist()
+        # every table's copies in one block [H, D] (and [H, K]), table t's rows a run of it: take_sums
+        # updates them all in one call
+        self.block = torch.empty(bases[-1], self.dim)
+        self.block_state = torch.empty(bases[-1], k) if k else None
         for t, table in enumerate(self.plan.tables):
-            ids = torch.as_tensor(np.sort(np.asarray(hot[t], dtype=np.int64)))
-            rows, state = torch.empty(ids.numel(), self.dim), torch.empty(ids.numel(), k) if k else None
+            ids = every[t]
+            rows = self.block[bases[t] : bases[t + 1]]
+            state = self.block_state[bases[t] : bases[t + 1]] if k else None
             for owner in table.ranks if table.kind != DATA_PARALLEL else ():
                 lo, hi = table.rows_of(owner)
                 at = torch.nonzero((ids >= lo) & (ids < hi)).view(-1)
@@ -92,7 +100,6 @@ class Replicas:
                 if k:
                     state[at] = values[:, self.dim :]
             self.ids[t], self.rows[t], self.state[t] = ids, rows, state
-        bases = np.cumsum([0] + [ids.numel() for ids in self.ids]).tolist()
         self.owned = [torch.cat([bases[t] + at for t, at in rows]) if rows else torch.empty(0, dtype=torch.int64)
                       for rows in self.owned_rows]
         self.summed, self.due = None, False
@@ -165,14 +172,11 @@ class Replicas:
         total = torch.zeros(self.count, self.dim)
         for owner, part in enumerate(parts):
             total[self.owned[owner]] = part.view(-1, self.dim)
-        at = 0
-        for t, ids in enumerate(self.ids):
-            grad = total[at : at + ids.numel()]
-            at += ids.numel()
-            touched = torch.nonzero(grad.abs().sum(1) > 0).view(-1)
-            if touched.numel():
-                self.optimizer.update(self.rows[t], self.state[t], touched, grad[touched].contiguous(),
-                                      torch.arange(touched.numel()))
+        if self.count:
+            # every copy, a bag of its own: a row no lookup reached has a zero sum, and the rule
+            # leaves its weights and state bit for bit as they were, as on its owner
+            every = torch.arange(self.count)
+            self.optimizer.update(self.block, self.block_state, every, total, every)
         self.summed, self.due = None, False
 
 
