@@ -49,7 +49,7 @@ struct asked {
 };
 
 /* U, or -1 out of memory, -2 a distinct id that no span holds. */
-static Py_ssize_t asked_rows_nogil(const struct asked *a)
+static Py_ssize_t asked_rows_work(const struct asked *a)
 {
     int64_t *order = malloc((size_t)(a->n ? a->n : 1) * sizeof *order);
     if (!order || sort_lookups(a->keys, a->n, a->table_rows, order) != 0) {
@@ -101,39 +101,64 @@ static Py_ssize_t asked_rows_nogil(const struct asked *a)
 
 PyObject *asked_rows(PyObject *self, PyObject *args)
 {
-    unsigned long long keys, copies, spans, cold, starts, counts, positions;
-    struct asked a;
+    unsigned long long keys, copies, cold, positions;
+    PyObject *span_list, *result = NULL;
+    struct asked a = {0};
     long long table_rows;
-    if (!PyArg_ParseTuple(args, "KnLKnKnKKKK", &keys, &a.n, &table_rows, &copies, &a.h, &spans, &a.w, &cold,
-                          &starts, &counts, &positions))
+    if (!PyArg_ParseTuple(args, "KnLKnO!KK", &keys, &a.n, &table_rows, &copies, &a.h, &PyTuple_Type, &span_list,
+                          &cold, &positions))
         return NULL;
     a.keys = (const int64_t *)(uintptr_t)keys;
     a.table_rows = table_rows;
     a.copies = (const int64_t *)(uintptr_t)copies;
-    a.spans = (const int64_t *)(uintptr_t)spans;
     a.cold = (int64_t *)(uintptr_t)cold;
-    a.starts = (int64_t *)(uintptr_t)starts;
-    a.counts = (int64_t *)(uintptr_t)counts;
     a.positions = (int64_t *)(uintptr_t)positions;
+    a.w = PyTuple_GET_SIZE(span_list) / 2;
+    int64_t *spans = malloc((size_t)(a.w ? 4 * a.w : 1) * sizeof *spans); /* the bounds, then starts and counts */
+    if (!spans)
+        return PyErr_NoMemory();
+    for (Py_ssize_t k = 0; k < 2 * a.w; k++)
+        spans[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(span_list, k));
+    if (PyErr_Occurred())
+        goto out;
+    a.spans = spans;
+    a.starts = spans + 2 * a.w;
+    a.counts = spans + 3 * a.w;
     Py_ssize_t bad = first_bad_row(a.keys, a.n, table_rows);
-    if (bad >= 0)
-        return raise_bad_row(a.keys, bad, table_rows);
+    if (bad >= 0) {
+        raise_bad_row(a.keys, bad, table_rows);
+        goto out;
+    }
     for (Py_ssize_t c = 0; c < a.h; c++)
         if (a.copies[c] < 0 || a.copies[c] >= table_rows || (c && a.copies[c] <= a.copies[c - 1])) {
             PyErr_SetString(PyExc_ValueError, "asked_rows: the copies' ids must be distinct, ascending and in the table");
-            return NULL;
+            goto out;
         }
-    Py_ssize_t u;
-    Py_BEGIN_ALLOW_THREADS
-    u = asked_rows_nogil(&a);
-    Py_END_ALLOW_THREADS
-    if (u == -1)
-        return PyErr_NoMemory();
+    /* the GIL is kept: work of microseconds, where giving it up could wait out another thread's
+     * switch interval to take it back */
+    const Py_ssize_t u = asked_rows_work(&a);
+    if (u == -1) {
+        PyErr_NoMemory();
+        goto out;
+    }
     if (u == -2) {
         PyErr_SetString(PyExc_ValueError, "asked_rows: an id that no holder's span holds");
-        return NULL;
+        goto out;
     }
-    return PyLong_FromSsize_t(u);
+    PyObject *starts = PyTuple_New(a.w), *counts = PyTuple_New(a.w);
+    for (Py_ssize_t k = 0; starts && counts && k < a.w; k++) {
+        PyTuple_SET_ITEM(starts, k, PyLong_FromLongLong(a.starts[k]));
+        PyTuple_SET_ITEM(counts, k, PyLong_FromLongLong(a.counts[k]));
+    }
+    if (starts && counts && !PyErr_Occurred())
+        result = Py_BuildValue("nNN", u, starts, counts);
+    else {
+        Py_XDECREF(starts);
+        Py_XDECREF(counts);
+    }
+out:
+    free(spans);
+    return result;
 }
 
 PyObject *add_bags_to_rows(PyObject *self, PyObject *args)
@@ -158,8 +183,8 @@ PyObject *add_bags_to_rows(PyObject *self, PyObject *args)
             PyErr_SetString(PyExc_ValueError, "add_bags_to_rows: offsets must ascend within the lookups");
             return NULL;
         }
-    Py_BEGIN_ALLOW_THREADS
-    /* lookup order, one float add each (as index_add_ on the CPU): the same bits every run */
+    /* lookup order, one float add each (as index_add_ on the CPU): the same bits every run; the GIL
+     * kept, as in asked_rows */
     for (Py_ssize_t b = 0; b < bags; b++) {
         const float *bag = g + b * g_stride;
         const Py_ssize_t end = b + 1 < bags ? off[b + 1] : n;
@@ -169,6 +194,5 @@ PyObject *add_bags_to_rows(PyObject *self, PyObject *args)
                 row[d] += bag[d];
         }
     }
-    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -31,15 +31,12 @@ def asked_rows(keys: torch.Tensor, table_rows: int, copies: torch.Tensor, spans:
     lib = native.lib()
     if lib is None:
         return _asked_rows_torch(keys, table_rows, copies, spans)
-    flat = torch.tensor([bound for span in spans for bound in span], dtype=torch.int64)
     cold = torch.empty(keys.numel(), dtype=torch.int64)
     positions = torch.empty(keys.numel(), dtype=torch.int64)
-    starts = torch.empty(len(spans), dtype=torch.int64)
-    counts = torch.empty(len(spans), dtype=torch.int64)
-    u = lib.asked_rows(keys.data_ptr(), keys.numel(), table_rows, copies.data_ptr(), copies.numel(),
-                       flat.data_ptr(), len(spans), cold.data_ptr(), starts.data_ptr(), counts.data_ptr(),
-                       positions.data_ptr())
-    return cold[:u], starts.tolist(), counts.tolist(), positions
+    u, starts, counts = lib.asked_rows(keys.data_ptr(), keys.numel(), table_rows, copies.data_ptr(), copies.numel(),
+                                       tuple(bound for span in spans for bound in span), cold.data_ptr(),
+                                       positions.data_ptr())
+    return cold[:u], list(starts), list(counts), positions
 
 
 def add_bags_to_rows(grad: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor, rows: int) -> torch.Tensor:

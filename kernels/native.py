@@ -2,8 +2,8 @@
 
 `lib()` is the extension module, or None when it was not built (then one warning line, once) or
 the `native_kernels` knob is 0; callers then use the torch kernels of rows.py. The C functions
-take raw addresses: only this module and ops.py call them, after checking every array they
-describe. This module needs numpy only (no torch), so the devices layer can use it.
+take raw addresses: only this module, ops.py and lookups.py call them, after checking every array
+they describe. This module needs numpy only (no torch), so the devices layer can use it.
 
 The two row-set flushes, for devices (rows int64 [U], sorted ascending, unique); each returns the
 number of runs of adjacent rows it wrote back (what a device counts as flushes):

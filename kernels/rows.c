@@ -1043,9 +1043,10 @@ static PyMethodDef methods[] = {
      "unique_rows(keys, n, table_rows, out[, sorted]) -> U: the sorted distinct row ids of keys [n] into out [U]; "
      "sorted [n], when given, receives the lookups' positions by row (what sparse_update would sort)"},
     {"asked_rows", asked_rows, METH_VARARGS,
-     "asked_rows(keys, n, table_rows, copies, h, spans, w, cold, starts, counts, positions) -> U: the distinct keys "
-     "not among the copies into cold [U] (ascending), each holder span's run of them (starts, counts [w]), and each "
-     "key's row of the holders' answers (in span order) then the copies, into positions [n]"},
+     "asked_rows(keys, n, table_rows, copies, h, spans, cold, positions) -> (U, starts, counts): the distinct keys "
+     "not among the copies into cold [U] (ascending), each holder span's run of them (spans: a flat tuple of lo, hi "
+     "pairs; starts, counts: tuples), and each key's row of the holders' answers (in span order) then the copies, "
+     "into positions [n]"},
     {"add_bags_to_rows", add_bags_to_rows, METH_VARARGS,
      "add_bags_to_rows(grad, bags, g_stride, offsets, positions, n, out, rows, dim): out[positions[i]] += the "
      "gradient of lookup i's bag, in lookup order"},
