@@ -113,11 +113,15 @@ PyObject *asked_rows(PyObject *self, PyObject *args)
     a.copies = (const int64_t *)(uintptr_t)copies;
     a.cold = (int64_t *)(uintptr_t)cold;
     a.positions = (int64_t *)(uintptr_t)positions;
+    if (PyTuple_GET_SIZE(span_list) % 2) {
+        PyErr_SetString(PyExc_ValueError, "asked_rows: spans must be lo, hi pairs");
+        return NULL;
+    }
     a.w = PyTuple_GET_SIZE(span_list) / 2;
     int64_t *spans = malloc((size_t)(a.w ? 4 * a.w : 1) * sizeof *spans); /* the bounds, then starts and counts */
     if (!spans)
         return PyErr_NoMemory();
-    for (Py_ssize_t k = 0; k < 2 * a.w; k++)
+    for (Py_ssize_t k = 0; k < 2 * a.w && !PyErr_Occurred(); k++)
         spans[k] = PyLong_AsLongLong(PyTuple_GET_ITEM(span_list, k));
     if (PyErr_Occurred())
         goto out;

@@ -164,9 +164,8 @@ class Replicas:
         return self.owned[owner].numel() * self.dim if self.due else 0
 
     def take_sums(self, parts: list[torch.Tensor]) -> None:
-        """The last step's sums from every owner (parts[o] [H_o * D]) applied to the copies of the
-        rows a lookup reached: the owner's fused rule on the same inputs, so a copy keeps its row's
-        bits."""
+        """The last step's sums from every owner (parts[o] [H_o * D]) applied to every copy: the
+        owner's fused rule on the same inputs, so a copy keeps its row's bits."""
         if not self.due:
             return
         total = torch.zeros(self.count, self.dim)
@@ -184,9 +183,8 @@ class AskedRows:
     """Table t's lookups of this rank's slice (values [N], offsets [B_r]) for the unique-row
     exchange: the ids not replicated asked of their holders as distinct rows, ids[o] [U_o] sorted,
     local to holder o's rows (U of them in all, answered in rank order); the others served by the
-    H_t copies. positions [N]: each lookup's row in the answers and then the copies, [U + H_t, D];
-    bags [N]: its bag. So a bag is pooled from both at once, and one pass lays out the gradients
-    of both."""
+    H_t copies. positions [N]: each lookup's row in the answers and then the copies, [U + H_t, D].
+    So a bag is pooled from both at once, and one pass lays out the gradients of both."""
 
     def __init__(self, table, values: torch.Tensor, offsets: torch.Tensor, copies: torch.Tensor) -> None:
         # the slice's distinct ids once, in one native pass: each is a copy (copies [H_t], sorted)
