@@ -178,15 +178,11 @@ PyObject *add_bags_to_rows(PyObject *self, PyObject *args)
     Py_ssize_t bad = first_bad_row(pos, n, rows);
     if (bad >= 0)
         return raise_bad_row(pos, bad, rows);
-    if (bags && off[0] != 0) {
-        PyErr_SetString(PyExc_ValueError, "add_bags_to_rows: offsets must start at 0");
+    if (!offsets_hold(off, bags, n)) {
+        PyErr_SetString(PyExc_ValueError, "add_bags_to_rows: offsets must start at 0 and never decrease, within "
+                        "the lookups");
         return NULL;
     }
-    for (Py_ssize_t b = 1; b < bags; b++)
-        if (off[b] < off[b - 1] || off[b] > n) {
-            PyErr_SetString(PyExc_ValueError, "add_bags_to_rows: offsets must ascend within the lookups");
-            return NULL;
-        }
     /* lookup order, one float add each (as index_add_ on the CPU): the same bits every run; the GIL
      * kept, as in asked_rows */
     for (Py_ssize_t b = 0; b < bags; b++) {

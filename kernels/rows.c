@@ -55,6 +55,17 @@ Py_ssize_t first_bad_row(const int64_t *rows, Py_ssize_t count, int64_t limit)
     return -1;
 }
 
+/* Whether bag offsets [bags] start at 0 and never decrease, within [0, n] lookups (no bags: yes). */
+int offsets_hold(const int64_t *offsets, Py_ssize_t bags, Py_ssize_t n)
+{
+    if (bags && offsets[0] != 0)
+        return 0;
+    for (Py_ssize_t b = 1; b < bags; b++)
+        if (offsets[b] < offsets[b - 1] || offsets[b] > n)
+            return 0;
+    return 1;
+}
+
 PyObject *raise_bad_row(const int64_t *rows, Py_ssize_t at, int64_t limit)
 {
     PyErr_Format(PyExc_IndexError, "row index %lld is out of range [0, %lld); nothing was written",
@@ -399,13 +410,8 @@ static int sparse_update_nogil(const struct update_args *a, Py_ssize_t *unique, 
         return 4;
     if (first_bad_slot(&a->cache, a->indices, a->n) >= 0)
         return 5;
-    if (a->offsets) {
-        if (a->bags < 1 || a->offsets[0] != 0)
-            return 2;
-        for (Py_ssize_t b = 1; b < a->bags; b++)
-            if (a->offsets[b] < a->offsets[b - 1] || a->offsets[b] > a->n)
-                return 2;
-    }
+    if (a->offsets && (a->bags < 1 || !offsets_hold(a->offsets, a->bags, a->n)))
+        return 2;
     size_t n = (size_t)(a->n ? a->n : 1);
     int64_t *order = a->sorted ? NULL : malloc(n * sizeof *order); /* given: sorted once, by unique_rows */
     int64_t *bag_of = malloc(n * sizeof *bag_of);
