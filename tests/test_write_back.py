@@ -17,6 +17,7 @@ import torch
 from cxltrain.checkpoint.commit import CommitPipeline
 from cxltrain.checkpoint.ordering import Ordering
 from cxltrain.checkpoint.write_back import BackgroundWriteBack
+from cxltrain.devices.sysfs import disk_bytes_written
 from cxltrain.errors import CheckpointError
 from cxltrain.jobs.config import TrainConfig
 from cxltrain.jobs.train import build_model, build_source, make_runtime, train_step
@@ -174,3 +175,57 @@ def test_a_ctrl_c_while_closing_is_raised_only_once_the_sync_has_returned():
     finally:
         signal.signal(signal.SIGINT, previous)
     assert returned.is_set() and not write_back.in_flight
+
+
+def _trained(config: TrainConfig, primary: str, stop: int):
+    """A Runtime of `config` after `stop` batches, their commits durable (a generator: the block stays open)."""
+    model = build_model(config)
+    dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
+    source = build_source(config)
+    with make_runtime(config, model, dense_opt, primary) as rt:
+        for batch in rt.batches(source, stop=stop):
+            train_step(model, batch, rt.optimizers, rt.batch)
+        rt.wait_idle()
+        yield rt
+
+
+def test_the_commits_of_a_stealing_set_force_only_the_member_roots(folders):
+    """Between write-backs a commit syncs no capacity page: what it forces on the capacity disk is
+    its member root's page (counted from the range); the write-backs beside the commits are counted
+    apart, and a set that syncs at every commit forces every page it dirtied."""
+    if disk_bytes_written(folders[1]) is None:
+        pytest.skip(f"{folders[1]} has no block device of its own: the disk's count is unknown")
+    page = os.sysconf("SC_PAGE_SIZE")
+    stealing = dataclasses.replace(CONFIG, capacity_pool=os.path.join(folders[1], "steal.cap"), write_back_every=4)
+    for rt in _trained(stealing, os.path.join(folders[0], "steal.pool"), stop=6):
+        stats = rt.stats
+        assert stats.write_backs == 1 and stats.commits == 6
+        assert stats.capacity_forced_bytes == 6 * page  # each commit's root, no page of a row
+        assert stats.capacity_written_back_bytes > 0  # the write-back of batches 0-3: their rows' pages
+    forcing = dataclasses.replace(CONFIG, capacity_pool=os.path.join(folders[1], "force.cap"), write_back_every=1)
+    for rt in _trained(forcing, os.path.join(folders[0], "force.pool"), stop=6):
+        stats = rt.stats
+        assert stats.capacity_written_back_bytes == 0
+        assert stats.capacity_forced_bytes >= 6 * 2 * page  # each commit: at least a row's page and the root
+
+
+def test_a_capacity_pool_on_a_file_system_without_a_disk_counts_nothing(folders):
+    config = dataclasses.replace(CONFIG, capacity_pool=os.path.join(folders[0], "shm.cap"), write_back_every=4)
+    for rt in _trained(config, os.path.join(folders[0], "shm.pool"), stop=2):
+        assert rt.stats.capacity_forced_bytes is None and rt.stats.capacity_written_back_bytes is None
+
+
+def test_the_disk_count_grows_by_what_a_sync_writes(folders):
+    written = disk_bytes_written(folders[1])
+    if written is None:
+        pytest.skip(f"{folders[1]} has no block device of its own: the disk's count is unknown")
+    assert disk_bytes_written(folders[0]) is None  # /dev/shm: tmpfs
+    path = os.path.join(folders[1], "probe")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        before = written()
+        os.write(fd, os.urandom(1 << 20))
+        os.fdatasync(fd)
+        assert written() - before >= 1 << 20
+    finally:
+        os.close(fd)

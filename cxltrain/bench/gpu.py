@@ -10,7 +10,7 @@ ratio to torch (and an "on" run's ratio to its "off" twin) is the ratio of the s
 the 95% bootstrap interval of interval.py. Then the gather bandwidth (gpu_gather.py).
 
 Shapes (GpuShapes): F tables of R rows x D, batch B, Zipf-distributed synthetic ids. The hot-row cache
-holds each table's 2 B L most looked-up rows of the first 128 batches (jobs/planning.device_cache_ids,
+holds each table's 2 B L most looked-up rows of the first HOT_LIST_BATCHES batches (jobs/planning.device_cache_ids,
 as `cxltrain train --device cuda` picks them), which include the timed batches, as they would in
 training.
 

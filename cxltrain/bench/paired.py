@@ -68,14 +68,18 @@ def paired_timing(first: SideBySide, second: SideBySide) -> PairedTiming:
 
 
 def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, blocks: int, block_steps: int,
-                probe: Callable | None = None) -> list[SideBySide]:
+                probe: Callable | None = None, first_batch: int = 0) -> list[SideBySide]:
     """Several runs in one process, taking turns in blocks of `block_steps` steps (after `warmup`
     steps each); who goes first rotates from block to block. They share the data source of the
-    first config, so every config must have the same data settings (pooling included).
+    first config, so every config must have the same data settings (pooling included); each run's
+    batch b is the source's batch first_batch + b.
     probe(rt) -> {name: counter} is read before and after every timed block (SideBySide.probe_totals)."""
     from ..jobs.train import build_model, build_source, make_runtime, train_step
 
     source = build_source(configs[0])
+
+    def fetch(b: int):
+        return source.batch(first_batch + b)
     stop = warmup + blocks * block_steps
     with contextlib.ExitStack() as stack:
         runs = []
@@ -83,7 +87,7 @@ def paired_runs(configs: list[TrainConfig], pools: list[str], *, warmup: int, bl
             model = build_model(config)
             dense_opt = torch.optim.Adam(model.dense_parameters(), lr=config.dense_lr)
             rt = stack.enter_context(make_runtime(config, model, dense_opt, pool))
-            runs.append(Turns(rt, rt.batches(source, stop=stop),
+            runs.append(Turns(rt, rt.batches(fetch, stop=stop),
                               lambda batch, rt, model=model: train_step(model, batch, rt.optimizers, rt.batch)))
         return take_turns(runs, warmup=warmup, blocks=blocks, block_steps=block_steps, probe=probe)
 

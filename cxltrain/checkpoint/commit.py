@@ -62,8 +62,10 @@ class CommitPipeline:
         self._write_back = True  # whether the commit in flight syncs the capacity pools itself
         self.write_back_started = self.written_back  # batches the last write-back started covers
         self._start_write_back: int | None = None  # the commit in flight starts one covering these batches
-        self.background = BackgroundWriteBack(self._sync_members)
+        self.background = BackgroundWriteBack(lambda: self._sync_members(forced=False))
         self._beside = write_back_beside  # False: a due write-back runs in its commit (no pipeline)
+        if pool.members and all(getattr(m.device, "synced_bytes", None) is not None for m in pool.members):
+            stats.capacity_forced_bytes = stats.capacity_written_back_bytes = 0
 
     @property
     def steals(self) -> bool:
@@ -149,8 +151,11 @@ class CommitPipeline:
         start, start_seq = self.ring.start_after_reclaim(self._keep_from)
         # ORDERING U2c: the dense snapshot of `done`, when one is due (payload persisted at hand-over,
         # header sealed just above), is durable before this root names it.
+        roots = self._member_bytes("range_bytes")
         self.pool.commit(batches_done=done, flags=self._root_flags, ring_start=start, ring_start_seq=start_seq,
                          dense_slot=slot, dense_batch=snapshot_batch)
+        if self.stats.capacity_forced_bytes is not None:  # the members' roots: their pages
+            self.stats.capacity_forced_bytes += self._member_bytes("range_bytes") - roots
         crash_point(CrashPoint.COMMIT_AFTER_ROOT)
 
     def persist_rows(self, dirty: DirtyRows) -> Iterator[None]:
@@ -166,7 +171,7 @@ class CommitPipeline:
             # before the root that names `done` is written (U2 across the pool set), at every
             # commit without steal, at a write-back waited for with it (between write-backs,
             # U2f: redo records).
-            self._sync_members()
+            self._sync_members(forced=True)
         elif self._start_write_back is not None:
             # after this commit's rows are flushed: the write-back covers every batch before it
             self.background.start(self._start_write_back)
@@ -174,12 +179,24 @@ class CommitPipeline:
             if self.background.serial:  # a crash test's fixed order (write_back.py)
                 self.join_write_back()
 
-    def _sync_members(self) -> None:
-        """The capacity pools' pages written back and synced (on the worker, or beside it)."""
+    def _sync_members(self, *, forced: bool) -> None:
+        """The capacity pools' pages written back and synced: by a commit, which waits for it
+        (forced), or beside the commits (a write-back on its own thread)."""
         crash_point(CrashPoint.COMMIT_BEFORE_CAPACITY_SYNC)
+        before = self._member_bytes("synced_bytes")
         self.ordering.sync_capacity(self.pool)
+        if self.stats.capacity_forced_bytes is not None:
+            synced = self._member_bytes("synced_bytes") - before
+            if forced:
+                self.stats.capacity_forced_bytes += synced
+            else:  # only this thread adds to it, one write-back at a time
+                self.stats.capacity_written_back_bytes += synced
         if self.steals:
             crash_point(CrashPoint.COMMIT_AFTER_WRITE_BACK)  # synced; the root still keeps the redo records
+
+    def _member_bytes(self, counter: str) -> int:
+        """A byte count summed over the capacity pools' devices (CapacityDevice's counters)."""
+        return sum(getattr(member.device, counter) or 0 for member in self.pool.members)
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
         """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""

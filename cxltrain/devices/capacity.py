@@ -8,6 +8,9 @@ too large for memory live in (docs/tiers.md, Devices).
                        persist(range) is msync of that range's pages alone (a root, a region).
                        The kernel may drop clean pages at any time, so resident memory stays
                        bounded by what the process touches between commits.
+                       Counts what its syncs wrote: `synced_bytes`, the disk's own count of
+                       bytes written during each drain (None where the file has no block
+                       device), and `range_bytes`, the pages its ranged persists wrote.
   CapacityCrashDevice  the crash model (knob `capacity_crash` = 1), like SQLite's crash VFS: the
                        process writes into a private copy-on-write view, flush queues the touched
                        pages, drain writes them to the file and syncs it. A killed process loses
@@ -31,6 +34,7 @@ from ..faults import CrashPoint, crash_point
 from ..knobs import KNOBS
 from .base import Device, page_range
 from .msync import MsyncDevice
+from .sysfs import disk_bytes_written
 
 # Crash tests can die at the n-th page write of a capacity device (as at FLUSH_POINT on the fast tier).
 PAGE_WRITE_POINT = CrashPoint.CAPACITY_PAGE_WRITE
@@ -45,9 +49,15 @@ class CapacityDevice(MsyncDevice):
     def __init__(self, path: str, fd: int, size: int) -> None:
         super().__init__(path, fd, size, writable=True)
         self._fd = fd
+        self._count_syncs(path)
         # Random rows: without this the page cache may hold the file in large folios, and one row's
         # store then dirties (and the commit's fdatasync writes back) a whole folio, not its page.
         self._mmap.madvise(mmap.MADV_RANDOM)
+
+    def _count_syncs(self, path: str) -> None:
+        self._disk_written = disk_bytes_written(path)
+        self.synced_bytes: int | None = None if self._disk_written is None else 0
+        self.range_bytes = 0
 
     def _write_back(self, offset: int, length: int) -> None:
         pass  # the page is already in the page cache: the drain's fdatasync writes it
@@ -62,10 +72,21 @@ class CapacityDevice(MsyncDevice):
         return 0 if rows.size == 0 else 1  # as _write_back: nothing until the drain
 
     def _fence(self) -> None:
+        before = None if self._disk_written is None else self._disk_written()
+        self._sync()
+        after = None if before is None else self._disk_written()
+        if after is not None:  # the disk's count: any other writer to it meanwhile counts too
+            self.synced_bytes += after - before
+
+    def _sync(self) -> None:
         crash_point(PAGE_WRITE_POINT)
         os.fdatasync(self._fd)
 
     def _persist_range(self, offset: int, length: int) -> None:
+        self.range_bytes += page_range(offset, length)[1]
+        self._persist_pages(offset, length)
+
+    def _persist_pages(self, offset: int, length: int) -> None:
         # this range only (a root, a region), not every dirty page: msync of its pages
         crash_point(PAGE_WRITE_POINT)
         MsyncDevice._write_back(self, offset, length)
@@ -82,6 +103,7 @@ class CapacityCrashDevice(CapacityDevice):
     def __init__(self, path: str, fd: int, size: int) -> None:
         Device.__init__(self, path, size, writable=True, is_pmem=False)
         self._fd = fd
+        self._count_syncs(path)
         self._mmap = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self._queued: dict[int, bytes] = {}  # page offset -> its bytes when flushed
@@ -100,7 +122,7 @@ class CapacityCrashDevice(CapacityDevice):
     def _write_back_rows(self, offset: int, stride: int, rows: np.ndarray) -> int | None:
         return None  # flush() per run of rows: each run's pages are queued
 
-    def _fence(self) -> None:
+    def _sync(self) -> None:
         with self._queue_lock:
             queued, self._queued = self._queued, {}
         pages = sorted(queued)  # in file order: the write-back is one sweep over the file
@@ -113,7 +135,7 @@ class CapacityCrashDevice(CapacityDevice):
             crash_point(CrashPoint.CAPACITY_BEFORE_SYNC)  # every page written (the disk may keep them), none synced
         os.fdatasync(self._fd)
 
-    def _persist_range(self, offset: int, length: int) -> None:
+    def _persist_pages(self, offset: int, length: int) -> None:
         # this range's pages written and synced; pages flushed earlier stay queued until a drain
         start, span = page_range(offset, length)
         for page in range(start, min(start + span, self.size), PAGE):

@@ -21,9 +21,9 @@ from .tier_probe import copy_mb_s
 
 PROFILE_BATCHES = 16
 # The hot-row caches' hot lists rank the rows of this many batches (or of the plan's profile, when it
-# has more): a 16-batch profile sees too few distinct rows to fill a large cache with hot ones
-# (docs/tiers.md measures the held-out hit rate of both rankings).
-HOT_LIST_BATCHES = 128
+# has more): a shorter profile sees too few lookups of the tail's rows to rank them, so a long run
+# misses more (docs/tiers.md, "The hot list", measures the hit rate of batches no ranking saw).
+HOT_LIST_BATCHES = 512
 PROBE_BYTES = 8 << 20     # the capacity tier's read probe: a file this big, read back at random
 PROBE_SECONDS = 0.2
 

@@ -124,6 +124,9 @@ class TierUse:
     disk_bytes_read_per_batch: float
     miss_lookups_per_batch: float = 0.0  # the capacity tables' lookups their caches did not serve
     write_back_every: int = 1          # the interval the set ran with (docs/tiers.md, Steal, no force)
+    # of the bytes written, those the commits waited to have synced, over the batches so far (None:
+    # the disk's count unknown, or no checkpoint)
+    disk_bytes_forced_per_batch: float | None = None
 
 
 @dataclasses.dataclass
@@ -415,7 +418,15 @@ def _tier_facts(rt: Runtime, steps: int, io: dict[str, int]) -> TierUse | None:
                    cache_hit_rate=sum(s.hits for s in caches.values()) / lookups if lookups else None,
                    disk_bytes_written_per_batch=io.get("write_bytes", 0) / per_batch,
                    disk_bytes_read_per_batch=io.get("read_bytes", 0) / per_batch, miss_lookups_per_batch=misses,
-                   write_back_every=1 if options.captures_on_worker else options.write_back_every)
+                   write_back_every=1 if options.captures_on_worker else options.write_back_every,
+                   disk_bytes_forced_per_batch=_forced_per_batch(rt.stats))
+
+
+def _forced_per_batch(stats) -> float | None:
+    """The capacity bytes the commits have waited to have synced, per batch ended so far."""
+    if stats is None or stats.capacity_forced_bytes is None:
+        return None
+    return stats.capacity_forced_bytes / max(stats.batches, 1)
 
 
 def _compute_facts(tables: list) -> dict:

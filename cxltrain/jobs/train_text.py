@@ -68,4 +68,11 @@ def _tiers_line(tiers) -> str:
                   f"{tiers.cache_hit_rate:.1%} of their lookups hit")
     return (f"capacity tier: {tiers.capacity_pool} holds {len(tiers.capacity_tables)} table(s){cached}; "
             f"{tiers.disk_bytes_written_per_batch / 1e6:,.2f} MB written to and "
-            f"{tiers.disk_bytes_read_per_batch / 1e6:,.2f} MB read from storage per batch")
+            f"{tiers.disk_bytes_read_per_batch / 1e6:,.2f} MB read from storage per batch" + _forced(tiers))
+
+
+def _forced(tiers) -> str:
+    """Of the bytes written, those the commits waited for (where the disk's count is known)."""
+    if tiers.disk_bytes_forced_per_batch is None:
+        return ""
+    return f", {tiers.disk_bytes_forced_per_batch / 1e6:,.3f} MB a batch synced by the commits themselves"
