@@ -177,3 +177,14 @@ def test_a_set_keeps_its_plan(folders, capsys):
         with Runtime(pool, model, torch.optim.Adam(model.dense_parameters()), capacity_pool=cap, plan=other):
             pass
     assert digest(pool, cap) == after
+
+
+def test_a_pool_is_sized_without_ranking_the_hot_rows():
+    """`train` sizes the pool before it makes it: the hot lists' lengths are all that takes, so
+    only the run itself reads the HOT_LIST_BATCHES batches that rank them."""
+    from cxltrain.jobs.train import make_runtime, pool_bytes
+
+    config = TrainConfig(batch_size=64, num_tables=2, rows=3000, dim=8, cache_rows=300, capacity_pool="/var/tmp/sized.cap")
+    ranked = make_runtime(config, build_model(config), None, "")
+    assert all(rows.size == 300 for rows in ranked._hot.values()) and len(ranked._hot) == 2
+    assert pool_bytes(config) == ranked.pool_bytes()

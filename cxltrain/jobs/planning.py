@@ -43,10 +43,12 @@ def plan_for(config: TrainConfig, model, source, pool_path: str) -> planner.Plan
     return plan_and_hot_rows(config, model, source, pool_path)[0]
 
 
-def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str) -> tuple[planner.Plan | None, dict]:
+def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str, *,
+                      rank_hot_rows: bool = True) -> tuple[planner.Plan | None, dict]:
     """plan_for's plan, and for a new set the rows each capacity table's hot-row cache admits
     ({table: row ids, hottest first}, as many as the plan's cached_rows; empty for an existing set,
-    which holds its own)."""
+    which holds its own). rank_hot_rows=False: rows 0..n-1 instead, for sizing a pool, which needs
+    only how many (the ranking reads HOT_LIST_BATCHES batches)."""
     if config.capacity_pool is None:
         if config.fast_bytes is not None or config.profile_batches is not None or config.cache_rows is not None:
             raise ConfigError("--fast-bytes, --profile-batches and --cache-rows plan a pool set: they need "
@@ -65,6 +67,8 @@ def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str) -> tup
     profiles = table_profiles(config, model, source)
     plan = planner.make_plan(profiles, config.fast_bytes or 0, config.cache_rows)
     cached = plan.cached_rows
+    if not rank_hot_rows:
+        return plan, {name: np.arange(rows, dtype=np.int64) for name, rows in cached.items() if rows}
     if any(cached.values()) and plan.profile_batches < HOT_LIST_BATCHES:
         profiles = table_profiles(config, model, source, HOT_LIST_BATCHES)
     hot = {p.name: p.hot_rows(cached[p.name]) for p in profiles if cached.get(p.name)}

@@ -192,13 +192,14 @@ def dense_optimizer(config: TrainConfig, parameters) -> torch.optim.Optimizer:
 
 
 def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
-                 source: BatchSource | None = None) -> Runtime:
+                 source: BatchSource | None = None, *, rank_hot_rows: bool = True) -> Runtime:
     """The Runtime of a `train` run: its metadata the trajectory settings (checked on resume) and the
-    remembered ones (`settings`, which a resume may change, as it may the learning rates)."""
+    remembered ones (`settings`, which a resume may change, as it may the learning rates).
+    rank_hot_rows=False: a Runtime to size a pool with, whose caches' lists are placeholders."""
     metadata = {**config.run_metadata(getattr(source, "fingerprint", None)), "settings": config.run_settings()}
     if source is None and config.capacity_pool is not None:
         source = build_source(config)  # profiled to plan a new pool set
-    plan, hot_rows = plan_and_hot_rows(config, model, source, pool_path)
+    plan, hot_rows = plan_and_hot_rows(config, model, source, pool_path, rank_hot_rows=rank_hot_rows)
     return Runtime(pool_path, model, dense_opt, checkpoint=config.checkpoint, dense_every=config.dense_every,
                    mode=config.mode, pipeline=config.pipeline,
                    background_capture=config.background_capture, fused_capture=config.fused_capture,
@@ -213,7 +214,7 @@ def make_runtime(config: TrainConfig, model: DLRM, dense_opt, pool_path: str,
 
 def pool_bytes(config: TrainConfig) -> int:
     """Size of the pool `train` creates for `config`: tables, undo ring, dense snapshot slots."""
-    return make_runtime(config, build_model(config), None, "").pool_bytes()
+    return make_runtime(config, build_model(config), None, "", rank_hot_rows=False).pool_bytes()
 
 
 def train(config: TrainConfig, *, pool_path: str, progress: bool = True,
