@@ -55,7 +55,7 @@ ENFORCED_BY = {
     "U2a": ".drain()",
     "U2b": "pipeline.seal_and_write_root(",  # after persist_rows (above the tag)
     "U2c": "self.pool.commit(",
-    "U2d": "self._sync_members()",
+    "U2d": "self._sync_members(",
     "U2e": ".synchronize()",
     "U2f": "self.ring.mark_tail()",
     "U3a": "self.ring.reclaim(",

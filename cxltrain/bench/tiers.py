@@ -22,8 +22,8 @@ blocks, as in --quick): block i of a setup and block i of its baseline ran in th
 
 The capacity tier's traffic is the process's storage I/O (/proc/self/io: bytes read from and
 written to block storage; the fast tier's /dev/shm does none), counted around each timed block;
-of what was written, the bytes the commits forced (CheckpointStats.capacity_forced_bytes: the syncs a
-commit waits for, the disk's own count) beside those written back later or by the kernel.
+beside them, the bytes the commits forced (CheckpointStats.capacity_forced_bytes: what the syncs run
+in a commit wrote, by the disk's own count, and the member roots' pages).
 Every setup trains on the batches after the hot lists' profile (HOT_LIST_BATCHES), which a cache
 would hit more often than any later batch.
 """

@@ -149,9 +149,9 @@ class CommitPipeline:
             slot, snapshot_batch = written[0], done
             crash_point(CrashPoint.COMMIT_BEFORE_ROOT)
         start, start_seq = self.ring.start_after_reclaim(self._keep_from)
+        roots = self._member_bytes("range_bytes")
         # ORDERING U2c: the dense snapshot of `done`, when one is due (payload persisted at hand-over,
         # header sealed just above), is durable before this root names it.
-        roots = self._member_bytes("range_bytes")
         self.pool.commit(batches_done=done, flags=self._root_flags, ring_start=start, ring_start_seq=start_seq,
                          dense_slot=slot, dense_batch=snapshot_batch)
         if self.stats.capacity_forced_bytes is not None:  # the members' roots: their pages
@@ -196,7 +196,7 @@ class CommitPipeline:
 
     def _member_bytes(self, counter: str) -> int:
         """A byte count summed over the capacity pools' devices (CapacityDevice's counters)."""
-        return sum(getattr(member.device, counter) or 0 for member in self.pool.members)
+        return sum(getattr(member.device, counter, None) or 0 for member in self.pool.members)
 
     def flush_rows(self, table: LoggedTable, indices: np.ndarray) -> None:
         """Flush a table's rows `indices` (int64 [U], sorted): weights and optimizer state; no drain."""

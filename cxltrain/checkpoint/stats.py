@@ -24,9 +24,10 @@ class CheckpointStats:
     redo_bytes: int = 0              # ring bytes of redo records (a pool set's cold rows, new values)
     write_backs: int = 0             # write-backs (the capacity pools synced) counted by commits
     write_back_seconds: float = 0.0  # write-back thread: the syncs run beside the commits
-    # a pool set's bytes written to the capacity pools' disks by syncs (the disk's own count; None
-    # where a capacity pool's file system has no block device): those the commits waited for
-    # (forced: every sync without steal, the members' roots) and those beside them (write-backs)
+    # a pool set's bytes written to the capacity pools' disks by syncs (the disk's own count, and the
+    # members' roots' pages; None where a capacity pool's file system has no block device): those
+    # run in a commit (forced: every sync without steal; stealing, an early or the last write-back,
+    # and the roots) and those on the write-back's own thread, even where a commit then joins it
     capacity_forced_bytes: int | None = None
     capacity_written_back_bytes: int | None = None
     ring_full_commits: int = 0       # commits taken early because the ring was nearly full
