@@ -181,10 +181,21 @@ def test_a_set_keeps_its_plan(folders, capsys):
 
 def test_a_pool_is_sized_without_ranking_the_hot_rows():
     """`train` sizes the pool before it makes it: the hot lists' lengths are all that takes, so
-    only the run itself reads the HOT_LIST_BATCHES batches that rank them."""
+    only the run itself reads the batches that rank them (planning.hot_list_batches)."""
     from cxltrain.jobs.train import make_runtime, pool_bytes
 
     config = TrainConfig(batch_size=64, num_tables=2, rows=3000, dim=8, cache_rows=300, capacity_pool="/var/tmp/sized.cap")
     ranked = make_runtime(config, build_model(config), None, "")
     assert all(rows.size == 300 for rows in ranked._hot.values()) and len(ranked._hot) == 2
     assert pool_bytes(config) == ranked.pool_bytes()
+
+
+def test_hot_lists_rank_a_bounded_number_of_lookups():
+    """The ranked ids are held in memory: a big batch is ranked on fewer batches, a small one on at
+    most HOT_LIST_BATCHES."""
+    from cxltrain.jobs.planning import HOT_LIST_BATCHES, HOT_LIST_LOOKUPS, hot_list_batches
+
+    assert hot_list_batches(TrainConfig()) == HOT_LIST_LOOKUPS // 2048 == HOT_LIST_BATCHES  # the default model
+    assert hot_list_batches(TrainConfig(batch_size=65536)) == 16
+    assert hot_list_batches(TrainConfig(batch_size=4096, pooling=20)) == 13  # 81,920 lookups a batch
+    assert hot_list_batches(TrainConfig(batch_size=64)) == HOT_LIST_BATCHES

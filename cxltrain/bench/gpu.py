@@ -10,9 +10,9 @@ ratio to torch (and an "on" run's ratio to its "off" twin) is the ratio of the s
 the 95% bootstrap interval of interval.py. Then the gather bandwidth (gpu_gather.py).
 
 Shapes (GpuShapes): F tables of R rows x D, batch B, Zipf-distributed synthetic ids. The hot-row cache
-holds each table's 2 B L most looked-up rows of the first HOT_LIST_BATCHES batches (jobs/planning.device_cache_ids,
-as `cxltrain train --device cuda` picks them), which include the timed batches, as they would in
-training.
+holds each table's 2 B L most looked-up rows of the first batches (jobs/planning.device_cache_ids, as
+`cxltrain train --device cuda` picks them: planning.hot_list_batches, 2^20 lookups a table), which
+include the first timed batches (at pooling 1, all of them), as they would in training.
 
     results = run(GpuShapes(), torch.device("cuda"), log=print)
     print(format_text(results))

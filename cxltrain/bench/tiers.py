@@ -24,7 +24,7 @@ The capacity tier's traffic is the process's storage I/O (/proc/self/io: bytes r
 written to block storage; the fast tier's /dev/shm does none), counted around each timed block;
 beside them, the bytes the commits forced (CheckpointStats.capacity_forced_bytes: what the syncs run
 in a commit wrote, by the disk's own count, and the member roots' pages).
-Every setup trains on the batches after the hot lists' profile (HOT_LIST_BATCHES), which a cache
+Every setup trains on the batches after the hot lists' profile (planning.hot_list_batches), which a cache
 would hit more often than any later batch.
 """
 
@@ -38,7 +38,7 @@ import shutil
 import tempfile
 
 from ..jobs.config import TrainConfig
-from ..jobs.planning import HOT_LIST_BATCHES
+from ..jobs.planning import hot_list_batches
 from ..jobs.train import storage_io
 from ..modes import OFF
 from .interval import MIN_BLOCKS, interval_text, ratio_interval
@@ -147,7 +147,7 @@ def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
         # timed on batches past those the hot lists were ranked on, as most of a long run's are: on
         # the ranked ones a cache hits more than it ever will later
         runs = paired_runs(configs, pools, warmup=plan.warmup, blocks=plan.blocks, block_steps=plan.block_steps,
-                           probe=_io_counters, first_batch=HOT_LIST_BATCHES)
+                           probe=_io_counters, first_batch=hot_list_batches(plan.config))
         seconds, io = [run.block_seconds for run in runs], [run.probe_totals for run in runs]
     finally:
         shutil.rmtree(disk, ignore_errors=True)

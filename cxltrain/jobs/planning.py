@@ -20,10 +20,12 @@ from .config import TrainConfig
 from .tier_probe import copy_mb_s
 
 PROFILE_BATCHES = 16
-# The hot-row caches' hot lists rank the rows of this many batches (or of the plan's profile, when it
-# has more): a shorter profile sees too few lookups of the tail's rows to rank them, so a long run
-# misses more (docs/tiers.md, "The hot list", measures the hit rate of batches no ranking saw).
-HOT_LIST_BATCHES = 512
+# The hot-row caches' hot lists rank the rows of this many lookups a table (or of the plan's profile,
+# when it has more): fewer see too few lookups of the tail's rows to rank them, so a long run misses
+# more (docs/tiers.md, "The hot list", measures the hit rate of batches no ranking saw). Counted in
+# lookups, so that the profile's ids, held in memory while they are ranked, do not grow with the batch.
+HOT_LIST_LOOKUPS = 1 << 20
+HOT_LIST_BATCHES = 512  # at most: a batch of few lookups is ranked on this many
 PROBE_BYTES = 8 << 20     # the capacity tier's read probe: a file this big, read back at random
 PROBE_SECONDS = 0.2
 
@@ -43,12 +45,18 @@ def plan_for(config: TrainConfig, model, source, pool_path: str) -> planner.Plan
     return plan_and_hot_rows(config, model, source, pool_path)[0]
 
 
+def hot_list_batches(config: TrainConfig) -> int:
+    """The batches the hot lists of `config`'s tables are ranked on: HOT_LIST_LOOKUPS lookups of each
+    table, at most HOT_LIST_BATCHES batches (512 for the default model's 2,048 lookups a batch)."""
+    return max(1, min(HOT_LIST_BATCHES, -(-HOT_LIST_LOOKUPS // (config.batch_size * config.pooling))))
+
+
 def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str, *,
                       rank_hot_rows: bool = True) -> tuple[planner.Plan | None, dict]:
     """plan_for's plan, and for a new set the rows each capacity table's hot-row cache admits
     ({table: row ids, hottest first}, as many as the plan's cached_rows; empty for an existing set,
     which holds its own). rank_hot_rows=False: rows 0..n-1 instead, for sizing a pool, which needs
-    only how many (the ranking reads HOT_LIST_BATCHES batches)."""
+    only how many (the ranking reads hot_list_batches batches)."""
     if config.capacity_pool is None:
         if config.fast_bytes is not None or config.profile_batches is not None or config.cache_rows is not None:
             raise ConfigError("--fast-bytes, --profile-batches and --cache-rows plan a pool set: they need "
@@ -69,8 +77,8 @@ def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str, *,
     cached = plan.cached_rows
     if not rank_hot_rows:
         return plan, {name: np.arange(rows, dtype=np.int64) for name, rows in cached.items() if rows}
-    if any(cached.values()) and plan.profile_batches < HOT_LIST_BATCHES:
-        profiles = table_profiles(config, model, source, HOT_LIST_BATCHES)
+    if any(cached.values()) and plan.profile_batches < hot_list_batches(config):
+        profiles = table_profiles(config, model, source, hot_list_batches(config))
     hot = {p.name: p.hot_rows(cached[p.name]) for p in profiles if cached.get(p.name)}
     return plan, hot
 
@@ -131,5 +139,5 @@ def device_cache_ids(config: TrainConfig, model, source, device) -> dict:
     sizes = planner.device_cache_rows(tables, free // 2, config.batch_size * config.pooling, config.device_cache_rows)
     if all(sizes[name] == rows for name, rows, _ in tables):  # every row: no profile needed
         return {name: torch.arange(rows) for name, rows, _ in tables}
-    profiles = table_profiles(config, model, source, HOT_LIST_BATCHES)
+    profiles = table_profiles(config, model, source, hot_list_batches(config))
     return {p.name: torch.from_numpy(p.hot_rows(sizes[p.name]).astype(np.int64)) for p in profiles if sizes[p.name]}

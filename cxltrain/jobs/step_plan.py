@@ -20,7 +20,7 @@ from ..placement import planner
 from ..placement import step_model as sm
 from ..runtime.runtime import Runtime
 from .config import TrainConfig
-from .planning import HOT_LIST_BATCHES, PROFILE_BATCHES
+from .planning import PROFILE_BATCHES, hot_list_batches
 from .tier_probe import measure_speeds
 
 FAST_STEP_ROWS = 65_536   # the fast-tier step is measured on the model with tables of at most this many rows
@@ -57,7 +57,7 @@ def choose_configuration(config: TrainConfig, model, source, pool_path: str,
     shapes = shapes_of(model)
     row_bytes = [(s.name, s.rows, sum(s.strides)) for s in shapes]
     profiled = config.profile_batches or PROFILE_BATCHES
-    hot_batches = max(HOT_LIST_BATCHES, profiled)
+    hot_batches = max(hot_list_batches(config), profiled)
     total = hot_batches if source.num_batches is None else min(hot_batches, source.num_batches)
     batches = [[v.numpy().astype(np.int64) for v in source.batch(b).values[: len(shapes)]] for b in range(total)]
     if total < 2:
