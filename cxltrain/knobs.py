@@ -164,3 +164,19 @@ def override(**changes) -> Iterator[Knobs]:
     finally:
         for name, value in saved.items():
             setattr(KNOBS, name, value)
+
+
+# libgomp's own default spins for milliseconds, which made runs several times slower where other
+# processes share the cores; not spinning at all (PASSIVE alone) puts every idle OpenMP thread to
+# sleep between two parallel regions, which slows an idle machine's step (docs/benchmarks.md,
+# "OpenMP's wait"). This spin count lies between the two.
+OPENMP_SPIN_COUNT = "3000"
+
+
+def set_openmp_wait(environ) -> None:
+    """How torch's OpenMP threads wait for work: PASSIVE after a short spin, unless the user set
+    OMP_WAIT_POLICY or GOMP_SPINCOUNT. Must run before torch is imported (the commands import it
+    lazily): libgomp reads both when it is loaded."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
+    environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -488,17 +488,29 @@ def test_the_data_file_is_known_by_its_content_not_its_path(shm_dir):
     assert_one_line_error(changed, match="was written by a run with other settings (data '")
 
 
-@pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
-def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch, capsys, given, expected):
-    """OpenMP spin-waiting made runs 5-12x slower on shared cores."""
+@pytest.mark.parametrize("given,expected", [
+    ({}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": None}),
+    ({"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}),
+])
+def test_openmp_spins_briefly_then_waits_passively_unless_the_user_says_otherwise(monkeypatch, given, expected):
+    """libgomp's own spin made runs 5-12x slower on shared cores; no spin slows an idle machine."""
     from cxltrain.cli import main
 
-    if given is None:
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    else:
-        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
     main(["pool", "info", "/nonexistent/p.pool"])
-    assert os.environ["OMP_WAIT_POLICY"] == expected
+    assert {name: os.environ.get(name) for name in expected} == expected
+
+
+def test_the_zygote_sets_openmp_as_the_command_line_does():
+    """The tests' preloaded interpreter mirrors set_openmp_wait (it imports nothing of cxltrain)."""
+    from cxltrain.knobs import OPENMP_SPIN_COUNT
+
+    zygote = (Path(__file__).parent / "zygote.py").read_text()
+    assert f'os.environ["GOMP_SPINCOUNT"] = "{OPENMP_SPIN_COUNT}"' in zygote
 
 
 def test_the_command_line_imports_no_torch_before_it_runs():

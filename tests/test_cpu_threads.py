@@ -21,8 +21,8 @@ AT_ONCE = 4   # two threads each: more threads than cores, as in a loaded test r
 def first_calls_differing(plain: bool, processes: int = PROCESSES, at_once: int = AT_ONCE) -> int:
     """How many of `processes` fresh probes saw their first sqrt differ from their second."""
     # libgomp's default wait policy (its threads spin a while for work) makes the race likeliest; cxltrain's
-    # commands run PASSIVE (cli/main.py), which makes it rarer, not impossible
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    # commands spin briefly, then sleep (knobs.set_openmp_wait), which makes it rarer, not impossible
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     command = [sys.executable, PROBE, *(["plain"] if plain else [])]
     differing, running, started = 0, [], 0
     while started < processes or running:

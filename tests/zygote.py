@@ -29,8 +29,11 @@ import sys
 import threading
 import traceback
 
-# As cxltrain.cli.main sets them before torch is imported: libgomp reads its wait policy when it is
-# loaded, which is here, and torch's C++ log level when torch starts.
+# As cxltrain.cli.main sets them before torch is imported (knobs.set_openmp_wait; mirrored, since nothing of
+# cxltrain is imported here): libgomp reads its wait policy and spin count when it is loaded, which
+# is here, and torch's C++ log level when torch starts.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "3000"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 

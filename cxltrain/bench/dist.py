@@ -22,6 +22,7 @@ import sys
 import tempfile
 
 from ..faults import CRASH_ENV, CRASH_RANK_ENV, CrashPoint
+from ..knobs import set_openmp_wait
 from ..modes import UNDO
 from .interval import LEVEL
 from .records import DistPaired, DistRecovery, DistResults, DistRow, DistSteps, PairedTiming
@@ -54,8 +55,8 @@ def _config(quick: bool) -> dict:
 
 def _child(command: list[str], env: dict | None = None) -> str:
     """The last stdout line of a child; a failure raises with its last stderr line."""
-    # as `cxltrain` sets it (cli/main.py): spinning OpenMP threads slow a shared machine's runs 10x
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, **(env or {})}
+    env = {**os.environ, **(env or {})}
+    set_openmp_wait(env)  # as `cxltrain` sets it: the child may be torchrun, which imports torch first
     done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command[:8])} ... failed: {done.stderr.strip().splitlines()[-1:]}")

@@ -16,7 +16,7 @@ import warnings
 from typing import Callable, Sequence
 
 from ..errors import CxlTrainError, TrainingStopped
-from ..knobs import KNOBS
+from ..knobs import KNOBS, set_openmp_wait
 from . import bench, crashtest, devices, pool, recover_export, stop, train
 from .common import (
     EXIT_BROKEN_PIPE,
@@ -63,10 +63,7 @@ def _silence_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Before torch (imported lazily by the commands) starts OpenMP: libgomp's default spin-waiting
-    # made runs several times slower where other processes share the cores (docs/benchmarks.md).
-    # A user's own value stays.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_wait(os.environ)
     # torch's C++ warnings (c10d's, where a rank cannot look up a host name, say) would come between
     # a refusal's one line and the user, once per rank and restart; errors still show
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
