@@ -77,32 +77,36 @@ def test_a_trial_replays_with_the_same_plan():
             b.close()
 
 
-# the checkpointer's planted bugs (the pool's, root-before-entries, is test_pool_crash's; the commit
-# window's, window-never-cleared, needs dense_every > 1, which a quarter of the trials have: it is
-# test_checkpoint_crash's, killed where it bites; the pool set's, skip-capacity-sync, test_pool_set's:
-# crashtest builds no sets; the hot-row cache's, unlogged-admission and cached-update-unlogged,
-# test_cache's; max_norm's renorm-unlogged, test_max_norm's: crashtest's DLRM has no max_norm; and the
-# set's recovery's, recovery-root-before-capacity-sync, test_cache's). The fused
-# update's three are test_checkpoint_crash's too, killed inside the kernel with small chunks or
-# after the root; the torture catches them as well (within 50 trials each: this test), behind -m slow.
-FUSED_PLANTED = (Planted.HEADER_BEFORE_PAYLOAD, Planted.UPDATE_BEFORE_HEADER, Planted.KERNEL_SKIPS_ROW_FLUSH)
+# Where each planted bug is shown caught. The torture of one pool (below) catches the checkpointer's
+# and the fused update's; that of a pool set (--mode set, below) the set's, the hot-row cache's and the
+# steal protocol's. The rest need a kill the random plans rarely draw, and their own crash tests make
+# it where the bug bites: the pool's root-before-entries is test_pool_crash's; window-never-cleared
+# needs dense_every > 1 and a kill inside the window (test_checkpoint_crash); crashtest's DLRM has no
+# max_norm (renorm-unlogged: test_max_norm); the set's recovery killed between its capacity writes and
+# their sync (recovery-root-before-capacity-sync: test_cache); a commit killed while a held-back
+# write-back is still syncing, at least one commit after it started (reclaim-before-write-back:
+# test_pool_set).
+SET_PLANTED = (Planted.SKIP_CAPACITY_SYNC, Planted.UNLOGGED_ADMISSION, Planted.CACHED_UPDATE_UNLOGGED,
+               Planted.REDO_AFTER_COMMIT)
+CAUGHT_ELSEWHERE = (Planted.ROOT_BEFORE_ENTRIES, Planted.WINDOW_NEVER_CLEARED, Planted.RENORM_UNLOGGED,
+                    Planted.RECOVERY_ROOT_BEFORE_CAPACITY_SYNC, Planted.RECLAIM_BEFORE_WRITE_BACK)
+SINGLE_PLANTED = tuple(f for f in PLANTED if f not in SET_PLANTED + CAUGHT_ELSEWHERE)
+# in the default suite one planted bug per torture shows that it catches them (the suite's 10
+# minutes; each is caught by its own crash test there too); -m slow runs every one
+DEFAULT_PLANTED = (Planted.SKIP_UNDO_PERSIST, Planted.REDO_AFTER_COMMIT)
 
 
-# in the default suite one planted bug shows the torture catches them (the suite's 10 minutes; each
-# is caught by its own crash test there too); -m slow runs every one
-DEFAULT_PLANTED = (Planted.SKIP_UNDO_PERSIST,)
+def test_every_planted_bug_has_a_crash_test_that_catches_it():
+    """A bug planted for a rule is shown caught somewhere: a new one must be placed in a list above
+    (two were once tortured in a mode where they could not bite)."""
+    assert sorted(SINGLE_PLANTED + SET_PLANTED + CAUGHT_ELSEWHERE) == sorted(PLANTED)  # each in one list
 
 
-@pytest.mark.parametrize("fault", [f if f in DEFAULT_PLANTED else pytest.param(f, marks=pytest.mark.slow)
-                                   for f in PLANTED if f not in (Planted.ROOT_BEFORE_ENTRIES,
-                                                                 Planted.WINDOW_NEVER_CLEARED,
-                                                                 Planted.SKIP_CAPACITY_SYNC,
-                                                                 Planted.UNLOGGED_ADMISSION,
-                                                                 Planted.CACHED_UPDATE_UNLOGGED,
-                                                                 Planted.RENORM_UNLOGGED,
-                                                                 Planted.RECOVERY_ROOT_BEFORE_CAPACITY_SYNC)])
-def test_planted_bug_is_caught_within_50_trials(fault, tmp_path):
-    done, report = crashtest("--trials", "50", "--seed", str(SEED), "--power-loss", "--plant", fault,
+@pytest.mark.parametrize("mode, fault", [
+    pytest.param(mode, f, marks=() if f in DEFAULT_PLANTED else pytest.mark.slow)
+    for mode, faults in (("single", SINGLE_PLANTED), ("set", SET_PLANTED)) for f in faults])
+def test_planted_bug_is_caught_within_50_trials(mode, fault, tmp_path):
+    done, report = crashtest("--mode", mode, "--trials", "50", "--seed", str(SEED), "--power-loss", "--plant", fault,
                              "--fail-fast", keep=tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert report["exact"] < report["trials"] <= 50

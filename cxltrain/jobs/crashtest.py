@@ -77,7 +77,10 @@ SET_POINTS = {**PROTOCOL_POINTS, **CrashPoint.SET_REACHED_PER, CrashPoint.CACHE_
 SET_CACHE_ROWS, SET_REPLACE_EVERY = 300, 4  # 10% of each table's rows, re-placed every 4 batches
 # A set trial forces (writes the capacity pages back at every commit) or steals with a write-back
 # every 3 batches, so that a 10-batch run reaches several write-backs and redo records live between them.
-SET_WRITE_BACK_EVERY = (1, 3)
+STEAL_EVERY = 3
+SET_WRITE_BACK_EVERY = (1, STEAL_EVERY)
+# reached only while a write-back runs beside the commits: a trial killed there steals
+STEALING_POINTS = (CrashPoint.COMMIT_WHILE_WRITING_BACK,)
 RECOVERY_POINTS = CrashPoint.RECOVERY
 SET_RECOVERY_POINTS = (*CrashPoint.RECOVERY, CrashPoint.RECOVER_MID_REDO)
 FLUSH_POINT = CrashPoint.DEVICE_FLUSH
@@ -363,6 +366,8 @@ class Torture:
         background = rng.random() < 0.25
         if self.disk_work:  # drawn last: a single pool's plans stay what their seeds gave before
             trial_knobs["write_back_every"] = rng.choice(SET_WRITE_BACK_EVERY)
+            if crash_at and crash_at.rsplit(":", 1)[0] in STEALING_POINTS:  # forcing never reaches them
+                trial_knobs["write_back_every"] = STEAL_EVERY
         return TrialPlan(number, kind, crash_at, delay, recover_at, dense_every, small_ring, trial_knobs, background)
 
     def _config(self, plan: TrialPlan) -> TrainConfig:
