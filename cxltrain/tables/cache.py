@@ -300,9 +300,11 @@ class HotRowCache:
     def homes(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the update's rows [U] (sorted) were stored: (the slots of the cached ones [U'],
         sorted; the table rows of the others [U - U'], sorted)."""
-        slots = self.slot_of[rows].to(torch.int64)
+        # numpy: a batch's few thousand rows pay torch's per-op overhead several times over
+        table_rows = rows.numpy()
+        slots = self.slot_of.numpy()[table_rows]
         hit = slots >= 0
-        return torch.sort(slots[hit]).values, rows[~hit]
+        return torch.from_numpy(np.sort(slots[hit]).astype(np.int64)), torch.from_numpy(table_rows[~hit])
 
 
 def merged_chunks(pool: Pool, table_name: str, region: str, optimizer_state: bool) -> Iterator[np.ndarray]:
