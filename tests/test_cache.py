@@ -27,7 +27,7 @@ from cxltrain.jobs.train import train
 from cxltrain.pool.cache_format import region_names
 from cxltrain.pool.handle import Pool
 from cxltrain.runtime.runtime import export_state, recover_pool
-from helpers import assert_same_export, cxltrain, tier_folders
+from helpers import STREAMING_MODEL, assert_same_export, cxltrain, tier_folders
 
 CONFIG = TrainConfig(steps=4, batch_size=64, num_tables=2, rows=3000, dim=16)
 CACHE_ROWS = 300  # 10% of each table's rows
@@ -198,7 +198,8 @@ def test_a_cached_tables_update_records_its_misses_and_its_slots_in_one_pass(fol
 
     monkeypatch.setattr(Checkpointer, "_plan_fused", noting)
     monkeypatch.setattr(Checkpointer, "_capture", capturing)
-    primary, _ = run(folders, "fused", cache_rows=CACHE_ROWS)
+    with knobs.override(power_loss=STREAMING_MODEL):  # a model whose kernels persist their own stores
+        primary, _ = run(folders, "fused", cache_rows=CACHE_ROWS)
     assert_same_export(export_state(primary), reference)
     assert {name for name, _, _ in planned} == {"t0", "t1"}
     assert all(slots > 0 for _, _, slots in planned) and any(misses > 0 for _, misses, _ in planned), planned
@@ -230,7 +231,8 @@ def test_a_window_records_a_cached_row_once_and_a_run_killed_in_it_resumes_bit_e
         return undo
 
     monkeypatch.setattr(Checkpointer, "_plan_fused", noting)
-    primary, _ = run(folders, "window", cache_rows=CACHE_ROWS, dense_every=3)
+    with knobs.override(power_loss=STREAMING_MODEL):
+        primary, _ = run(folders, "window", cache_rows=CACHE_ROWS, dense_every=3)
     assert_same_export(export_state(primary), reference)
     assert {window for window, _ in recorded} == {0, 3}
     assert all(len(rows) == len(set(rows)) for rows in recorded.values()), recorded

@@ -18,7 +18,7 @@ import torch
 from cxltrain.data import CriteoFile, criteo
 from cxltrain.data.synthetic import hash_key, splitmix64
 from cxltrain.errors import ConfigError
-from helpers import SHARED_CRITEO_SAMPLE, assert_same_batch, write_criteo
+from helpers import assert_same_batch, shared_criteo_sample, write_criteo
 
 LINES = 200   # data lines in the sample (the shared one and the generated one alike)
 
@@ -45,10 +45,8 @@ def sample_rows(sample) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def shared_sample() -> Path:
-    """The real shared sample (CSV layout, with header); CI checks shared/ out beside the repo."""
-    if not SHARED_CRITEO_SAMPLE.is_file():
-        pytest.skip(f"shared Criteo sample not found at {SHARED_CRITEO_SAMPLE} (shared/ sits beside the repo)")
-    return SHARED_CRITEO_SAMPLE
+    """The real shared sample (CSV layout, with header)."""
+    return shared_criteo_sample()
 
 
 def raw_fields(fields: list[str]) -> list[str]:

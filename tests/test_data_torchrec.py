@@ -16,7 +16,7 @@ import pytest
 from cxltrain.data import CriteoFile, TorchRecFolder, torchrec_npy
 from cxltrain.data.files import open_criteo
 from cxltrain.errors import ConfigError
-from helpers import SHARED_CRITEO_SAMPLE, shared_sample_rows, write_torchrec_days
+from helpers import shared_criteo_sample, shared_sample_rows, write_torchrec_days
 
 LINES = 200
 ROWS = [1000 + 7 * t for t in range(26)]
@@ -36,7 +36,7 @@ def _stored(folder: Path, part: str) -> np.ndarray:
 @pytest.mark.parametrize("rows,tables,seed", [(ROWS, 26, 0), (ROWS[:5], 5, 3), (97, 26, 1)])
 def test_a_line_has_the_raw_lines_rows_and_label_and_torchrecs_dense(folder, rows, tables, seed):
     src = open_criteo(folder, batch_size=16, rows=rows, num_tables=tables, seed=seed)
-    raw = CriteoFile(SHARED_CRITEO_SAMPLE, batch_size=16, rows=rows, num_tables=tables, seed=seed)
+    raw = CriteoFile(shared_criteo_sample(), batch_size=16, rows=rows, num_tables=tables, seed=seed)
     assert isinstance(src, TorchRecFolder) and src.days == list(range(11))
     assert src.num_lines == LINES and src.num_batches == raw.num_batches == LINES // 16
     dense = _stored(folder, "dense")

@@ -19,12 +19,11 @@ import torch
 import cxltrain
 from cxltrain import knobs
 from cxltrain.checkpoint import layout, ordering, ring
-from cxltrain.devices import libpmem
 from cxltrain.errors import CheckpointError
 from cxltrain.pool.format import RegionKind
 from cxltrain.pool.handle import Pool, RegionSpec
 from cxltrain.tables.bag import PersistentEmbeddingBag
-from helpers import assert_same_export
+from helpers import STREAMING_MODEL, assert_same_export
 from test_runtime import BATCH, DIM, ROWS, state_of, train_steps
 
 
@@ -129,9 +128,6 @@ def test_restore_puts_back_exactly_the_recorded_rows(shm_dir, seed, count):
 # ---------------------------------------------------------------------------------------------
 # The fused capture (kernels/undo.c): the records written inside the update.
 # ---------------------------------------------------------------------------------------------
-# The emulated device lets a kernel persist its own stores through libpmem; without libpmem (the GPU
-# machine) only its power-loss model does, so tests that need that and no particular model take it.
-STREAMING_MODEL = 0 if libpmem.load() is not None else 1
 
 
 def _fused_ring(path, power_loss: int, seed: int):
