@@ -77,8 +77,9 @@ def plan_and_hot_rows(config: TrainConfig, model, source, pool_path: str, *,
     cached = plan.cached_rows
     if not rank_hot_rows:
         return plan, {name: np.arange(rows, dtype=np.int64) for name, rows in cached.items() if rows}
-    if any(cached.values()) and plan.profile_batches < hot_list_batches(config):
-        profiles = table_profiles(config, model, source, hot_list_batches(config))
+    ranked = hot_list_batches(config)
+    if any(cached.values()) and plan.profile_batches < ranked:
+        profiles = table_profiles(config, model, source, ranked)
     hot = {p.name: p.hot_rows(cached[p.name]) for p in profiles if cached.get(p.name)}
     return plan, hot
 
