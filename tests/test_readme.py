@@ -1,5 +1,6 @@
 """The Python examples of the docs run as written (with their pool paths moved to a test folder):
-the README's `Runtime`, TorchRec and DataLoader examples, and the table example of docs/architecture.md."""
+the README's `Runtime`, TorchRec and DataLoader examples, and the table example of docs/architecture.md;
+and the docs' relative links lead somewhere."""
 
 import re
 from pathlib import Path
@@ -51,3 +52,33 @@ def test_architecture_table_example_runs(shm_dir):
     exec(compile(code, str(ARCHITECTURE), "exec"), namespace)
     assert namespace["out"].shape == (2, 64)
     assert namespace["pool"].closed
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # headings, not code
+    anchors, seen = set(), {}
+    for heading in re.findall(r"^#+ (.*)$", text, re.M):
+        slug = _anchor(heading)
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)  # a repeated heading gets -1, -2, ...
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_docs_links_reach_a_file_and_a_heading():
+    pages = [README, *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            linked = (page.parent / target).resolve() if target else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} does not exist")
+            elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+                broken.append(f"{page.name}: {target}#{anchor} names no heading")
+    assert not broken, "\n".join(broken)
