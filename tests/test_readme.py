@@ -2,6 +2,7 @@
 the README's `Runtime`, TorchRec and DataLoader examples, and the table example of docs/architecture.md;
 and the docs' relative links lead somewhere."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -59,6 +60,7 @@ def _anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+@functools.cache  # a page's headings, once for all the links to it
 def _anchors(path: Path) -> set[str]:
     text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)  # headings, not code
     anchors, seen = set(), {}

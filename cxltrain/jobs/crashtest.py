@@ -350,7 +350,7 @@ class Torture:
         replacements = steps // self.config.cache_replace_every if self.config.cache_replace_every else 0
         per = {"tables": steps * tables, "commits": -(-steps // dense_every) + (steps if small_ring else 0),
                "admissions": 2 * tables * (1 + replacements), "replacements": tables * replacements}
-        crash_at, delay, recover_at = None, 0.0, None
+        crash_at, point, delay, recover_at = None, None, 0.0, None
         if kind == "time":
             delay = rng.uniform(0.0, self.run_seconds)
         elif kind == "flush":
@@ -366,7 +366,7 @@ class Torture:
         background = rng.random() < 0.25
         if self.disk_work:  # drawn last: a single pool's plans stay what their seeds gave before
             trial_knobs["write_back_every"] = rng.choice(SET_WRITE_BACK_EVERY)
-            if crash_at and crash_at.rsplit(":", 1)[0] in STEALING_POINTS:  # forcing never reaches them
+            if point in STEALING_POINTS:  # forcing never reaches them
                 trial_knobs["write_back_every"] = STEAL_EVERY
         return TrialPlan(number, kind, crash_at, delay, recover_at, dense_every, small_ring, trial_knobs, background)
 
