@@ -129,3 +129,30 @@ def test_a_sigterm_ends_a_rank_blocked_in_a_collective_within_seconds(shm_dir, s
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         launcher.wait(timeout=30)
+
+
+RANK_ENDING = """
+import os, signal, sys, time
+os.environ.update(TORCHELASTIC_RUN_ID="test", CXLTRAIN_RANK_ERRORS=sys.argv[1])
+from cxltrain.cli import stop
+signal.signal(signal.SIGTERM, stop.install())  # as main() does, before the rank's own handler
+stop.end_rank_on_signal()
+try:
+    raise RuntimeError("a collective failed")
+except RuntimeError:
+    os.kill(os.getpid(), signal.SIGTERM)  # the agent's SIGTERM, while the rank handles its error
+    time.sleep(10)
+    print("the rank went on")
+"""
+
+
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGINT"])
+def test_a_signal_ends_a_rank_at_once_even_while_it_handles_its_error(tmp_path, sent):
+    """The agent SIGTERMs a rank that has lost its peer as the rank writes its line: it ends there,
+    with 128 + the signal and nothing on its streams (before: an exception raised in its error path,
+    a traceback beside the launcher's line, or an abort at the interpreter's exit that the launcher
+    named as the run's cause)."""
+    child = RANK_ENDING.replace("SIGTERM)  #", f"{sent})  #")
+    done = subprocess.run([sys.executable, "-c", child, str(tmp_path / "errors")], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (128 + getattr(signal, sent), "", ""), done

@@ -61,12 +61,12 @@ def run_train(args, argv: list[str]) -> int:
     if "TORCHELASTIC_RUN_ID" not in os.environ and args.nproc_per_node != 1:
         return _launch(args, argv)
     from ..jobs.sharded_train import run_rank
-    from .stop import end_blocked_rank_on_sigterm
+    from .stop import end_rank_on_signal
 
     if args.nproc_per_node == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         _launch_checks(args, 1)  # one rank runs in this process: no launcher, no port
     elif threading.current_thread() is threading.main_thread():
-        end_blocked_rank_on_sigterm()  # the agent's SIGTERM must end a blocked rank soon
+        end_rank_on_signal()  # the agent's SIGTERM ends a rank at once, or soon where it is blocked
     from ..placement.replication import parse_setting
 
     result = run_rank(config_of(args), args.pool, sharding=args.sharding, timeout_s=args.dist_timeout,
