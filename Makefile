@@ -28,7 +28,7 @@ gpu-check:
 	@bash tools/gpu_check.sh
 
 test-slow: setup
-	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m slow $(XDIST) $(PYTEST_ARGS)
 
 # The bench's optional contenders: matplotlib for --plot, and torchrec with FBGEMM's CPU kernels.
 # --no-deps throughout the torchrec set: torchrec asks for fbgemm-gpu (the CUDA build) and tensordict

@@ -39,14 +39,14 @@ def set_references():
 
 
 @pytest.fixture
-def set_trial(set_references):
+def set_trial(set_references, tmp_path):
     """run(plant) -> the result of one set trial killed at AFTER_ROOT (the references made once)."""
     made = []
 
     def run(plant: str = ""):
         with knobs.override(threads=1):
             torture = Torture(trials=1, device=DeviceModel(power_loss=True), seed=SEED, plant=plant, pool_set=True,
-                              config=SHORT)
+                              config=SHORT, keep_dir=str(tmp_path / "kept"))
             made.append(torture)
             if set_references:
                 torture.references = set_references[0]
@@ -140,15 +140,33 @@ def test_a_manifest_whose_plan_cannot_hold_is_refused_by_the_read_only_commands(
 
 
 # -- ranks: a launch per trial (seconds): behind -m slow ------------------------------------------
+def test_a_kept_trial_replaces_the_one_a_run_of_the_same_seed_kept(tmp_path):
+    """A failed trial is kept under the seed's folder; a second run of that seed keeping the same
+    trial replaces it (before: the folder's copy raised FileExistsError and ended the torture)."""
+    torture = RankTorture(trials=1, device=DeviceModel(), seed=SEED, keep_dir=str(tmp_path / "kept"))
+    try:
+        for run in ("first", "second"):
+            folder, log = tmp_path / run, tmp_path / f"{run}.log"
+            folder.mkdir()
+            (folder / "rank-0.pool").write_text(run)
+            log.write_text(run)
+            torture._keep(torture.plan(0), [str(folder)], str(log))
+    finally:
+        torture.close()
+    kept = tmp_path / "kept"
+    assert [(kept / "trial-0.run" / "rank-0.pool").read_text(), (kept / "trial-0.log").read_text()] == ["second"] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("root, plant", [(5, ""), (5, PlantedDist.COMMIT_WITHOUT_AGREEMENT), (1, "")])
-def test_a_rank_killed_between_the_ranks_commits(root, plant):
+def test_a_rank_killed_between_the_ranks_commits(root, plant, tmp_path):
     """Rank 1 killed before its root of batch `root` while rank 0 commits it: recovered to G =
     root - 1 and resumed, exact; with commit-without-agreement planted, the trial fails. G = 0 is
     compared with a folder set up by `train --steps 0` (before: the torture stopped, that command
     refused)."""
     with knobs.override(threads=1):
-        torture = RankTorture(trials=1, device=DeviceModel(power_loss=True), seed=SEED, plant=plant)
+        torture = RankTorture(trials=1, device=DeviceModel(power_loss=True), seed=SEED, plant=plant,
+                              keep_dir=str(tmp_path / "kept"))
     torture.plan = lambda n: TrialPlan(n, "point", f"{CrashPoint.COMMIT_BEFORE_ROOT}:{root}", 0.0, None, 1, False,
                                        {**torture.device.knobs(0), "threads": 1}, rank=1)
     try:
