@@ -140,7 +140,7 @@ stop.end_rank_on_signal()
 try:
     raise RuntimeError("a collective failed")
 except RuntimeError:
-    os.kill(os.getpid(), signal.SIGTERM)  # the agent's SIGTERM, while the rank handles its error
+    os.kill(os.getpid(), getattr(signal, sys.argv[2]))  # the agent's, while the rank handles its error
     time.sleep(10)
     print("the rank went on")
 """
@@ -152,7 +152,6 @@ def test_a_signal_ends_a_rank_at_once_even_while_it_handles_its_error(tmp_path, 
     with 128 + the signal and nothing on its streams (before: an exception raised in its error path,
     a traceback beside the launcher's line, or an abort at the interpreter's exit that the launcher
     named as the run's cause)."""
-    child = RANK_ENDING.replace("SIGTERM)  #", f"{sent})  #")
-    done = subprocess.run([sys.executable, "-c", child, str(tmp_path / "errors")], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-c", RANK_ENDING, str(tmp_path / "errors"), sent], capture_output=True,
+                          text=True, timeout=60)
     assert (done.returncode, done.stdout, done.stderr) == (128 + getattr(signal, sent), "", ""), done

@@ -139,7 +139,6 @@ def test_a_manifest_whose_plan_cannot_hold_is_refused_by_the_read_only_commands(
         assert "not a sharding plan" in err and len(err.strip().splitlines()) == 1, err
 
 
-# -- ranks: a launch per trial (seconds): behind -m slow ------------------------------------------
 def test_a_kept_trial_replaces_the_one_a_run_of_the_same_seed_kept(tmp_path):
     """A failed trial is kept under the seed's folder; a second run of that seed keeping the same
     trial replaces it (before: the folder's copy raised FileExistsError and ended the torture)."""
@@ -157,6 +156,7 @@ def test_a_kept_trial_replaces_the_one_a_run_of_the_same_seed_kept(tmp_path):
     assert [(kept / "trial-0.run" / "rank-0.pool").read_text(), (kept / "trial-0.log").read_text()] == ["second"] * 2
 
 
+# -- ranks: a launch per trial (seconds): behind -m slow ------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("root, plant", [(5, ""), (5, PlantedDist.COMMIT_WITHOUT_AGREEMENT), (1, "")])
 def test_a_rank_killed_between_the_ranks_commits(root, plant, tmp_path):

@@ -524,11 +524,12 @@ def _unlink(*paths: str | None) -> None:
 def _copy(source: str, target: str) -> None:
     """Copy a file or folder, if it exists, in place of what `target` holds (a run of the same seed
     before this one kept its own trial there)."""
-    if os.path.exists(source):
-        _unlink(target)
+    if not os.path.exists(source):
+        return
+    _unlink(target)
     if os.path.isdir(source):
         shutil.copytree(source, target)
-    elif os.path.exists(source):
+    else:
         shutil.copyfile(source, target)
 
 
