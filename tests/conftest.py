@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import faulthandler
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,22 @@ from helpers import TEST_TIMEOUT_S, shm_tempdir
 @pytest.fixture(autouse=True, scope="session")
 def _fixed_threads():
     torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_folder_of_the_session(tmp_path_factory):
+    """$TMPDIR, for this process and every command and rank it starts: a folder under pytest's own
+    (kept for the last few runs, as tmp_path is), so what a killed launcher or torchrun's agent
+    leaves in it never piles up in /tmp."""
+    folder = str(tmp_path_factory.mktemp("tmpdir"))
+    kept = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = folder, None
+    yield
+    if kept is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = kept
+    tempfile.tempdir = None
 
 
 # A test that hangs (a dead rank's collective, a child that never exits) must not hang the suite: past

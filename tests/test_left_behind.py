@@ -1,7 +1,7 @@
 """Nothing outlives a killed trainer (issue 35, item 4): its DataLoader workers do not keep the
 pool locked, so a restart right after a SIGKILL opens it; the ranks of `train --nproc-per-node 2`
-end with their launcher; and a creation killed half-way is named, and removed, by the next command
-that meets it."""
+end with their launcher, and a run of theirs leaves nothing in $TMPDIR; and a creation killed half-way
+is named, and removed, by the next command that meets it."""
 
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ def test_the_ranks_end_with_their_launcher(shm_dir):
         for pid in ranks:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_on_two_ranks_leaves_nothing_in_the_temporary_folder(shm_dir, tmp_path):
+    """The launcher's folder (the ranks' error lines, torchrun's log folder) goes with it; before,
+    torchrun left a torchelastic_* folder in $TMPDIR at every run."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    done = cxltrain("train", "--nproc-per-node", "2", "--pool", shm_dir / "run", "--steps", "3", "--batch-size", "32",
+                    "--num-tables", "2", "--rows", "500", "--dim", "8", "--no-progress", env={"TMPDIR": str(temporary)})
+    assert done.returncode == 0, done.stderr
+    # torchinductor_<user>: torch's cache of compiled code, one per user, meant to outlive runs
+    assert [name for name in os.listdir(temporary) if not name.startswith("torchinductor_")] == []
 
 
 @pytest.mark.parametrize("command", [("pool", "info"), ("pool", "check"), ("recover",)])

@@ -26,6 +26,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import traceback
 
@@ -117,6 +118,7 @@ def run(request: dict) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    tempfile.tempdir = None  # read from the command's own $TMPDIR, as a new interpreter would
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")

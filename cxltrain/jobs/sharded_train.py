@@ -290,7 +290,9 @@ def launch(argv: list[str], nproc: int, max_restarts: int) -> int:
             for logger in quiet:
                 logger.setLevel(logging.CRITICAL)
             with _signal_handlers_kept():
-                torchrun.main(args)
+                # torchrun's own log folder (its ranks' error files) inside this one: by default it
+                # makes one in $TMPDIR that it never removes, one more for every run
+                torchrun.main(["--log-dir", os.path.join(folder, "torchrun"), *args])
         except ChildFailedError as e:
             lines = open(errors).read().splitlines() if os.path.exists(errors) else []
             exit_codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
