@@ -5,6 +5,7 @@ by name with tools/ on the path."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -29,3 +30,14 @@ def test_the_readme_names_every_tool():
 @pytest.mark.parametrize("name", MODULES)
 def test_every_tool_imports_without_running(name):
     assert callable(tool(name).main)
+
+
+def test_replacement_pairs_prints_a_line_per_run_and_leaves_no_pool(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["replacement_pairs.py", "--quick", "--every", "2", "1000",
+                                      "--capacity-dir", str(tmp_path)])
+    tool("replacement_pairs").main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[0].strip() for line in lines[1:]] == [
+        "all fast", "10% cached, steal 16", "the same, re-placed every 2", "the same, re-placed every 1000"], lines
+    assert all("ms/step" in line for line in lines[1:]) and "the stealing run" in lines[-1]
+    assert os.listdir(tmp_path) == []
