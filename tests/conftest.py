@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import faulthandler
-import os
 import tempfile
 from pathlib import Path
 
@@ -23,15 +22,10 @@ def _temporary_folder_of_the_session(tmp_path_factory):
     """$TMPDIR, for this process and every command and rank it starts: a folder under pytest's own
     (kept for the last few runs, as tmp_path is), so what a killed launcher or torchrun's agent
     leaves in it never piles up in /tmp."""
-    folder = str(tmp_path_factory.mktemp("tmpdir"))
-    kept = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"], tempfile.tempdir = folder, None
-    yield
-    if kept is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = kept
-    tempfile.tempdir = None
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmpdir")))
+        patch.setattr(tempfile, "tempdir", None)  # read again from $TMPDIR
+        yield
 
 
 # A test that hangs (a dead rank's collective, a child that never exits) must not hang the suite: past

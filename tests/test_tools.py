@@ -4,12 +4,15 @@ by name with tools/ on the path."""
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+from cxltrain.bench.suite import scratch_dir
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 MODULES = sorted(path.stem for path in TOOLS.glob("*.py"))
@@ -41,3 +44,4 @@ def test_replacement_pairs_prints_a_line_per_run_and_leaves_no_pool(tmp_path, mo
         "all fast", "10% cached, steal 16", "the same, re-placed every 2", "the same, re-placed every 1000"], lines
     assert all("ms/step" in line for line in lines[1:]) and "the stealing run" in lines[-1]
     assert os.listdir(tmp_path) == []
+    assert not glob.glob(os.path.join(scratch_dir(), "cxltrain-replacement-*"))  # the fast tier's pools

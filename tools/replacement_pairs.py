@@ -18,18 +18,10 @@ import tempfile
 from cxltrain.bench.interval import interval_text, ratio_interval
 from cxltrain.bench.paired import paired_runs
 from cxltrain.bench.suite import scratch_dir
-from cxltrain.bench.tiers import STEAL_EVERY, default_plan, quick_plan
+from cxltrain.bench.tiers import STEAL_EVERY, default_plan, io_counters, quick_plan
 from cxltrain.jobs.planning import hot_list_batches
-from cxltrain.jobs.train import storage_io
 
 CACHED = 0.10
-
-
-def probe(rt) -> dict[str, float]:
-    """The counters read around every timed block: the caches' hits and lookups, storage bytes written."""
-    stats = rt.cache_stats.values()
-    return {"hits": float(sum(s.hits for s in stats)), "lookups": float(sum(s.lookups for s in stats)),
-            "written": float(storage_io().get("write_bytes", 0))}
 
 
 def main() -> None:
@@ -52,7 +44,7 @@ def main() -> None:
     pools = [os.path.join(fast, f"{i}.pool") for i in range(len(configs))]
     try:
         runs = paired_runs(configs, pools, warmup=plan.warmup, blocks=plan.blocks, block_steps=plan.block_steps,
-                           probe=probe, first_batch=hot_list_batches(base))
+                           probe=io_counters, first_batch=hot_list_batches(base))
     finally:
         for folder in (disk, fast):
             shutil.rmtree(folder, ignore_errors=True)
@@ -66,7 +58,7 @@ def main() -> None:
         against = "" if i < 2 else (f"  {sum(seconds) / sum(stealing_blocks):.2f}x the stealing run "
                                     f"({interval_text(*(ratio_interval(stealing_blocks, seconds) or (None, None)))})")
         print(f"{name:<32} {1000 * sum(seconds) / steps:7.1f} ms/step  hit rate {hits:>6}  "
-              f"{io.get('written', 0.0) / steps / 1e6:6.2f} MB written/batch{against}")
+              f"{io.get('write_bytes', 0.0) / steps / 1e6:6.2f} MB written/batch{against}")
 
 
 if __name__ == "__main__":

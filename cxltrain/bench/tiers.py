@@ -119,7 +119,10 @@ class TiersResult(Record):
     checkpoint_ratio_high: float | None = None
 
 
-def _io_counters(rt) -> dict[str, float]:
+def io_counters(rt) -> dict[str, float]:
+    """A tiered run's counters, read around every timed block (paired_runs' probe): the bytes its
+    commits forced, its prefetcher's pages, its caches' hits and lookups, and the process's storage
+    I/O (read_bytes, write_bytes: storage_io)."""
     prefetcher = rt.prefetcher
     forced = 0 if rt.stats is None or not rt.tiers.capacity_path else rt.stats.capacity_forced_bytes
     # nan: the disk's count is unknown (a capacity pool on tmpfs), and stays nan through the sums
@@ -147,7 +150,7 @@ def run_tiers(plan: TiersPlan, fast_dir: str, capacity_dir: str) -> TiersResult:
         # timed on batches past those the hot lists were ranked on, as most of a long run's are: on
         # the ranked ones a cache hits more than it ever will later
         runs = paired_runs(configs, pools, warmup=plan.warmup, blocks=plan.blocks, block_steps=plan.block_steps,
-                           probe=_io_counters, first_batch=hot_list_batches(plan.config))
+                           probe=io_counters, first_batch=hot_list_batches(plan.config))
         seconds, io = [run.block_seconds for run in runs], [run.probe_totals for run in runs]
     finally:
         shutil.rmtree(disk, ignore_errors=True)
